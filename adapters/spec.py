@@ -1,0 +1,44 @@
+"""What an adapter declares about one vLLM surface.
+
+An adapter is data, not code paths: it says which Python module or class a binding document
+describes, how the documented names map onto the installed vLLM, which entries touch process-wide
+state, and what extra argument types clients may build. The catalog turns these into entries; the
+invoker never needs to know which surface an entry came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+# A guard runs before the call with the bound arguments and raises BridgeError to refuse it.
+Guard = Callable[[object, Mapping[str, object]], None]
+
+
+@dataclass(frozen=True)
+class Constructor:
+    """A class clients may build (to pass as an argument) even though no document lists it."""
+
+    name: str            # the public name clients use, e.g. "vllm.SamplingParams"
+    module: str          # where to import it from
+    attr: str
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    surface: str                          # key of the surface JSON in adapters/surfaces/
+    module: str                           # the Python module the document describes
+    cls: str | None = None                # for class documents: the class inside `module`
+    public_name: str | None = None        # catalog prefix; defaults to module(.cls)
+    aliases: Mapping[str, str] = field(default_factory=dict)   # documented name -> Python attribute
+    exclusive: bool = False               # entries touch process-wide state unless listed in `shared`
+    shared: frozenset[str] = frozenset()  # entries that are pure and may run concurrently
+    inline: frozenset[str] = frozenset()  # trivial pure functions run on the event loop, no thread hop
+    profiles: Mapping[str, str] = field(default_factory=dict)  # per-entry default timeout profile
+    result_refs: frozenset[str] = frozenset()   # entries whose result is always returned as a ref
+    guards: Mapping[str, Guard] = field(default_factory=dict)
+    constructors: tuple[Constructor, ...] = ()
+
+    @property
+    def prefix(self) -> str:
+        return self.public_name or (f"{self.module}.{self.cls}" if self.cls else self.module)

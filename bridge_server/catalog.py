@@ -1,0 +1,192 @@
+"""The catalog: every name a client can call, built once per worker.
+
+The binding documents decide which names exist (adapters/surfaces/*.json, parsed from them); the
+installed vLLM decides the signatures (by introspection). Keeping the two apart means a vLLM upgrade
+changes signatures without anyone editing name lists, and nothing outside the documents can be
+reached by name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import functools
+import importlib
+import inspect
+import json
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from adapters.spec import AdapterSpec, Guard
+from bridge_server.errors import BridgeError
+from bridge_server.seeds import DocEntry, DocSurface, from_json
+
+SURFACES_DIR = Path(__file__).resolve().parent.parent / "adapters" / "surfaces"
+
+
+class Kind(enum.Enum):
+    FUNCTION = 1
+    MODULE_ATTR = 2
+    CONSTRUCTOR = 3
+    CLASSMETHOD = 4
+    METHOD = 5
+    ATTRIBUTE = 6
+
+
+@dataclass
+class Entry:
+    name: str                       # public, fully qualified
+    kind: Kind
+    module: str
+    class_name: str
+    attr: str                       # the Python attribute name
+    owner: Any                      # the module or class that holds `attr`
+    signature: inspect.Signature | None
+    doc: DocEntry | None
+    document: str = ""
+    streams: bool = False
+    is_async: bool = False
+    exclusive: bool = False
+    inline: bool = False
+    result_ref: bool = False
+    profile: str = "default"
+    guard: Guard | None = None
+
+    def resolve(self) -> Any:
+        """The live object: read at call time, so module attributes reflect the current state."""
+        return getattr(self.owner, self.attr)
+
+
+def _signature(obj: Any, *, drop_self: bool = False) -> inspect.Signature | None:
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return None
+    if drop_self:
+        params = list(sig.parameters.values())[1:]
+        sig = sig.replace(parameters=params)
+    return sig
+
+
+def _streams(fn: Any) -> tuple[bool, bool]:
+    """(yields items, is a coroutine/async generator function)."""
+    fn = inspect.unwrap(fn) if callable(fn) else fn
+    if inspect.isasyncgenfunction(fn):
+        return True, True
+    return inspect.isgeneratorfunction(fn), inspect.iscoroutinefunction(fn)
+
+
+@dataclass
+class Catalog:
+    entries: dict[str, Entry] = field(default_factory=dict)
+    methods: dict[type, dict[str, Entry]] = field(default_factory=dict)   # class -> name -> entry
+    types: dict[str, type] = field(default_factory=dict)    # qualified name -> class clients may build
+    documents: dict[str, DocSurface] = field(default_factory=dict)
+
+    @functools.cached_property
+    def short_types(self) -> dict[str, type]:
+        """Constructible classes by bare name, longest first, to match against annotations."""
+        return {c.__name__: c for c in sorted(self.types.values(), key=lambda c: -len(c.__name__))}
+
+    def lookup(self, name: str) -> Entry:
+        entry = self.entries.get(name)
+        if entry is None:
+            close = difflib.get_close_matches(name, list(self.entries), n=5, cutoff=0.6)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise BridgeError.not_found(f"{name!r} is not in the catalog{hint}", target=name, suggestions=close)
+        return entry
+
+    def member(self, obj: object, name: str) -> Entry | None:
+        """The documented entry for `name` on obj's class (or a base class), if any."""
+        for cls in type(obj).__mro__:
+            found = self.methods.get(cls, {}).get(name)
+            if found is not None:
+                return found
+        return None
+
+    def resolve_type(self, qualname: str) -> type | None:
+        """Types a Record or Enum from a client may be rebuilt into: the catalog's own classes."""
+        found = self.types.get(qualname)
+        if found is not None:
+            return found
+        # Enums used in vLLM signatures (CUDAGraphMode, ...) are allowed by their home module.
+        module, _, attr = qualname.rpartition(".")
+        if module.startswith("vllm.") and module in sys.modules:
+            obj = getattr(sys.modules[module], attr, None)
+            if isinstance(obj, type) and issubclass(obj, enum.Enum):
+                return obj
+        return None
+
+    def add(self, entry: Entry) -> None:
+        self.entries[entry.name] = entry
+        if entry.kind in (Kind.METHOD, Kind.ATTRIBUTE, Kind.CLASSMETHOD) and isinstance(entry.owner, type):
+            self.methods.setdefault(entry.owner, {})[entry.attr] = entry
+
+
+def load_documents(directory: Path = SURFACES_DIR) -> dict[str, DocSurface]:
+    return {p.stem: from_json(json.loads(p.read_text())) for p in sorted(directory.glob("*.json"))}
+
+
+def _module_entry(spec: AdapterSpec, module: Any, doc: DocEntry, surface: DocSurface) -> Entry:
+    attr = spec.aliases.get(doc.name, doc.name)
+    if not hasattr(module, attr):
+        raise RuntimeError(f"{spec.module} has no {attr!r}, which {surface.document} documents")
+    obj = getattr(module, attr)
+    callable_ = callable(obj) and not doc.attribute
+    streams, is_async = _streams(obj) if callable_ else (False, False)
+    return Entry(
+        name=f"{spec.prefix}.{doc.name}", kind=Kind.FUNCTION if callable_ else Kind.MODULE_ATTR,
+        module=spec.module, class_name="", attr=attr, owner=module,
+        signature=_signature(obj) if callable_ else None, doc=doc, document=surface.document,
+        streams=streams, is_async=is_async, exclusive=spec.exclusive and doc.name not in spec.shared,
+        inline=doc.name in spec.inline, result_ref=doc.name in spec.result_refs,
+        profile=spec.profiles.get(doc.name, "streaming" if streams else "default"), guard=spec.guards.get(doc.name))
+
+
+def _class_entry(spec: AdapterSpec, cls: type, doc: DocEntry, surface: DocSurface) -> Entry:
+    common = dict(module=spec.module, class_name=cls.__name__, owner=cls, doc=doc, document=surface.document,
+                  exclusive=spec.exclusive and doc.name not in spec.shared, guard=spec.guards.get(doc.name),
+                  result_ref=doc.name in spec.result_refs)
+    if doc.name == "new":
+        return Entry(name=spec.prefix, kind=Kind.CONSTRUCTOR, attr="__init__", result_ref=True,
+                     signature=_signature(cls), profile=spec.profiles.get("new", "default"),
+                     **{k: v for k, v in common.items() if k != "result_ref"})  # type: ignore[arg-type]
+    attr = spec.aliases.get(doc.name, doc.name)
+    static = inspect.getattr_static(cls, attr, None)
+    if isinstance(static, (staticmethod, classmethod)):
+        kind, fn = Kind.CLASSMETHOD, getattr(cls, attr)
+        sig = _signature(fn)
+    elif callable(static) and not doc.attribute:
+        kind, fn = Kind.METHOD, static
+        sig = _signature(static, drop_self=True)
+    else:   # a property, a dataclass field, or an instance attribute set in __init__
+        kind, fn, sig = Kind.ATTRIBUTE, None, None
+    streams, is_async = _streams(fn) if fn is not None else (False, False)
+    return Entry(name=f"{spec.prefix}.{doc.name}", kind=kind, attr=attr, signature=sig, streams=streams,
+                 is_async=is_async, profile=spec.profiles.get(doc.name, "streaming" if streams else "default"),
+                 **common)  # type: ignore[arg-type]
+
+
+def build_catalog(specs: Iterable[AdapterSpec], documents: dict[str, DocSurface] | None = None) -> Catalog:
+    documents = documents if documents is not None else load_documents()
+    catalog = Catalog(documents=documents)
+    for spec in specs:
+        surface = documents[spec.surface]
+        module = importlib.import_module(spec.module)
+        if spec.cls is None:
+            for doc in surface.entries:
+                catalog.add(_module_entry(spec, module, doc, surface))
+        else:
+            cls = getattr(module, spec.cls)
+            catalog.types[f"{cls.__module__}.{cls.__qualname__}"] = cls
+            for doc in surface.entries:
+                catalog.add(_class_entry(spec, cls, doc, surface))
+        for ctor in spec.constructors:
+            cls = getattr(importlib.import_module(ctor.module), ctor.attr)
+            catalog.types[f"{cls.__module__}.{cls.__qualname__}"] = cls
+            catalog.add(Entry(name=ctor.name, kind=Kind.CONSTRUCTOR, module=ctor.module, class_name=ctor.attr,
+                              attr="__init__", owner=cls, signature=_signature(cls), doc=None, result_ref=True))
+    return catalog

@@ -1,0 +1,369 @@
+"""The value codec: Python objects <-> `vllm_bridge.v1.Value`.
+
+A round trip is exact for everything that goes by value (an int stays an int, a tuple stays a tuple,
+a bfloat16 tensor keeps its bits). Whatever cannot go by value goes as a `Ref` minted by the caller's
+`make_ref`, so encoding never fails on an unusual object. Numpy arrays go as tensors and so come back
+as torch tensors: the wire has one tensor kind, and torch is what vLLM consumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+import operator
+import types
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import msgspec
+import numpy as np
+import pydantic
+import torch
+
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+__all__ = ["TORCH_DTYPES", "CodecError", "Decoder", "Encoder"]
+
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+
+# From torch itself, so new dtypes work without a code change. Quantized dtypes (all named q...) carry
+# a scale and zero point that raw bytes cannot express, so they never go by value.
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    str(v).removeprefix("torch."): v for v in vars(torch).values()
+    if isinstance(v, torch.dtype) and not str(v).startswith("torch.q")
+}
+# Numpy dtypes whose names and byte layout are those of the torch dtype of the same name.
+_NUMPY_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                           "float16", "float32", "float64", "complex64", "complex128"})
+
+
+class CodecError(ValueError):
+    """Bad input value; .path says where (e.g. "args[1]['key'][0]")."""
+
+    path: str
+
+    def __init__(self, path: str, expected: str, got: str) -> None:
+        super().__init__(f"{path}: expected {expected}, got {got}")
+        self.path, self.expected, self.got = path, expected, got
+
+
+def _type_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _short(obj: object, limit: int = 40) -> str:
+    text = repr(obj)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- encoding -------------------------------------------------------------------------------------
+# Values are filled in place (child messages are never built and then copied into their parents), and
+# dispatch is on the exact type first, so a call made of a few ints and strings never reaches the
+# isinstance chains.
+
+def _put_int(obj: Any, out: pb.Value) -> None:
+    if _I64_MIN <= obj <= _I64_MAX:
+        out.int = obj
+    else:  # str() raises ValueError past sys.get_int_max_str_digits(), as int() would on the way back
+        out.big_int = str(int(obj))
+
+
+def _put(field: str) -> Callable[[Any, pb.Value], None]:
+    return lambda obj, out: setattr(out, field, obj)
+
+
+_SCALARS: dict[type, Callable[[Any, pb.Value], None]] = {
+    type(None): lambda obj, out: out.null.SetInParent(), bool: _put("bool"), int: _put_int,
+    float: _put("float"), str: _put("str"), bytes: _put("bytes"),
+}
+_SCALARS[bytearray] = _SCALARS[memoryview] = lambda obj, out: setattr(out, "bytes", bytes(obj))
+# Exact container types, then (in this order) the bases that subclasses such as OrderedDict match.
+_CONTAINERS: dict[type, str] = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset", dict: "map"}
+
+
+def _record_fields(obj: object) -> list[tuple[str, object]] | None:
+    """The fields of a by-value record in declaration order, or None when obj is not one."""
+    cls, missing = type(obj), object()
+    if isinstance(obj, tuple) and hasattr(cls, "_fields"):
+        return list(zip(cls._fields, obj))
+    if dataclasses.is_dataclass(cls):
+        pairs = [(f.name, getattr(obj, f.name, missing)) for f in dataclasses.fields(cls)]
+    elif isinstance(obj, msgspec.Struct):
+        pairs = [(k, getattr(obj, k, missing)) for k in obj.__struct_fields__]
+    elif isinstance(obj, pydantic.BaseModel):
+        pairs = [(k, getattr(obj, k)) for k in type(obj).model_fields]
+        pairs += (obj.__pydantic_extra__ or {}).items()
+    else:
+        return None
+    # An init=False field never set, or a msgspec UNSET one, is left out rather than sent as a ref.
+    return [(k, v) for k, v in pairs if v is not missing and v is not msgspec.UNSET]
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoder:
+    """Turns Python objects into Values; anything not expressible by value becomes a ref."""
+
+    make_ref: Callable[[object], pb.Ref]  # called for anything that cannot go by value
+    tensor_max_bytes: int = 16 * 1024 * 1024  # larger tensors go as refs
+    # Deeper containers: the subtree goes as a ref. Not 64: protobuf (upb) refuses to parse or copy
+    # messages nested over 100 deep, and a map or record level costs 3 (Value, Map, Entry), so 32 is
+    # the most that still parses inside a CallRequest, leaf enums and nulls included.
+    max_depth: int = 32
+
+    def encode(self, obj: object) -> pb.Value:
+        out = pb.Value()
+        put = _SCALARS.get(type(obj))
+        if put is not None:
+            put(obj, out)
+        else:
+            self._fill(obj, out, 0, set())
+        return out
+
+    def _ref(self, obj: object, out: pb.Value) -> None:
+        out.ref.CopyFrom(self.make_ref(obj))
+
+    def _fill(self, obj: Any, out: pb.Value, depth: int, active: set[int]) -> None:
+        put = _SCALARS.get(type(obj))
+        if put is not None:
+            return put(obj, out)
+        kind, fields = _CONTAINERS.get(type(obj)), None
+        if kind is None:
+            if self._fill_leaf(obj, out):
+                return None
+            fields = _record_fields(obj)
+            kind = "record" if fields is not None else next(
+                (k for t, k in _CONTAINERS.items() if isinstance(obj, t)), None)
+            if kind is None:
+                return self._ref(obj, out)
+        # It holds other values: a deep or cyclic structure goes as a ref instead of recursing forever.
+        if depth >= self.max_depth or id(obj) in active:
+            return self._ref(obj, out)
+        active.add(id(obj))
+        depth += 1
+        if fields is not None:
+            out.record.type_name = _type_name(type(obj))
+            for name, value in fields:
+                field = out.record.fields.add(name=name)
+                self._fill(value, field.value, depth, active)
+        elif kind == "map":
+            out.map.SetInParent()
+            for key, value in obj.items():
+                entry = out.map.entries.add()
+                self._fill(key, entry.key, depth, active)
+                self._fill(value, entry.value, depth, active)
+        else:
+            holder = getattr(out, kind)
+            holder.SetInParent()
+            add, scalars = holder.items.add, _SCALARS
+            for item in obj:
+                put = scalars.get(type(item))  # the scalar case inlined: most items are scalars
+                if put is not None:
+                    put(item, add())
+                else:
+                    self._fill(item, add(), depth, active)
+        active.discard(id(obj))
+
+    def _fill_leaf(self, obj: object, out: pb.Value) -> bool:
+        """Fill the by-value kinds that hold no other values, matched by isinstance; False if none."""
+        if isinstance(obj, enum.Enum):  # before int/str: IntEnum and StrEnum members are ints/strs
+            self._enum(obj, out)
+        elif isinstance(obj, torch.Tensor):
+            self._tensor(obj, out)
+        elif isinstance(obj, np.ndarray):
+            self._ndarray(obj, out)
+        elif isinstance(obj, np.bool_):
+            out.bool = bool(obj)
+        elif isinstance(obj, np.integer):
+            _put_int(int(obj), out)
+        elif isinstance(obj, np.floating):  # np.float16 and np.longdouble are not float subclasses
+            out.float = float(obj)
+        else:
+            base = next((b for b in (int, float, str, bytes, bytearray) if isinstance(obj, b)), None)
+            if base is None:
+                return False
+            _SCALARS[base](obj, out)
+        return True
+
+    def _enum(self, member: enum.Enum, out: pb.Value) -> None:
+        out.enum.type_name = _type_name(type(member))
+        out.enum.name = member.name or ""
+        # The value is informative only: send plain scalars, never mint a ref just to describe it.
+        put = _SCALARS.get(type(member.value))
+        if put is not None:
+            put(member.value, out.enum.value)
+
+    def _tensor(self, t: torch.Tensor, out: pb.Value) -> None:
+        if (t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta"
+                or t.nbytes > self.tensor_max_bytes):
+            return self._ref(t, out)
+        t = t.detach().cpu().resolve_conj().resolve_neg()  # lazy conj/neg bits are not in the bytes
+        out.tensor.dtype = str(t.dtype).removeprefix("torch.")
+        out.tensor.shape.extend(t.shape)
+        if t.numel():  # a byte view, not numpy: numpy has no bfloat16 or float8
+            out.tensor.data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+    def _ndarray(self, a: np.ndarray, out: pb.Value) -> None:
+        if a.dtype.name not in _NUMPY_DTYPES or a.nbytes > self.tensor_max_bytes or np.ma.isMaskedArray(a):
+            return self._ref(a, out)
+        out.tensor.dtype = a.dtype.name
+        out.tensor.shape.extend(a.shape)
+        out.tensor.data = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()
+
+
+# --- decoding -------------------------------------------------------------------------------------
+
+_SCALAR_KINDS: dict[str | None, Callable[[pb.Value], object]] = {
+    kind: operator.attrgetter(kind) for kind in ("bool", "int", "float", "str", "bytes", "atom")
+}
+_SCALAR_KINDS["null"] = lambda value: None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """Turns Values into Python objects; records and enums are rebuilt only for allow-listed types."""
+
+    resolve_ref: Callable[[pb.Ref], object]  # raises its own error for unknown/gone refs
+    resolve_type: Callable[[str], type | None]  # allow-list of record/enum types by qualified name
+    # What an enum of a type the decoder cannot rebuild becomes; None: refuse it. Clients, which do
+    # not hold the server's classes, pass a function that keeps the type and member names.
+    unknown_enum: Callable[[pb.Enum], object] | None = None
+
+    _KINDS: ClassVar[dict[str, Callable[[Decoder, pb.Value, str], object]]]
+
+    def decode(self, value: pb.Value, path: str = "value") -> object:
+        kind = value.WhichOneof("kind")
+        get = _SCALAR_KINDS.get(kind)
+        if get is not None:
+            return get(value)
+        if kind is None:
+            raise CodecError(path, "a Value with a kind set", "an empty Value")
+        return self._KINDS[kind](self, value, path)
+
+    def _items(self, items: Any, path: str) -> list[object]:
+        out: list[object] = []
+        append, scalars = out.append, _SCALAR_KINDS
+        for i, item in enumerate(items):
+            get = scalars.get(item.WhichOneof("kind"))  # scalars need neither a path string nor dispatch
+            append(get(item) if get is not None else self.decode(item, f"{path}[{i}]"))
+        return out
+
+    def _hashables(self, items: Any, path: str, kind: str) -> list[object]:
+        out = self._items(items, path)
+        for i, item in enumerate(out):
+            try:
+                hash(item)
+            except TypeError:
+                raise CodecError(f"{path}[{i}]", f"a hashable {kind} element", _short(item)) from None
+        return out
+
+    def _big_int(self, value: pb.Value, path: str) -> int:
+        text = value.big_int
+        digits = text[1:] if text[:1] == "-" else text
+        if not (digits.isascii() and digits.isdigit()):  # int() would also take "1_0", " 1", "+1"
+            raise CodecError(path, "a base-10 integer in big_int", repr(_short(text)))
+        try:
+            return int(text)
+        except ValueError as exc:  # past sys.get_int_max_str_digits()
+            raise CodecError(path, "a base-10 integer in big_int", str(exc)) from None
+
+    def _map(self, value: pb.Value, path: str) -> dict[object, object]:
+        out: dict[object, object] = {}
+        for i, entry in enumerate(value.map.entries):
+            key = self.decode(entry.key, f"{path}[<key #{i}>]")
+            try:
+                dup = key in out
+            except TypeError:
+                raise CodecError(f"{path}[<key #{i}>]", "a hashable map key", _short(key)) from None
+            if dup:
+                raise CodecError(f"{path}[<key #{i}>]", "distinct map keys", f"duplicate key {_short(key)}")
+            out[key] = self.decode(entry.value, f"{path}[{_short(key)}]")
+        return out
+
+    def _tensor(self, value: pb.Value, path: str) -> torch.Tensor:
+        msg = value.tensor
+        shape, dtype = tuple(msg.shape), TORCH_DTYPES.get(msg.dtype)
+        if dtype is None:
+            raise CodecError(path, "a torch dtype name (e.g. 'float32')", f"dtype {msg.dtype!r}")
+        if any(d < 0 for d in shape):
+            raise CodecError(path, "non-negative tensor dimensions", f"shape {list(shape)}")
+        size = math.prod(shape) * dtype.itemsize
+        if len(msg.data) != size:
+            expected = f"{size} bytes for {msg.dtype} of shape {list(shape)}"
+            raise CodecError(path, expected, f"{len(msg.data)} bytes")
+        if size == 0:
+            return torch.empty(shape, dtype=dtype)
+        raw = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8)  # a copy: writable, and ours
+        if dtype == torch.bool and int(raw.max()) > 1:
+            raise CodecError(path, "bool tensor bytes of 0 or 1", "other byte values")
+        return raw.view(dtype).reshape(shape)
+
+    def _record(self, value: pb.Value, path: str) -> object:
+        rec = value.record
+        fields: dict[str, object] = {}
+        for field in rec.fields:
+            if field.name in fields:
+                raise CodecError(path, f"distinct field names in {rec.type_name}", f"{field.name!r} twice")
+            fields[field.name] = self.decode(field.value, f"{path}.{field.name}")
+        cls = self.resolve_type(rec.type_name)
+        if cls is None:
+            return fields  # not allow-listed: the fields still arrive, as a plain dict
+        try:
+            return _build(cls, fields, path)
+        except CodecError:
+            raise
+        except Exception as exc:  # the type's own validation (TypeError, ValidationError, ...)
+            got = f"{type(exc).__name__}: {exc}"
+            raise CodecError(path, f"fields that {rec.type_name} accepts", got) from exc
+
+    def _enum(self, value: pb.Value, path: str) -> object:
+        msg = value.enum
+        cls = self.resolve_type(msg.type_name)
+        if not (isinstance(cls, type) and issubclass(cls, enum.Enum)):
+            if self.unknown_enum is not None:
+                return self.unknown_enum(msg)  # type: ignore[return-value]
+            raise CodecError(path, "an allowed enum type", f"unknown enum type {msg.type_name}")
+        try:
+            if issubclass(cls, enum.Flag) and (msg.name == "" or "|" in msg.name):  # composite flags
+                return functools.reduce(operator.or_, (cls[n] for n in msg.name.split("|") if n), cls(0))
+            return cls[msg.name]
+        except KeyError:
+            got = f"{msg.type_name} has no member {msg.name}"
+            raise CodecError(path, f"a member of {msg.type_name}", got) from None
+
+
+def _build(cls: type, fields: dict[str, object], path: str) -> object:
+    """Construct an allow-listed record type from decoded fields, the way that type expects."""
+    if dataclasses.is_dataclass(cls):
+        init = {f.name: f.init for f in dataclasses.fields(cls)}
+        if unknown := [k for k in fields if k not in init]:
+            raise CodecError(path, f"fields of {_type_name(cls)}", f"unknown fields {unknown}")
+        obj = cls(**{k: v for k, v in fields.items() if init[k]})
+        for k, v in fields.items():
+            if not init[k]:
+                object.__setattr__(obj, k, v)  # not setattr: frozen dataclasses too
+        return obj
+    if issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        return cls(**fields)
+    if issubclass(cls, msgspec.Struct):  # by attribute, so renamed and array_like structs take field names
+        return msgspec.convert(types.SimpleNamespace(**fields), cls, from_attributes=True)
+    if issubclass(cls, pydantic.BaseModel):
+        return cls.model_validate(fields, by_alias=False, by_name=True)
+    raise CodecError(path, "a record type (dataclass, named tuple, msgspec Struct, pydantic model)",
+                     f"{_type_name(cls)} resolved to {cls!r}")
+
+
+Decoder._KINDS = {
+    "big_int": Decoder._big_int,
+    "list": lambda self, value, path: self._items(value.list.items, path),
+    "tuple": lambda self, value, path: tuple(self._items(value.tuple.items, path)),
+    "set": lambda self, value, path: set(self._hashables(value.set.items, path, "set")),
+    "frozenset": lambda self, value, path: frozenset(
+        self._hashables(value.frozenset.items, path, "frozenset")),
+    "map": Decoder._map,
+    "tensor": Decoder._tensor,
+    "ref": lambda self, value, path: self.resolve_ref(value.ref),
+    "record": Decoder._record,
+    "enum": Decoder._enum,
+}

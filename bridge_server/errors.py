@@ -1,0 +1,104 @@
+"""Errors as the client sees them: a gRPC status plus a structured `ErrorDetail`.
+
+Every failure leaves the server as a `BridgeError`, so the status code and category are decided in
+one place and a client can act on `category`/`reason` without parsing messages. Details travel in
+the standard rich error model (`grpc-status-details-bin`), which stock gRPC tooling understands.
+"""
+
+from __future__ import annotations
+
+import traceback as tb
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import status_pb2
+from grpc_status import rpc_status
+
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+# Python exception types whose meaning maps onto a more specific status than UNKNOWN.
+_PY_STATUS: dict[str, grpc.StatusCode] = {
+    "ValueError": grpc.StatusCode.INVALID_ARGUMENT,
+    "TypeError": grpc.StatusCode.INVALID_ARGUMENT,
+    "KeyError": grpc.StatusCode.INVALID_ARGUMENT,
+    "IndexError": grpc.StatusCode.INVALID_ARGUMENT,
+    "AssertionError": grpc.StatusCode.FAILED_PRECONDITION,
+    "NotImplementedError": grpc.StatusCode.UNIMPLEMENTED,
+    "TimeoutError": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "EngineDeadError": grpc.StatusCode.UNAVAILABLE,
+    "MemoryError": grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+@dataclass
+class BridgeError(Exception):
+    code: grpc.StatusCode
+    category: str
+    message: str
+    target: str = ""
+    parameter: str = ""
+    reason: str = ""
+    python_type: str = ""
+    traceback: str = ""
+    suggestions: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+    # Constructors for the common cases keep call sites short and the categories consistent.
+    @classmethod
+    def validation(cls, message: str, *, target: str = "", parameter: str = "") -> BridgeError:
+        return cls(grpc.StatusCode.INVALID_ARGUMENT, "validation", message, target=target, parameter=parameter)
+
+    @classmethod
+    def not_found(cls, message: str, *, target: str = "", suggestions: list[str] | None = None) -> BridgeError:
+        return cls(grpc.StatusCode.NOT_FOUND, "validation", message, target=target,
+                   suggestions=list(suggestions or []))
+
+    @classmethod
+    def timeout(cls, message: str, *, target: str = "") -> BridgeError:
+        return cls(grpc.StatusCode.DEADLINE_EXCEEDED, "timeout", message, target=target, reason="deadline exceeded")
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, target: str) -> BridgeError:
+        """Wraps an exception raised by the called Python code, keeping its type and traceback."""
+        if isinstance(exc, BridgeError):
+            return exc
+        py_type = type(exc).__name__
+        text = str(exc)
+        if not text:
+            # vLLM raises bare AssertionErrors; say which call failed and which check it tripped.
+            frames = tb.extract_tb(exc.__traceback__)
+            where = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+            text = f"{py_type} with no message{where}"
+        code = next((c for t in type(exc).__mro__ if (c := _PY_STATUS.get(t.__name__))), grpc.StatusCode.UNKNOWN)
+        return cls(code, "python_error", f"{target}: {py_type}: {text}", target=target, python_type=py_type,
+                   traceback="".join(tb.format_exception(exc)))
+
+    def detail(self) -> pb.ErrorDetail:
+        return pb.ErrorDetail(category=self.category, python_type=self.python_type, message=self.message,
+                              traceback=self.traceback, target=self.target, parameter=self.parameter,
+                              reason=self.reason, suggestions=self.suggestions)
+
+    def to_status(self) -> grpc.Status:
+        detail = any_pb2.Any()
+        detail.Pack(self.detail())
+        return rpc_status.to_status(status_pb2.Status(code=self.code.value[0], message=self.message,
+                                                      details=[detail]))
+
+
+def detail_from_rpc_error(err: grpc.RpcError) -> pb.ErrorDetail | None:
+    """The ErrorDetail a bridge server attached to a failed call, if any (client side)."""
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    if status is None:
+        return None
+    for any_msg in status.details:
+        if any_msg.Is(pb.ErrorDetail.DESCRIPTOR):
+            detail = pb.ErrorDetail()
+            any_msg.Unpack(detail)
+            return detail
+    return None

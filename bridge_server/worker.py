@@ -1,0 +1,178 @@
+"""One worker process: the `Bridge` service over a catalog, plus the standard health and reflection
+services.
+
+A worker is a complete server on its own (any supervisor, ours or systemd or Elixir's, can start
+one); a pool's router speaks the same protocol to it. The servicer only translates between gRPC and
+the invoker: options and deadlines in, values or a rich error status out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from bridge_server.catalog import Catalog, build_catalog
+from bridge_server.codec import CodecError
+from bridge_server.describe import describe
+from bridge_server.errors import BridgeError
+from bridge_server.invoke import Invoker
+from bridge_server.protocol import GRPC_OPTIONS, parse_metadata, resolve_deadlines
+from bridge_server.refs import RefRegistry
+from vllm_bridge.v1 import bridge_pb2 as pb
+from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
+
+log = logging.getLogger("vllm_bridge.worker")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Bridge"].full_name
+
+
+@dataclass
+class WorkerConfig:
+    listen: str = "127.0.0.1:50051"
+    worker_id: str = ""                    # default: "w" + pid
+    session_cap: int = 10_000
+    idle_ttl_s: float | None = None
+    tensor_max_bytes: int = 16 * 1024 * 1024
+    shared_threads: int = 16
+    sweep_every_s: float = 5.0
+    grace_s: float = 10.0
+    extra_options: list[tuple[str, int]] = field(default_factory=list)
+
+
+def _error(exc: BaseException, label: str) -> BridgeError:
+    if isinstance(exc, BridgeError):
+        return exc
+    if isinstance(exc, CodecError):
+        return BridgeError.validation(f"{label}: {exc}", target=label, parameter=exc.path)
+    log.exception("unexpected failure in %s", label)
+    err = BridgeError.from_exception(exc, label)
+    err.category = "worker"
+    err.code = grpc.StatusCode.INTERNAL
+    return err
+
+
+def _label(target: pb.Target) -> str:
+    return target.name or pb.Target.Kind.Name(target.kind)
+
+
+class BridgeService(pb_grpc.BridgeServicer):
+    def __init__(self, invoker: Invoker) -> None:
+        self.invoker = invoker
+        self._catalog = describe(invoker.catalog)
+
+    async def Call(self, request: pb.CallRequest, context: grpc.aio.ServicerContext) -> pb.CallReply:  # noqa: N802
+        try:
+            opts = parse_metadata(context.invocation_metadata())
+            plan = self.invoker.plan(request.target)
+            deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
+            return pb.CallReply(value=await self.invoker.call(request, opts.session_id, deadlines, plan))
+        except Exception as exc:
+            await context.abort_with_status(_error(exc, _label(request.target)).to_status())
+            raise  # unreachable: abort raises
+
+    async def Stream(self, request: pb.CallRequest,  # noqa: N802
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StreamItem]:
+        try:
+            opts = parse_metadata(context.invocation_metadata())
+            plan = self.invoker.plan(request.target)
+            deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
+            index = 0
+            async for value in self.invoker.stream(request, opts.session_id, deadlines):
+                yield pb.StreamItem(index=index, value=value)
+                index += 1
+        except Exception as exc:
+            await context.abort_with_status(_error(exc, _label(request.target)).to_status())
+
+    async def Release(self, request: pb.ReleaseRequest,  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> pb.ReleaseReply:
+        refs = self.invoker.refs
+        released = refs.release(list(request.ref_ids))
+        if request.session_id:
+            released += refs.release_session(request.session_id)
+        return pb.ReleaseReply(released=released)
+
+    async def Describe(self, request: pb.DescribeRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> pb.Catalog:
+        if not request.prefix:
+            return self._catalog
+        return pb.Catalog(entries=[e for e in self._catalog.entries if e.name.startswith(request.prefix)],
+                          vllm_version=self._catalog.vllm_version, bridge_version=self._catalog.bridge_version)
+
+
+def default_catalog() -> Catalog:
+    from adapters.all import SPECS
+    return build_catalog(SPECS)
+
+
+@dataclass
+class Worker:
+    """A built, not yet started worker: its server, services and state."""
+
+    config: WorkerConfig
+    server: grpc.aio.Server
+    invoker: Invoker
+    health: health.aio.HealthServicer
+    port: int
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._sweeper = asyncio.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_every_s)
+            self.invoker.refs.sweep()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stops taking calls, lets in-flight ones finish within the grace period, then releases refs."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.config.grace_s if grace_s is None else grace_s)
+        self._sweeper.cancel()
+        self.invoker.refs.close()
+        self.invoker.close()
+
+
+def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
+                 objects: dict[str, object] | None = None) -> Worker:
+    worker_id = config.worker_id or f"w{os.getpid()}"
+    catalog = catalog or default_catalog()
+    refs = RefRegistry(worker_id, session_cap=config.session_cap, idle_ttl_s=config.idle_ttl_s)
+    invoker = Invoker(catalog, refs, objects=dict(objects or {}), tensor_max_bytes=config.tensor_max_bytes,
+                      shared_threads=config.shared_threads)
+    server = grpc.aio.server(options=GRPC_OPTIONS + config.extra_options)
+    pb_grpc.add_BridgeServicer_to_server(BridgeService(invoker), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {config.listen}")
+    return Worker(config, server, invoker, health_servicer, port)
+
+
+async def serve_worker(config: WorkerConfig, ready_file: str | None = None) -> None:
+    """Runs a worker until SIGTERM/SIGINT, then shuts down gracefully."""
+    worker = build_worker(config)
+    await worker.start()
+    log.info("worker %s serving on %s (port %d)", worker.invoker.refs.worker_id, config.listen, worker.port)
+    if ready_file:
+        with open(ready_file, "w") as f:
+            f.write(str(worker.port))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("worker stopping: letting in-flight calls finish (grace %.1f s)", config.grace_s)
+    await worker.stop()
