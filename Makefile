@@ -5,8 +5,8 @@ SHELL := /bin/bash
 
 VENV    := .venv
 PY      := $(VENV)/bin/python
-PROTO   := proto/vllm_bridge/v1/bridge.proto
-STUBS   := vllm_bridge/v1/bridge_pb2.py
+PROTOS  := $(wildcard proto/vllm_bridge/v1/*.proto)
+STUBS   := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
 LISTEN  ?= 127.0.0.1:50051
 PYTEST_ARGS ?=
 
@@ -33,10 +33,10 @@ $(VENV)/.bridge-stamp: requirements/lock.txt scripts/ensure-env.sh
 # Stubs are generated from the .proto by the build and never committed or edited.
 proto: $(STUBS)
 
-$(STUBS): $(PROTO) | env
+$(STUBS): $(PROTOS) | env
 	@mkdir -p vllm_bridge/v1
-	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO)
-	@touch vllm_bridge/__init__.py vllm_bridge/v1/__init__.py
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	@touch vllm_bridge/__init__.py vllm_bridge/v1/__init__.py $(STUBS)
 
 test: proto
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -9,10 +9,12 @@ invoker never needs to know which surface an entry came from.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 from dataclasses import dataclass, field
 
-# A guard runs before the call with the bound arguments and raises BridgeError to refuse it.
-Guard = Callable[[object, Mapping[str, object]], None]
+# A guard runs before the call with the receiver and the bound arguments, and raises BridgeError to
+# refuse it; it may be a coroutine function (to ask the engine something first).
+Guard = Callable[[Any, Mapping[str, Any]], Any]
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,15 @@ class Constructor:
     name: str            # the public name clients use, e.g. "vllm.SamplingParams"
     module: str          # where to import it from
     attr: str
+
+
+@dataclass(frozen=True)
+class RecordType:
+    """A plain class whose instances go by value, as records of these attributes."""
+
+    module: str
+    attr: str
+    fields: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -36,8 +47,11 @@ class AdapterSpec:
     inline: frozenset[str] = frozenset()  # trivial pure functions run on the event loop, no thread hop
     profiles: Mapping[str, str] = field(default_factory=dict)  # per-entry default timeout profile
     result_refs: frozenset[str] = frozenset()   # entries whose result is always returned as a ref
-    guards: Mapping[str, Guard] = field(default_factory=dict)
+    guards: Mapping[str, Guard] = field(default_factory=dict)    # by entry name; "*": every entry
+    overrides: Mapping[str, Callable[..., Any]] = field(default_factory=dict)   # run this instead
+    finalizer: Callable[[Any], None] | None = None   # when the last ref to an instance of `cls` goes
     constructors: tuple[Constructor, ...] = ()
+    records: tuple[RecordType, ...] = ()
 
     @property
     def prefix(self) -> str:

@@ -15,7 +15,7 @@ import importlib
 import inspect
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ class Entry:
     result_ref: bool = False
     profile: str = "default"
     guard: Guard | None = None
+    override: Callable[..., Any] | None = None    # an adapter's replacement for the Python callable
 
     def resolve(self) -> Any:
         """The live object: read at call time, so module attributes reflect the current state."""
@@ -84,6 +85,8 @@ class Catalog:
     entries: dict[str, Entry] = field(default_factory=dict)
     methods: dict[type, dict[str, Entry]] = field(default_factory=dict)   # class -> name -> entry
     types: dict[str, type] = field(default_factory=dict)    # qualified name -> class clients may build
+    records: dict[type, tuple[str, ...]] = field(default_factory=dict)   # plain classes sent by value
+    finalizers: dict[type, Callable[[Any], None]] = field(default_factory=dict)
     documents: dict[str, DocSurface] = field(default_factory=dict)
 
     @functools.cached_property
@@ -120,6 +123,14 @@ class Catalog:
                 return obj
         return None
 
+    def finalize(self, obj: object) -> None:
+        """Called when the last ref to obj is released: engines must not outlive their refs."""
+        for cls in type(obj).__mro__:
+            fn = self.finalizers.get(cls)
+            if fn is not None:
+                fn(obj)
+                return
+
     def add(self, entry: Entry) -> None:
         self.entries[entry.name] = entry
         if entry.kind in (Kind.METHOD, Kind.ATTRIBUTE, Kind.CLASSMETHOD) and isinstance(entry.owner, type):
@@ -128,6 +139,10 @@ class Catalog:
 
 def load_documents(directory: Path = SURFACES_DIR) -> dict[str, DocSurface]:
     return {p.stem: from_json(json.loads(p.read_text())) for p in sorted(directory.glob("*.json"))}
+
+
+def _guard(spec: AdapterSpec, name: str) -> Guard | None:
+    return spec.guards.get(name) or spec.guards.get("*")
 
 
 def _module_entry(spec: AdapterSpec, module: Any, doc: DocEntry, surface: DocSurface) -> Entry:
@@ -143,16 +158,17 @@ def _module_entry(spec: AdapterSpec, module: Any, doc: DocEntry, surface: DocSur
         signature=_signature(obj) if callable_ else None, doc=doc, document=surface.document,
         streams=streams, is_async=is_async, exclusive=spec.exclusive and doc.name not in spec.shared,
         inline=doc.name in spec.inline, result_ref=doc.name in spec.result_refs,
-        profile=spec.profiles.get(doc.name, "streaming" if streams else "default"), guard=spec.guards.get(doc.name))
+        profile=spec.profiles.get(doc.name, "streaming" if streams else "default"), guard=_guard(spec, doc.name))
 
 
 def _class_entry(spec: AdapterSpec, cls: type, doc: DocEntry, surface: DocSurface) -> Entry:
     common = dict(module=spec.module, class_name=cls.__name__, owner=cls, doc=doc, document=surface.document,
-                  exclusive=spec.exclusive and doc.name not in spec.shared, guard=spec.guards.get(doc.name),
+                  exclusive=spec.exclusive and doc.name not in spec.shared, guard=_guard(spec, doc.name),
                   result_ref=doc.name in spec.result_refs)
     if doc.name == "new":
+        ctor = spec.overrides.get("new", cls)
         return Entry(name=spec.prefix, kind=Kind.CONSTRUCTOR, attr="__init__", result_ref=True,
-                     signature=_signature(cls), profile=spec.profiles.get("new", "default"),
+                     signature=_signature(ctor), profile=spec.profiles.get("new", "default"), override=ctor,
                      **{k: v for k, v in common.items() if k != "result_ref"})  # type: ignore[arg-type]
     attr = spec.aliases.get(doc.name, doc.name)
     static = inspect.getattr_static(cls, attr, None)
@@ -182,6 +198,8 @@ def build_catalog(specs: Iterable[AdapterSpec], documents: dict[str, DocSurface]
         else:
             cls = getattr(module, spec.cls)
             catalog.types[f"{cls.__module__}.{cls.__qualname__}"] = cls
+            if spec.finalizer is not None:
+                catalog.finalizers[cls] = spec.finalizer
             for doc in surface.entries:
                 catalog.add(_class_entry(spec, cls, doc, surface))
         for ctor in spec.constructors:
@@ -189,4 +207,6 @@ def build_catalog(specs: Iterable[AdapterSpec], documents: dict[str, DocSurface]
             catalog.types[f"{cls.__module__}.{cls.__qualname__}"] = cls
             catalog.add(Entry(name=ctor.name, kind=Kind.CONSTRUCTOR, module=ctor.module, class_name=ctor.attr,
                               attr="__init__", owner=cls, signature=_signature(cls), doc=None, result_ref=True))
+        for rec in spec.records:
+            catalog.records[getattr(importlib.import_module(rec.module), rec.attr)] = rec.fields
     return catalog

@@ -28,12 +28,16 @@ def _add_worker_options(p: argparse.ArgumentParser) -> None:
                    help="larger tensors are returned as refs")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown")
     p.add_argument("--ready-file", default=None, help="write the bound port here once serving")
+    p.add_argument("--objects", default="[]",
+                   help='objects to create at start and publish by name, as JSON: '
+                        '[{"name": "engine", "target": "vllm.AsyncLLMEngine.from_engine_args", "kwargs": {...}}]')
 
 
 def _worker_config(args: argparse.Namespace) -> Any:
     from bridge_server.worker import WorkerConfig
     return WorkerConfig(listen=args.listen, worker_id=args.worker_id, session_cap=args.session_cap,
-                        idle_ttl_s=args.ref_ttl, tensor_max_bytes=args.tensor_max_bytes, grace_s=args.grace)
+                        idle_ttl_s=args.ref_ttl, tensor_max_bytes=args.tensor_max_bytes, grace_s=args.grace,
+                        objects=json.loads(args.objects))
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -103,7 +107,7 @@ def cmd_release(args: argparse.Namespace) -> int:
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from bridge_server.tiny_model import main as tiny_main
-    return tiny_main(args.rest)
+    return tiny_main([args.dir, "--seed", str(args.seed)] + (["--lora", args.lora] if args.lora else []))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,14 +150,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=DEFAULT_ADDRESS)
     p.set_defaults(func=cmd_release)
 
-    p = sub.add_parser("make-tiny-model", help="build the small offline test model", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p = sub.add_parser("make-tiny-model", help="build the small offline model (random weights, local tokenizer)")
+    p.add_argument("dir", help="folder to write the model into")
+    p.add_argument("--lora", default=None, help="also write a rank-8 LoRA adapter for it into this folder")
+    p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny_model)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # argparse stops collecting `call`'s positional arguments at the first option; the rest of them
+    # come back as extras, which belong to the call when they are not options.
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "call" and not any(x.startswith("--") for x in extra):
+        args.args += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return int(args.func(args))

@@ -14,7 +14,7 @@ import functools
 import math
 import operator
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import msgspec
@@ -111,6 +111,9 @@ class Encoder:
     # messages nested over 100 deep, and a map or record level costs 3 (Value, Map, Entry), so 32 is
     # the most that still parses inside a CallRequest, leaf enums and nulls included.
     max_depth: int = 32
+    # Plain classes that adapters declare to be records (vLLM's RequestOutput is neither a dataclass
+    # nor a struct), by exact type, with the attribute names to send.
+    records: Mapping[type, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def encode(self, obj: object) -> pb.Value:
         out = pb.Value()
@@ -132,7 +135,8 @@ class Encoder:
         if kind is None:
             if self._fill_leaf(obj, out):
                 return None
-            fields = _record_fields(obj)
+            names = self.records.get(type(obj))
+            fields = [(n, getattr(obj, n)) for n in names if hasattr(obj, n)] if names else _record_fields(obj)
             kind = "record" if fields is not None else next(
                 (k for t, k in _CONTAINERS.items() if isinstance(obj, t)), None)
             if kind is None:

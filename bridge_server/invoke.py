@@ -111,7 +111,7 @@ class Invoker:
         if e.kind is Kind.MODULE_ATTR:
             return Plan(fn=None, read=e.resolve, **common)  # type: ignore[arg-type]
         if e.kind is Kind.CONSTRUCTOR:
-            return Plan(fn=e.owner, signature=e.signature, **common)  # type: ignore[arg-type]
+            return Plan(fn=e.override or e.owner, signature=e.signature, **common)  # type: ignore[arg-type]
         if e.kind in (Kind.FUNCTION, Kind.CLASSMETHOD):
             return Plan(fn=e.resolve(), signature=e.signature, **common)  # type: ignore[arg-type]
         raise BridgeError.validation(f"{e.name} is a {e.kind.name.lower()} of {e.class_name}: call it on a ref "
@@ -157,9 +157,13 @@ class Invoker:
                     result_ref=entry.result_ref if entry else False)
 
     # -------------------------------------------------------------------------------------- binding
-    def bind(self, plan: Plan, request: pb.CallRequest) -> tuple[list[Any], dict[str, Any]]:
+    def decode(self, request: pb.CallRequest) -> tuple[list[Any], dict[str, Any]]:
         args = [self._decoder.decode(v, f"args[{i}]") for i, v in enumerate(request.args)]
         kwargs = {k: self._decoder.decode(v, f"kwargs[{k!r}]") for k, v in request.kwargs.items()}
+        return args, kwargs
+
+    def bind(self, plan: Plan, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        """Checks the arguments against the signature (and builds maps into config classes)."""
         if plan.fn is None:
             if args or kwargs:
                 raise BridgeError.validation(f"{plan.label} is an attribute and takes no arguments; got "
@@ -253,46 +257,53 @@ class Invoker:
             entry = self.refs.put(obj, session_id, exclusive=exclusive)
             return pb.Ref(id=entry.id, session_id=session_id, worker_id=self.refs.worker_id,
                           type_name=entry.type_name, repr=_short_repr(obj))
-        return Encoder(make_ref=make_ref, tensor_max_bytes=self.tensor_max_bytes)
+        return Encoder(make_ref=make_ref, tensor_max_bytes=self.tensor_max_bytes, records=self.catalog.records)
 
     def encode_result(self, plan: Plan, result: Any, session_id: str) -> pb.Value:
         enc = self.encoder(session_id, plan.exclusive)
+        if plan.entry is not None and plan.entry.doc is not None:
+            result = _as_documented(plan.entry.doc.returns, result)
         if plan.result_ref and result is not None:
             return pb.Value(ref=enc.make_ref(result))
         return enc.encode(result)
 
-    async def call(self, request: pb.CallRequest, session_id: str, deadlines: Deadlines,
-                   plan: Plan | None = None) -> pb.Value:
-        plan = plan or self.plan(request.target)
-        args, kwargs = self.bind(plan, request)
+    async def prepare(self, plan: Plan, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        """Binds the arguments and runs the entry's guard: everything that can refuse a call before it runs."""
+        args, kwargs = self.bind(plan, args, kwargs)
         if plan.entry is not None and plan.entry.guard is not None:
             await _maybe_await(plan.entry.guard(plan.receiver, _bound_map(plan, args, kwargs)))
+        return args, kwargs
+
+    async def run_checked(self, plan: Plan, args: list[Any], kwargs: dict[str, Any], deadline: float | None) -> Any:
+        """run(), with failures of the called code turned into python_error statuses."""
         try:
-            result = await self.run(plan, args, kwargs, deadlines.call)
+            return await self.run(plan, args, kwargs, deadline)
         except BridgeError:
-            raise
-        except asyncio.CancelledError:
             raise
         except Exception as exc:
             raise BridgeError.from_exception(exc, plan.label) from exc
+
+    async def call(self, request: pb.CallRequest, session_id: str, deadlines: Deadlines,
+                   plan: Plan | None = None) -> pb.Value:
+        plan = plan or self.plan(request.target)
+        args, kwargs = await self.prepare(plan, *self.decode(request))
+        result = await self.run_checked(plan, args, kwargs, deadlines.call)
         if request.target.kind == pb.Target.SET_ATTR:
             result = None
         return self.encode_result(plan, result, session_id)
 
+    async def create_object(self, name: str, target: str, args: list[Any], kwargs: dict[str, Any]) -> object:
+        """Builds an object from config at start and publishes it under `name`."""
+        plan = self._plan_entry(self.catalog.lookup(target))
+        args, kwargs = await self.prepare(plan, args, kwargs)
+        obj = await self.run_checked(plan, args, kwargs, None)
+        self.objects[name] = obj
+        return obj
+
     async def stream(self, request: pb.CallRequest, session_id: str, deadlines: Deadlines) -> AsyncIterator[pb.Value]:
         plan = self.plan(request.target)
-        args, kwargs = self.bind(plan, request)
-        if plan.entry is not None and plan.entry.guard is not None:
-            await _maybe_await(plan.entry.guard(plan.receiver, _bound_map(plan, args, kwargs)))
-        try:
-            if plan.is_async and plan.fn is not None and not inspect.iscoroutinefunction(plan.fn):
-                source = plan.fn(*args, **kwargs)       # an async generator function: do not await it
-            else:
-                source = await self.run(plan, args, kwargs, deadlines.call)
-        except BridgeError:
-            raise
-        except Exception as exc:
-            raise BridgeError.from_exception(exc, plan.label) from exc
+        args, kwargs = await self.prepare(plan, *self.decode(request))
+        source = await self.run_checked(plan, args, kwargs, deadlines.call)
         encoder = self.encoder(session_id, plan.exclusive)
         lane = self._exclusive_lane if plan.exclusive else self._shared_lane
         async for item in self._iterate(source, plan, deadlines, lane):
@@ -338,6 +349,17 @@ class Invoker:
                         await result
                 except Exception:  # closing is best effort: the stream's outcome is already decided
                     pass
+
+
+def _as_documented(returns: str, result: Any) -> Any:
+    """Gives a result the shape its document promises where vLLM's own type drifts (results that
+    cross vLLM's engine IPC come back as lists even when the API returns a tuple or a set)."""
+    if isinstance(result, list):
+        if returns.startswith("{") and returns.endswith("}"):
+            return tuple(result)
+        if returns.startswith("MapSet"):
+            return set(result)
+    return result
 
 
 def _bound_map(plan: Plan, args: list[Any], kwargs: dict[str, Any]) -> Mapping[str, Any]:

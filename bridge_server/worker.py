@@ -14,6 +14,7 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,6 +25,7 @@ from bridge_server.codec import CodecError
 from bridge_server.describe import describe
 from bridge_server.errors import BridgeError
 from bridge_server.invoke import Invoker
+from bridge_server.jsonvalue import from_json
 from bridge_server.protocol import GRPC_OPTIONS, parse_metadata, resolve_deadlines
 from bridge_server.refs import RefRegistry
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -45,6 +47,8 @@ class WorkerConfig:
     sweep_every_s: float = 5.0
     grace_s: float = 10.0
     extra_options: list[tuple[str, int]] = field(default_factory=list)
+    # Objects to build at start and publish by name: {"name", "target", "args", "kwargs"} each.
+    objects: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _error(exc: BaseException, label: str) -> BridgeError:
@@ -121,9 +125,17 @@ class Worker:
     invoker: Invoker
     health: health.aio.HealthServicer
     port: int
+    _sweeper: asyncio.Task[None] | None = field(default=None, init=False)
 
     async def start(self) -> None:
+        """Serves at once (health NOT_SERVING) and reports SERVING once the configured objects exist."""
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        for spec in self.config.objects:
+            log.info("creating published object %r with %s", spec["name"], spec["target"])
+            await self.invoker.create_object(spec["name"], spec["target"], from_json(spec.get("args", [])),
+                                             from_json(spec.get("kwargs", {})))
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper = asyncio.create_task(self._sweep())
@@ -137,8 +149,11 @@ class Worker:
         """Stops taking calls, lets in-flight ones finish within the grace period, then releases refs."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.grace_s if grace_s is None else grace_s)
-        self._sweeper.cancel()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         self.invoker.refs.close()
+        for obj in self.invoker.objects.values():
+            self.invoker.catalog.finalize(obj)
         self.invoker.close()
 
 
@@ -146,7 +161,8 @@ def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
                  objects: dict[str, object] | None = None) -> Worker:
     worker_id = config.worker_id or f"w{os.getpid()}"
     catalog = catalog or default_catalog()
-    refs = RefRegistry(worker_id, session_cap=config.session_cap, idle_ttl_s=config.idle_ttl_s)
+    refs = RefRegistry(worker_id, session_cap=config.session_cap, idle_ttl_s=config.idle_ttl_s,
+                       finalize=catalog.finalize)
     invoker = Invoker(catalog, refs, objects=dict(objects or {}), tensor_max_bytes=config.tensor_max_bytes,
                       shared_threads=config.shared_threads)
     server = grpc.aio.server(options=GRPC_OPTIONS + config.extra_options)
@@ -164,7 +180,11 @@ def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
 async def serve_worker(config: WorkerConfig, ready_file: str | None = None) -> None:
     """Runs a worker until SIGTERM/SIGINT, then shuts down gracefully."""
     worker = build_worker(config)
-    await worker.start()
+    try:
+        await worker.start()
+    except BaseException:
+        await worker.stop(0)
+        raise
     log.info("worker %s serving on %s (port %d)", worker.invoker.refs.worker_id, config.listen, worker.port)
     if ready_file:
         with open(ready_file, "w") as f:

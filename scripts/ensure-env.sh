@@ -48,7 +48,7 @@ PY
 fi
 
 site=$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-stamp="$env|$root"
+stamp="$env|$root|launcher-2"
 venv="$root/.venv"
 if [ "$(cat "$venv/.bridge-stamp" 2>/dev/null)" != "$stamp" ]; then
   log "linking .venv to $env"
@@ -57,11 +57,13 @@ if [ "$(cat "$venv/.bridge-stamp" 2>/dev/null)" != "$stamp" ]; then
   vsite=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   # The clone first (the project itself, as an editable checkout), then the shared environment.
   printf '%s\n%s\n' "$root" "$site" > "$vsite/_vllm_bridge.pth"
+  # The guard matters: vLLM's engine core is a spawned process, which re-imports the main script.
   cat > "$venv/bin/vllm-bridge" <<PY
 #!$venv/bin/python
 import sys
 from bridge_server.cli import main
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())
 PY
   chmod +x "$venv/bin/vllm-bridge"
   echo "$stamp" > "$venv/.bridge-stamp"

@@ -1,0 +1,245 @@
+"""End to end: AsyncLLM over gRPC against real vLLM on the tiny local model.
+
+One worker process holds the engines for the whole module (an engine costs ~2.7 GB and ~12 s): a
+published LoRA-enabled engine named `engine`, plus the engines the tests create themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+import pytest
+
+from bridge_server.client import BridgeClient, CallError, Target
+from bridge_server.tiny_model import ensure_tiny_model
+from tests.conftest import WorkerProcess, start_worker
+
+E = "vllm.AsyncLLMEngine"
+LONG = 230   # tokens: the tiny model's context is 256
+
+
+def engine_args(model: Path, **extra: Any) -> dict[str, Any]:
+    return {"model": str(model), "dtype": "float32", "max_model_len": 256, "enforce_eager": True,
+            "max_num_seqs": 16, "enable_log_requests": True, **extra}
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def engine_worker(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[WorkerProcess]:
+    objects = [{"name": "engine", "target": f"{E}.from_engine_args",
+                "kwargs": {"engine_args": engine_args(model, enable_lora=True, max_lora_rank=8)}}]
+    w = start_worker(tmp_path_factory.mktemp("engine"), "--objects", json.dumps(objects), name="engine")
+    yield w
+    w.stop()
+
+
+@pytest.fixture()
+def bridge(engine_worker: WorkerProcess) -> Iterator[BridgeClient]:
+    with BridgeClient(engine_worker.address) as c:
+        yield c
+
+
+def greedy(n: int, **extra: Any) -> dict[str, Any]:
+    return {"temperature": 0.0, "max_tokens": n, "ignore_eos": True, **extra}
+
+
+def engine_processes(worker: WorkerProcess) -> set[int]:
+    return {p.pid for p in psutil.Process(worker.proc.pid).children(recursive=True)
+            if "EngineCore" in " ".join(p.cmdline() + [p.name()])}
+
+
+def unfinished(client: BridgeClient, engine: Any = "engine") -> int:
+    processor = client.call(Target.get(engine, "output_processor"))
+    return int(client.call(Target.method(processor, "get_num_unfinished_requests")))
+
+
+def wait_until(predicate: Any, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def assert_aborted_in_engine(worker: WorkerProcess, client: BridgeClient, request_id: str) -> None:
+    """The engine itself says the request was aborted, and nothing of it is left running."""
+    assert wait_until(lambda: f"Request {request_id} aborted" in worker.log.read_text()), \
+        f"the engine never aborted {request_id}"
+    assert wait_until(lambda: unfinished(client) == 0)
+
+
+def in_process_token_ids(model: Path, prompt: str, n: int) -> list[int]:
+    """The same request on an in-process AsyncLLM, as the reference."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    async def run() -> list[int]:
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(model, enable_lora=True, max_lora_rank=8)))
+        try:
+            last = None
+            async for out in engine.generate(prompt, SamplingParams(**greedy(n)), "reference"):
+                last = out
+            assert last is not None
+            return list(last.outputs[0].token_ids)
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(run())
+
+
+def test_generate_streams_the_same_tokens_as_in_process_vllm(bridge: BridgeClient, model: Path) -> None:
+    items = list(bridge.stream(Target.method("engine", "generate"), "The quick brown fox", greedy(24), "same-1"))
+    assert len(items) >= 2                       # streamed, not one reply at the end
+    last = items[-1]
+    assert last["request_id"] == "same-1" and last["finished"] is True
+    out = last["outputs"][0]
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 24
+    assert all(type(t) is int for t in out["token_ids"])
+    assert out["token_ids"] == in_process_token_ids(model, "The quick brown fox", 24)
+
+
+def test_concurrent_generations_share_the_engine(bridge: BridgeClient) -> None:
+    results: dict[int, list[int]] = {}
+
+    def one(i: int) -> None:
+        items = list(bridge.stream(Target.method("engine", "generate"), f"prompt number {i}", greedy(32), f"cc-{i}"))
+        results[i] = items[-1]["outputs"][0]["token_ids"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == list(range(8)) and all(len(ids) == 32 for ids in results.values())
+
+
+def test_client_cancel_aborts_the_request_in_the_engine(bridge: BridgeClient, engine_worker: WorkerProcess) -> None:
+    stream = bridge.stream(Target.method("engine", "generate"), "cancel me", greedy(LONG), "cancel-client")
+    first = next(stream)
+    assert first["finished"] is False
+    stream.close()     # cancels the gRPC call
+    assert_aborted_in_engine(engine_worker, bridge, "cancel-client")
+
+
+def test_deadline_aborts_the_request_in_the_engine(bridge: BridgeClient, engine_worker: WorkerProcess) -> None:
+    with pytest.raises(CallError) as err:
+        for _ in bridge.stream(Target.method("engine", "generate"), "too slow", greedy(LONG), "cancel-deadline",
+                               timeout=0.15):
+            pass
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_aborted_in_engine(engine_worker, bridge, "cancel-deadline")
+
+
+def test_stream_idle_timeout_aborts_the_request_in_the_engine(bridge: BridgeClient,
+                                                              engine_worker: WorkerProcess) -> None:
+    received = []
+    with pytest.raises(CallError) as err:
+        for item in bridge.stream(Target.method("engine", "generate"), "idle", greedy(LONG), "cancel-idle",
+                                  stream_timeout_s=0.001):
+            received.append(item)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "waiting for the next item" in err.value.details
+    assert received and not received[-1]["finished"]
+    assert_aborted_in_engine(engine_worker, bridge, "cancel-idle")
+
+
+def test_abort_from_a_second_call_ends_the_stream_with_finish_reason_abort(bridge: BridgeClient) -> None:
+    stream = bridge.stream(Target.method("engine", "generate"), "abort me", greedy(LONG), "to-abort")
+    next(stream)
+    with BridgeClient(bridge.address) as other:
+        assert other.call(Target.method("engine", "abort"), "to-abort") is None
+    rest = list(stream)
+    assert rest and rest[-1]["outputs"][0]["finish_reason"] == "abort"
+    assert len(rest[-1]["outputs"][0]["token_ids"]) < LONG
+    assert wait_until(lambda: unfinished(bridge) == 0)
+
+
+def test_tokenizer_ref_encodes_like_the_engine(bridge: BridgeClient) -> None:
+    tokenizer = bridge.call(Target.method("engine", "get_tokenizer"))
+    ids = bridge.call(Target.method(tokenizer, "encode"), "Hello world")
+    items = list(bridge.stream(Target.method("engine", "generate"), "Hello world", greedy(1), "tok-1"))
+    assert ids == items[-1]["prompt_token_ids"]
+    assert bridge.call(Target.method(tokenizer, "decode"), ids[1:]) == "Hello world"
+
+
+def test_engine_control_methods(bridge: BridgeClient) -> None:
+    assert bridge.call(Target.method("engine", "check_health")) is None
+    assert bridge.call(Target.method("engine", "get_supported_tasks")) == ("generate",)
+    assert bridge.call(Target.method("engine", "is_paused")) is False
+    bridge.call(Target.method("engine", "pause_generation"))
+    assert bridge.call(Target.method("engine", "is_paused")) is True
+    bridge.call(Target.method("engine", "resume_generation"))
+    assert bridge.call(Target.method("engine", "is_paused")) is False
+    assert bridge.call(Target.method("engine", "reset_prefix_cache")) is True
+    assert bridge.call(Target.get("engine", "errored")) is False
+    assert bridge.call(Target.get("engine", "is_running")) is True
+    assert bridge.call(Target.method("engine", "is_sleeping")) is False
+    with pytest.raises(CallError) as err:     # CPU vLLM has no profiler configured: vLLM's own error
+        bridge.call(Target.method("engine", "start_profile"))
+    assert err.value.category == "python_error" and "rofiler" in err.value.details
+
+
+def test_lora_adapters_load_pin_generate_and_unload(bridge: BridgeClient, model: Path) -> None:
+    lora = {"lora_name": "tiny", "lora_int_id": 1, "lora_path": str(model / "lora")}
+    assert bridge.call(Target.method("engine", "add_lora"), lora) is True
+    assert bridge.call(Target.method("engine", "list_loras")) == {1}
+    assert bridge.call(Target.method("engine", "pin_lora"), 1) is True
+    base = list(bridge.stream(Target.method("engine", "generate"), "Once upon", greedy(16), "lora-base"))
+    with_lora = list(bridge.stream(Target.method("engine", "generate"), "Once upon", greedy(16), "lora-on",
+                                   kwargs={"lora_request": lora}))
+    assert with_lora[-1]["outputs"][0]["token_ids"] != base[-1]["outputs"][0]["token_ids"]
+    assert bridge.call(Target.method("engine", "remove_lora"), 1) is True
+    assert bridge.call(Target.method("engine", "list_loras")) == set()
+
+
+def test_encode_with_an_unsupported_task_is_refused_and_the_engine_lives(bridge: BridgeClient) -> None:
+    with pytest.raises(CallError) as err:
+        list(bridge.stream(Target.method("engine", "encode"), "embed me", {"task": "embed"}, "enc-1"))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "supported tasks: generate" in err.value.details and err.value.reason == "unsupported task"
+    with pytest.raises(CallError):
+        list(bridge.stream(Target.method("engine", "encode"), "embed me", {}, "enc-2"))   # task None
+    assert bridge.call(Target.method("engine", "check_health")) is None
+    assert bridge.call(Target.get("engine", "errored")) is False
+    assert list(bridge.stream(Target.method("engine", "generate"), "still alive", greedy(2), "alive"))[-1]["finished"]
+
+
+def test_an_engine_built_from_a_map_generates_and_shutdown_leaves_no_process(bridge: BridgeClient, model: Path,
+                                                                             engine_worker: WorkerProcess) -> None:
+    before = engine_processes(engine_worker)
+    engine = bridge.call(f"{E}.from_engine_args", engine_args(model), timeout_profile="ml_inference")
+    assert engine.type_name == "vllm.v1.engine.async_llm.AsyncLLM"
+    started = engine_processes(engine_worker) - before
+    assert len(started) == 1
+    items = list(bridge.stream(Target.method(engine, "generate"), "from a map", greedy(8), "map-1"))
+    assert len(items[-1]["outputs"][0]["token_ids"]) == 8
+    assert bridge.call(Target.method(engine, "shutdown")) is None
+    assert wait_until(lambda: not (engine_processes(engine_worker) & started))
+
+
+def test_encode_on_a_pooling_engine_returns_a_vector_and_releasing_it_stops_the_engine(
+        bridge: BridgeClient, model: Path, engine_worker: WorkerProcess) -> None:
+    before = engine_processes(engine_worker)
+    pooling = bridge.call(f"{E}.from_engine_args", engine_args(model, runner="pooling"), session_id="pooling")
+    started = engine_processes(engine_worker) - before
+    assert bridge.call(Target.method(pooling, "get_supported_tasks"), session_id="pooling") != ("generate",)
+    items = list(bridge.stream(Target.method(pooling, "encode"), "embed me", {"task": "embed"}, "emb-1",
+                               session_id="pooling"))
+    vector = items[-1]["outputs"]["data"]
+    assert vector.shape == (128,) and vector.dtype.is_floating_point
+    assert bridge.release(session_id="pooling") == 1
+    assert wait_until(lambda: not (engine_processes(engine_worker) & started))
