@@ -51,6 +51,21 @@ def _new(vllm_config: Any, executor_class: Any = None, log_stats: bool = False, 
     return AsyncLLM(vllm_config, executor_class or Executor.get_class(vllm_config), log_stats, **kwargs)
 
 
+
+def _advertise_new_signature() -> None:
+    """Describe shows AsyncLLM's own parameters, with the two a remote caller cannot give defaulted."""
+    import inspect
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+    params = list(inspect.signature(AsyncLLM.__init__).parameters.values())[1:]
+    defaults = {"executor_class": None, "log_stats": False}
+    _new.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [p.replace(default=defaults[p.name]) if p.name in defaults else p for p in params])
+
+
+_advertise_new_signature()
+
+
 def _shutdown(engine: Any) -> None:
     """Last ref released: stop the engine core process. Off the event loop, as shutdown blocks."""
     try:

@@ -73,8 +73,8 @@ def _signature(obj: Any, *, drop_self: bool = False) -> inspect.Signature | None
 
 
 def _streams(fn: Any) -> tuple[bool, bool]:
-    """(yields items, is a coroutine/async generator function)."""
-    fn = inspect.unwrap(fn) if callable(fn) else fn
+    """(yields items, is a coroutine/async generator function). Not unwrapped: a @contextmanager
+    wraps a generator function but returns a context manager, which is called, not streamed."""
     if inspect.isasyncgenfunction(fn):
         return True, True
     return inspect.isgeneratorfunction(fn), inspect.iscoroutinefunction(fn)
