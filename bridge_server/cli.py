@@ -43,7 +43,11 @@ def _worker_config(args: argparse.Namespace) -> Any:
 def cmd_worker(args: argparse.Namespace) -> int:
     from bridge_server.worker import serve_worker
     asyncio.run(serve_worker(_worker_config(args), ready_file=args.ready_file))
-    return 0
+    # The graceful stop is done. A call abandoned inside C code (a gloo wait, say) would otherwise
+    # keep the interpreter joining its thread forever: a stopped worker must exit.
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def cmd_describe(args: argparse.Namespace) -> int:

@@ -49,7 +49,7 @@ def _parameters(entry: Entry) -> list[pb.Parameter]:
 def describe(catalog: Catalog) -> pb.Catalog:
     entries = [
         pb.CatalogEntry(
-            name=e.name, kind=e.kind.value, module=e.module, class_name=e.class_name, parameters=_parameters(e),
+            name=e.name, kind=pb.CatalogEntry.Kind.Name(e.kind.value), module=e.module, class_name=e.class_name, parameters=_parameters(e),
             return_type=e.doc.returns if e.doc else "ref", streams=e.streams, is_async=e.is_async,
             summary=e.doc.summary if e.doc else (inspect.getdoc(e.owner) or "").split("\n")[0],
             default_timeout_profile=e.profile, exclusive=e.exclusive, documented_in=e.document)

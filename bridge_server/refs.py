@@ -89,7 +89,7 @@ class RefRegistry:
         return sum(self._drop(r, "released by the client") for r in ref_ids if r in self._refs)
 
     def release_session(self, session_id: str) -> int:
-        owned = self._sessions.pop(session_id, None) or {}
+        owned: dict[str, None] = self._sessions.pop(session_id, OrderedDict())
         return sum(self._drop(r, f"released with its session {session_id!r}") for r in list(owned))
 
     def sweep(self, now: float | None = None) -> int:

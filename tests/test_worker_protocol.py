@@ -3,6 +3,8 @@ real worker processes."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -102,6 +104,34 @@ def test_the_worker_enforces_a_deadline_during_a_slow_call_and_keeps_serving(slo
     peer = threading.Thread(target=_rendezvous_peer, args=(port,), daemon=True)
     peer.start()
     peer.join(30)
+
+
+def test_state_changing_calls_run_one_at_a_time_while_other_calls_flow(slow_worker: WorkerProcess) -> None:
+    port = free_port()
+    init = f"tcp://127.0.0.1:{port}"
+    results: list[object] = []
+    with BridgeClient(slow_worker.address) as c:
+        # A: rank 0 of a world of 2 blocks in the exclusive lane until rank 1 joins.
+        a = threading.Thread(target=lambda: results.append(c.call(
+            f"{D}.init_distributed_environment", kwargs=dict(world_size=2, rank=0, distributed_init_method=init,
+                                                             local_rank=0, backend="gloo"), timeout=60)))
+        a.start()
+        time.sleep(1.0)
+        # B touches process-wide state too: it waits behind A, and its deadline passes while it waits.
+        with pytest.raises(CallError) as err:
+            c.call(f"{FC}.is_forward_context_available", timeout_s=0.5)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "waiting for the exclusive lane" in err.value.details
+        # C is pure: it runs meanwhile.
+        assert c.call(f"{D}.divide", 8, 2) == 4
+        peer = subprocess.Popen([sys.executable, "-c", (
+            "from vllm.distributed import init_distributed_environment as i; "
+            f"i(world_size=2, rank=1, distributed_init_method={init!r}, local_rank=0, backend='gloo')")])
+        a.join(60)
+        peer.wait(60)
+        assert results == [None]
+        assert c.call(f"{D}.get_world_group") is not None
+        assert c.call(f"{FC}.is_forward_context_available") is False
 
 
 def test_a_timeout_profile_applies_when_the_call_has_no_deadline(client: BridgeClient) -> None:
