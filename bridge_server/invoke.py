@@ -91,9 +91,8 @@ class Invoker:
                     f"no published object {target.object!r}; published: {', '.join(sorted(self.objects)) or 'none'}",
                     target=target.object, suggestions=sorted(self.objects))
             return self.objects[target.object], False
-        raise BridgeError.validation(f"{Kind(target.kind).name if target.kind in (4, 5, 6, 7) else 'target'} "
-                                     f"{target.name!r} needs a receiver: a ref or a published object name",
-                                     parameter="target.receiver")
+        raise BridgeError.validation(f"{pb.Target.Kind.Name(target.kind)} {target.name!r} needs a receiver: "
+                                     f"a ref or a published object name", parameter="target.receiver")
 
     def plan(self, target: pb.Target) -> Plan:
         kind = target.kind
