@@ -31,11 +31,24 @@ def _add_worker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--objects", default="[]",
                    help='objects to create at start and publish by name, as JSON: '
                         '[{"name": "engine", "target": "vllm.AsyncLLMEngine.from_engine_args", "kwargs": {...}}]')
+    g = p.add_argument_group("distributed pools: join a torch.distributed group at start")
+    g.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"])
+    g.add_argument("--dist-world-size", type=int, default=1)
+    g.add_argument("--dist-rank", type=int, default=0)
+    g.add_argument("--dist-init", default=None, help="rendezvous address, e.g. tcp://127.0.0.1:29500")
+    g.add_argument("--dist-tp", type=int, default=1, help="tensor-parallel size")
+    g.add_argument("--dist-pp", type=int, default=1, help="pipeline-parallel size")
 
 
 def _worker_config(args: argparse.Namespace) -> Any:
-    from bridge_server.worker import WorkerConfig
-    return WorkerConfig(listen=args.listen, worker_id=args.worker_id, session_cap=args.session_cap,
+    from bridge_server.worker import DistributedRank, WorkerConfig
+    dist = None
+    if args.dist_backend:
+        if not args.dist_init:
+            raise SystemExit("vllm-bridge worker: --dist-backend needs --dist-init (the rendezvous address)")
+        dist = DistributedRank(args.dist_backend, args.dist_world_size, args.dist_rank, args.dist_init,
+                               args.dist_tp, args.dist_pp)
+    return WorkerConfig(distributed=dist, listen=args.listen, worker_id=args.worker_id, session_cap=args.session_cap,
                         idle_ttl_s=args.ref_ttl, tensor_max_bytes=args.tensor_max_bytes, grace_s=args.grace,
                         objects=json.loads(args.objects))
 
@@ -48,6 +61,37 @@ def cmd_worker(args: argparse.Namespace) -> int:
     logging.shutdown()
     sys.stdout.flush()
     os._exit(0)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from bridge_server.config import ConfigError, config_from_args
+    from bridge_server.server import run
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"vllm-bridge serve: {exc}", file=sys.stderr)
+        return 2
+    rc = run(config, ready_file=args.ready_file)
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(rc)   # every worker is stopped; do not wait on gRPC's threads
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from bridge_server.server import fetch_status
+    try:
+        reply = asyncio.run(fetch_status(args.address, args.pool, args.timeout))
+    except grpc.RpcError as err:
+        print(json.dumps({"error": {"code": err.code().name, "message": err.details()}}),  # type: ignore[attr-defined]
+              file=sys.stderr)
+        return 1
+    json.dump(MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True),
+              sys.stdout, indent=2)
+    print()
+    return 0
 
 
 def cmd_describe(args: argparse.Namespace) -> int:
@@ -123,9 +167,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker_options(p)
     p.set_defaults(func=cmd_worker)
 
-    p = sub.add_parser("serve", help="run the server (a worker on this machine serving the catalog)")
-    _add_worker_options(p)
-    p.set_defaults(func=cmd_worker)
+    p = sub.add_parser("serve", help="run the pool server: a router in front of worker processes")
+    from bridge_server.config import add_serve_arguments
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("status", help="print a pool server's pools and workers as JSON")
+    p.add_argument("--address", default=DEFAULT_ADDRESS)
+    p.add_argument("--pool", default="", help="only this pool")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("describe", help="print the catalog as JSON")
     p.add_argument("--address", default=None, help="ask this server instead of building the catalog locally")

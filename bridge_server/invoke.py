@@ -291,12 +291,15 @@ class Invoker:
             result = None
         return self.encode_result(plan, result, session_id)
 
-    async def create_object(self, name: str, target: str, args: list[Any], kwargs: dict[str, Any]) -> object:
-        """Builds an object from config at start and publishes it under `name`."""
+    async def call_python(self, target: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """Runs a catalog entry for the worker itself (start-up work), with Python values in and out."""
         plan = self._plan_entry(self.catalog.lookup(target))
         args, kwargs = await self.prepare(plan, args, kwargs)
-        obj = await self.run_checked(plan, args, kwargs, None)
-        self.objects[name] = obj
+        return await self.run_checked(plan, args, kwargs, None)
+
+    async def create_object(self, name: str, target: str, args: list[Any], kwargs: dict[str, Any]) -> object:
+        """Builds an object from config at start and publishes it under `name`."""
+        self.objects[name] = obj = await self.call_python(target, args, kwargs)
         return obj
 
     async def stream(self, request: pb.CallRequest, session_id: str, deadlines: Deadlines) -> AsyncIterator[pb.Value]:

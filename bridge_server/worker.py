@@ -26,7 +26,7 @@ from bridge_server.describe import describe
 from bridge_server.errors import BridgeError
 from bridge_server.invoke import Invoker
 from bridge_server.jsonvalue import from_json
-from bridge_server.protocol import GRPC_OPTIONS, parse_metadata, resolve_deadlines
+from bridge_server.protocol import GRPC_OPTIONS, MD_WORKER_REFS, parse_metadata, resolve_deadlines
 from bridge_server.refs import RefRegistry
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
@@ -49,6 +49,26 @@ class WorkerConfig:
     extra_options: list[tuple[str, int]] = field(default_factory=list)
     # Objects to build at start and publish by name: {"name", "target", "args", "kwargs"} each.
     objects: list[dict[str, Any]] = field(default_factory=list)
+    distributed: DistributedRank | None = None
+
+
+@dataclass(frozen=True)
+class DistributedRank:
+    """This worker's place in a distributed pool: it joins the group before it reports ready."""
+
+    backend: str                 # "gloo" on CPU, "nccl" with GPUs
+    world_size: int
+    rank: int
+    init_method: str             # "tcp://127.0.0.1:PORT", the same for every rank of the group
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size * self.pipeline_parallel_size != self.world_size:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
+                             f"{self.pipeline_parallel_size} must equal the world size {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
 
 
 def _error(exc: BaseException, label: str) -> BridgeError:
@@ -77,7 +97,9 @@ class BridgeService(pb_grpc.BridgeServicer):
             opts = parse_metadata(context.invocation_metadata())
             plan = self.invoker.plan(request.target)
             deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
-            return pb.CallReply(value=await self.invoker.call(request, opts.session_id, deadlines, plan))
+            reply = pb.CallReply(value=await self.invoker.call(request, opts.session_id, deadlines, plan))
+            context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
+            return reply
         except Exception as exc:
             await context.abort_with_status(_error(exc, _label(request.target)).to_status())
             raise  # unreachable: abort raises
@@ -92,6 +114,7 @@ class BridgeService(pb_grpc.BridgeServicer):
             async for value in self.invoker.stream(request, opts.session_id, deadlines):
                 yield pb.StreamItem(index=index, value=value)
                 index += 1
+            context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
         except Exception as exc:
             await context.abort_with_status(_error(exc, _label(request.target)).to_status())
 
@@ -101,6 +124,7 @@ class BridgeService(pb_grpc.BridgeServicer):
         released = refs.release(list(request.ref_ids))
         if request.session_id:
             released += refs.release_session(request.session_id)
+        context.set_trailing_metadata(((MD_WORKER_REFS, str(len(refs))),))
         return pb.ReleaseReply(released=released)
 
     async def Describe(self, request: pb.DescribeRequest,  # noqa: N802
@@ -132,6 +156,8 @@ class Worker:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        if self.config.distributed is not None:
+            await self._join_group(self.config.distributed)
         for spec in self.config.objects:
             log.info("creating published object %r with %s", spec["name"], spec["target"])
             await self.invoker.create_object(spec["name"], spec["target"], from_json(spec.get("args", [])),
@@ -139,6 +165,16 @@ class Worker:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper = asyncio.create_task(self._sweep())
+
+    async def _join_group(self, d: DistributedRank) -> None:
+        """Through the catalog, like any client call, so it runs in the exclusive lane."""
+        log.info("joining %s group: rank %d of %d (tp %d, pp %d) at %s", d.backend, d.rank, d.world_size,
+                 d.tensor_parallel_size, d.pipeline_parallel_size, d.init_method)
+        await self.invoker.call_python("vllm.distributed.init_distributed_environment", [], dict(
+            world_size=d.world_size, rank=d.rank, distributed_init_method=d.init_method, local_rank=d.rank,
+            backend=d.backend))
+        await self.invoker.call_python("vllm.distributed.initialize_model_parallel",
+                                       [d.tensor_parallel_size, d.pipeline_parallel_size], {})
 
     async def _sweep(self) -> None:
         while True:
