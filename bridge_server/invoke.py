@@ -71,6 +71,7 @@ class Invoker:
         self._shared_lane = ThreadPoolExecutor(self.shared_threads, thread_name_prefix="bridge-shared")
         self._exclusive_lock = asyncio.Lock()
         self._decoder = Decoder(resolve_ref=self._resolve_ref, resolve_type=self.catalog.resolve_type)
+        self._entry_plans: dict[str, Plan] = {}   # catalog targets carry no receiver: plan them once
 
     def close(self) -> None:
         self._shared_lane.shutdown(wait=False, cancel_futures=True)
@@ -97,7 +98,10 @@ class Invoker:
     def plan(self, target: pb.Target) -> Plan:
         kind = target.kind
         if kind in (pb.Target.FUNCTION, pb.Target.MODULE_ATTR, pb.Target.CONSTRUCTOR):
-            return self._plan_entry(self.catalog.lookup(target.name))
+            plan = self._entry_plans.get(target.name)
+            if plan is None:
+                plan = self._entry_plans[target.name] = self._plan_entry(self.catalog.lookup(target.name))
+            return plan
         if kind in (pb.Target.METHOD, pb.Target.GET_ATTR, pb.Target.SET_ATTR, pb.Target.ITERATE):
             obj, exclusive = self._receiver(target)
             return self._plan_member(target, obj, exclusive)
