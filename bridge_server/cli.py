@@ -79,17 +79,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
-    from bridge_server.server import fetch_status
+    from bridge_server.server import fetch_status, status_to_dict
     try:
         reply = asyncio.run(fetch_status(args.address, args.pool, args.timeout))
     except grpc.RpcError as err:
         print(json.dumps({"error": {"code": err.code().name, "message": err.details()}}),  # type: ignore[attr-defined]
               file=sys.stderr)
         return 1
-    json.dump(MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True),
-              sys.stdout, indent=2)
+    json.dump(status_to_dict(reply), sys.stdout, indent=2)
     print()
     return 0
 
@@ -158,6 +156,11 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return tiny_main([args.dir, "--seed", str(args.seed)] + (["--lora", args.lora] if args.lora else []))
 
 
+def cmd_gen_elixir(args: argparse.Namespace) -> int:
+    from bridge_server.elixir_gen import main as gen_main
+    return gen_main((["--address", args.address] if args.address else []) + (["--out", args.out] if args.out else []))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-bridge", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -210,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", default=None, help="also write a rank-8 LoRA adapter for it into this folder")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny_model)
+
+    p = sub.add_parser("gen-elixir", help="generate the Elixir binding modules from the catalog")
+    p.add_argument("--address", default=None, help="read the catalog from this server (default: build it here)")
+    p.add_argument("--out", default=None, help="folder of the Vllm.* modules (default mix_client_example/lib/vllm)")
+    p.set_defaults(func=cmd_gen_elixir)
     return parser
 
 

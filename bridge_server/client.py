@@ -7,7 +7,7 @@ Refs come back as `pb.Ref` messages and are passed back as they are.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -147,6 +147,28 @@ class BridgeClient:
             raise CallError(err) from None
         finally:
             call.cancel()
+
+    def collective(self, target: Target | str, *args: Any, kwargs: Mapping[str, Any] | None = None,
+                   per_rank: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]] | None = None,
+                   timeout: float | None = None, **options: Any) -> list[Any]:
+        """Runs the call on every rank of a distributed pool (the same arguments for all, or
+        `per_rank` (args, kwargs) pairs in rank order) and returns the results in rank order."""
+        refs: list[str] = []
+        if per_rank is not None:
+            calls = []
+            for rank_args, rank_kwargs in per_rank:
+                req, used = self.request(target, rank_args, rank_kwargs)
+                calls.append(req)
+                refs += used
+            msg = pb.CollectiveRequest(per_rank=calls)
+        else:
+            req, refs = self.request(target, args, kwargs)
+            msg = pb.CollectiveRequest(call=req)
+        try:
+            reply = self.stub.Collective(msg, timeout=timeout, metadata=self._metadata(refs, options))
+        except grpc.RpcError as err:
+            raise CallError(err) from None
+        return [self._decoder.decode(r.value) for r in reply.results]
 
     def release(self, *refs: pb.Ref | str, session_id: str = "") -> int:
         ids = [r.id if isinstance(r, pb.Ref) else r for r in refs]

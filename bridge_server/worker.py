@@ -118,6 +118,16 @@ class BridgeService(pb_grpc.BridgeServicer):
         except Exception as exc:
             await context.abort_with_status(_error(exc, _label(request.target)).to_status())
 
+    async def Collective(self, request: pb.CollectiveRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> pb.CollectiveReply:
+        """A worker on its own is a group of one rank: the call runs once. Pools fan out in the router."""
+        if len(request.per_rank) > 1:
+            await context.abort_with_status(BridgeError.validation(
+                f"Collective: this worker is a group of 1 rank, got calls for {len(request.per_rank)} ranks",
+                parameter="per_rank").to_status())
+        call = request.per_rank[0] if request.per_rank else request.call
+        return pb.CollectiveReply(results=[await self.Call(call, context)])
+
     async def Release(self, request: pb.ReleaseRequest,  # noqa: N802
                       context: grpc.aio.ServicerContext) -> pb.ReleaseReply:
         refs = self.invoker.refs

@@ -1,0 +1,307 @@
+"""Forwarding: the router's `Bridge` service, moving request and reply bytes between caller and worker.
+
+The service is registered as a generic handler with identity serializers, so payloads pass through
+as bytes, never decoded (except `Release`, whose ref ids must be split between their workers). What
+crosses the hop besides the bytes: the caller's metadata, its deadline (minus the time it waited in
+the queue), its cancellation, and the worker's status, details and trailing metadata (which carry
+the rich error) on the way back.
+
+A worker that dies mid-call must not leave its callers hanging until gRPC notices: the supervisor's
+exit watcher fails every tracked `Flight` of that worker, which cancels the upstream call, and the
+handler turns that into UNAVAILABLE "worker crashed".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from bridge_server.errors import BridgeError
+from bridge_server.metrics import Metrics
+from bridge_server.protocol import MD_WORKER_REFS
+from bridge_server.router import DEADLINE_MARGIN_S, Backend, Flight, Route, Router, pool_error, read_route
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+log = logging.getLogger("vllm_bridge.router")
+
+SERVICE = "vllm_bridge.v1.Bridge"
+CALL, STREAM, RELEASE, DESCRIBE = (f"/{SERVICE}/{m}" for m in ("Call", "Stream", "Release", "Describe"))
+_DROP_KEYS = ("user-agent",)
+# Transport-level failures: if the worker died, say so instead of passing on gRPC's words for it.
+_TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+                    grpc.StatusCode.UNKNOWN)
+_DEATH_WAIT_S = 0.5
+
+
+def make_stubs(channel: grpc.aio.Channel) -> dict[str, Any]:
+    """Bytes-in, bytes-out multicallables for one worker, made once per worker."""
+    return {CALL: channel.unary_unary(CALL), RELEASE: channel.unary_unary(RELEASE),
+            DESCRIBE: channel.unary_unary(DESCRIBE), STREAM: channel.unary_stream(STREAM)}
+
+
+def _forwarded(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[tuple[str, str | bytes]]:
+    return [(k, v) for k, v in metadata or () if k not in _DROP_KEYS and not k.startswith(("grpc-", ":"))]
+
+
+def _has_details(err: grpc.aio.AioRpcError) -> bool:
+    return any(k == "grpc-status-details-bin" for k, _ in err.trailing_metadata() or ())
+
+
+def crashed(backend: Backend, reason: str = "") -> BridgeError:
+    """The error of a call whose worker ended under it: "worker crashed", or "worker stopped" when
+    the supervisor stopped it (a recycled worker that outlived its drain timeout)."""
+    reason = reason or "worker crashed"
+    why = f" ({backend.exit_reason})" if backend.exit_reason else ""
+    verb = "was stopped" if reason == "worker stopped" else "died"
+    return pool_error(grpc.StatusCode.UNAVAILABLE, f"{reason}: worker {backend.id} {verb} while running this call{why}",
+                      reason, "worker")
+
+
+class _Outcome:
+    """What a handler records for metrics: the pool that served the call and its status code."""
+
+    __slots__ = ("pool", "code")
+
+    def __init__(self) -> None:
+        self.pool = "-"
+        self.code = "CANCELLED"      # unless the handler gets further
+
+
+class Forwarder:
+    def __init__(self, router: Router, metrics: Metrics) -> None:
+        self.router = router
+        self.metrics = metrics
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Call": grpc.unary_unary_rpc_method_handler(self.call),
+            "Stream": grpc.unary_stream_rpc_method_handler(self.stream),
+            "Release": grpc.unary_unary_rpc_method_handler(self.release),
+            "Describe": grpc.unary_unary_rpc_method_handler(self.describe),
+        })
+
+    # ------------------------------------------------------------------------------------ helpers
+    @staticmethod
+    def _timeout(route: Route) -> float | None:
+        if not route.explicit_deadline or route.deadline is None:
+            return None
+        left = route.deadline - time.monotonic() - DEADLINE_MARGIN_S
+        if left <= 0:
+            raise BridgeError.timeout("deadline exceeded before the call reached a worker")
+        return left
+
+    @staticmethod
+    async def _abort(context: grpc.aio.ServicerContext, out: _Outcome, exc: BaseException) -> None:
+        """Every failure of the router itself leaves as a rich status."""
+        if isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError)):
+            return
+        if isinstance(exc, BridgeError):
+            err = exc
+        else:
+            log.error("router failure", exc_info=exc)
+            err = BridgeError(grpc.StatusCode.INTERNAL, "pool", f"router failure: {type(exc).__name__}: {exc}",
+                              reason="router failure")
+        out.code = err.code.name
+        await context.abort_with_status(err.to_status())
+
+    async def _forward_error(self, err: grpc.aio.AioRpcError, backend: Backend, flight: Flight,
+                             context: grpc.aio.ServicerContext, out: _Outcome) -> None:
+        """Passes the worker's error on unchanged, unless it is the worker dying."""
+        if flight.failed or (err.code() in _TRANSPORT_CODES and not _has_details(err) and
+                             await _died_within(backend, _DEATH_WAIT_S)):
+            raise crashed(backend, flight.failed)
+        out.code = err.code().name
+        await context.abort(err.code(), err.details() or "", tuple(err.trailing_metadata() or ()))
+
+    @staticmethod
+    def _pass_trailing(backend: Backend, trailing: Any, context: grpc.aio.ServicerContext) -> None:
+        if not trailing:
+            return
+        for k, v in trailing:
+            if k == MD_WORKER_REFS:
+                try:
+                    backend.refs = int(v)
+                except ValueError:
+                    pass
+        context.set_trailing_metadata(tuple(trailing))
+
+    # ------------------------------------------------------------------------------------ Call
+    async def call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        # One coroutine, and no await before the upstream call unless the call must queue: this is
+        # the hot path, and every extra step shows in the router's share of the latency.
+        t0 = time.perf_counter()
+        out = _Outcome()
+        try:
+            md = context.invocation_metadata()
+            route = read_route(md, context.time_remaining())
+            plan = self.router.plan(route)
+            pool = plan.pool
+            backend = pool.take(plan) or await pool.wait(plan, route.deadline)
+            self.router.placed(plan, backend)
+            out.pool = pool.name
+            flight = Flight()
+            backend.flights.add(flight)
+            try:
+                upstream = backend.stubs[CALL](request, metadata=_forwarded(md), timeout=self._timeout(route))
+                flight.call = upstream
+                try:
+                    reply: bytes = await upstream
+                except asyncio.CancelledError:
+                    if flight.failed:
+                        raise crashed(backend, flight.failed) from None
+                    raise
+                except grpc.aio.AioRpcError as err:
+                    await self._forward_error(err, backend, flight, context, out)
+                    raise
+                self._pass_trailing(backend, await upstream.trailing_metadata(), context)
+                out.code = "OK"
+                return reply
+            finally:
+                backend.flights.discard(flight)
+                pool.release(backend)
+        except BaseException as exc:
+            await self._abort(context, out, exc)
+            raise
+        finally:
+            self.metrics.observe_call(out.pool, "Call", out.code, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------------------------ Stream
+    async def stream(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        t0 = time.perf_counter()
+        out = _Outcome()
+        items = self._stream(request, context, out)
+        try:
+            async for item in items:
+                yield item
+        except BaseException as exc:
+            await self._abort(context, out, exc)
+            raise
+        finally:
+            await items.aclose()       # now, not at garbage collection: it frees the worker slot
+            self.metrics.observe_call(out.pool, "Stream", out.code, time.perf_counter() - t0)
+
+    async def _stream(self, request: bytes, context: grpc.aio.ServicerContext,
+                      out: _Outcome) -> AsyncGenerator[bytes, None]:
+        md = context.invocation_metadata()
+        route = read_route(md, context.time_remaining())
+        pool, backend = await self.router.acquire(route)
+        out.pool = pool.name
+        flight = Flight()
+        backend.flights.add(flight)
+        upstream = None
+        try:
+            upstream = backend.stubs[STREAM](request, metadata=_forwarded(md), timeout=self._timeout(route))
+            flight.call = upstream
+            try:
+                while True:
+                    item = await upstream.read()
+                    if item is grpc.aio.EOF:
+                        break
+                    yield item
+            except asyncio.CancelledError:
+                if flight.failed:
+                    raise crashed(backend, flight.failed) from None
+                raise
+            except grpc.aio.AioRpcError as err:
+                await self._forward_error(err, backend, flight, context, out)
+                raise
+            self._pass_trailing(backend, await upstream.trailing_metadata(), context)
+            out.code = "OK"
+        finally:
+            if upstream is not None and not upstream.done():
+                upstream.cancel()
+            backend.flights.discard(flight)
+            pool.release(backend)
+
+    # ------------------------------------------------------------------------------------ Release
+    async def release(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        t0 = time.perf_counter()
+        out = _Outcome()
+        try:
+            return await self._release(request, context, out)
+        except BaseException as exc:
+            await self._abort(context, out, exc)
+            raise
+        finally:
+            self.metrics.observe_call(out.pool, "Release", out.code, time.perf_counter() - t0)
+
+    async def _release(self, request: bytes, context: grpc.aio.ServicerContext, out: _Outcome) -> bytes:
+        """Each worker gets its own refs; a session release goes to every worker of the pool (of
+        every pool when the caller names none), and unpins the session."""
+        md = context.invocation_metadata()
+        route = read_route(md, context.time_remaining())
+        req = pb.ReleaseRequest.FromString(request)
+        by_worker: dict[str, list[str]] = {}
+        for ref in req.ref_ids:
+            by_worker.setdefault(ref.partition(".")[0], []).append(ref)
+        pools = [self.router.pool(route.opts.pool)] if route.opts.pool else list(self.router.pools.values())
+        out.pool = pools[0].name if len(pools) == 1 else "-"
+        targets: dict[str, Backend] = {b_id: b for b_id in by_worker if (b := self.router.backends.get(b_id))}
+        session_backends: set[Backend] = set()
+        if req.session_id:
+            for p in pools:
+                p.unpin(req.session_id)
+                session_backends.update(p.backends)
+            targets.update((b.id, b) for b in session_backends)
+        fwd = _forwarded(md)
+        timeout = self._timeout(route)
+
+        async def one(b: Backend) -> int:
+            sub = pb.ReleaseRequest(ref_ids=by_worker.get(b.id, []),
+                                    session_id=req.session_id if b in session_backends else "")
+            try:
+                raw = await b.stubs[RELEASE](sub.SerializeToString(), metadata=fwd, timeout=timeout)
+            except grpc.aio.AioRpcError as err:
+                if err.code() in _TRANSPORT_CODES and not _has_details(err):
+                    return 0      # a worker that is going away takes its refs with it
+                raise
+            return int(pb.ReleaseReply.FromString(raw).released)
+
+        try:
+            counts = await asyncio.gather(*(one(b) for b in targets.values()))
+        except grpc.aio.AioRpcError as err:
+            out.code = err.code().name
+            await context.abort(err.code(), err.details() or "", tuple(err.trailing_metadata() or ()))
+            raise
+        out.code = "OK"
+        reply: bytes = pb.ReleaseReply(released=sum(counts)).SerializeToString()
+        return reply
+
+    # ------------------------------------------------------------------------------------ Describe
+    async def describe(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        t0 = time.perf_counter()
+        out = _Outcome()
+        try:
+            md = context.invocation_metadata()
+            route = read_route(md, context.time_remaining())
+            backend = self.router.any_backend(route.opts.pool)
+            out.pool = backend.pool
+            try:
+                reply: bytes = await backend.stubs[DESCRIBE](request, metadata=_forwarded(md),
+                                                             timeout=self._timeout(route))
+            except grpc.aio.AioRpcError as err:
+                out.code = err.code().name
+                await context.abort(err.code(), err.details() or "", tuple(err.trailing_metadata() or ()))
+                raise
+            out.code = "OK"
+            return reply
+        except BaseException as exc:
+            await self._abort(context, out, exc)
+            raise
+        finally:
+            self.metrics.observe_call(out.pool, "Describe", out.code, time.perf_counter() - t0)
+
+
+async def _died_within(backend: Backend, seconds: float) -> bool:
+    if backend.died.is_set():
+        return True
+    try:
+        await asyncio.wait_for(backend.died.wait(), seconds)
+    except asyncio.TimeoutError:
+        return False
+    return True

@@ -1,0 +1,80 @@
+"""Prometheus metrics of the pool server, on their own registry and HTTP port.
+
+Counters and histograms are updated as calls finish; gauges (queue depth, in-flight calls, workers
+by state, pinned sessions) are read from the live router state at scrape time instead of being
+updated on every call, so the hot path pays for one histogram observation and one counter only.
+The payload is never decoded, so calls are labelled by pool, method and status, not by target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                   60.0, 120.0, 600.0)
+
+# (pool, queue length, in flight, sessions, {worker state: count}), one per pool, read at scrape time.
+PoolSnapshot = tuple[str, int, int, int, dict[str, int]]
+
+
+class _LiveState(Collector):
+    def __init__(self, snapshot: Callable[[], list[PoolSnapshot]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        queue = GaugeMetricFamily("vllm_bridge_queue_depth", "Calls waiting for a worker slot", labels=["pool"])
+        flight = GaugeMetricFamily("vllm_bridge_in_flight", "Calls running on workers", labels=["pool"])
+        sessions = GaugeMetricFamily("vllm_bridge_sessions", "Sessions pinned to a worker", labels=["pool"])
+        workers = GaugeMetricFamily("vllm_bridge_workers", "Worker processes by state", labels=["pool", "state"])
+        for pool, q, f, s, states in self._snapshot():
+            queue.add_metric([pool], q)
+            flight.add_metric([pool], f)
+            sessions.add_metric([pool], s)
+            for state, n in states.items():
+                workers.add_metric([pool, state], n)
+        yield from (queue, flight, sessions, workers)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.calls = Counter("vllm_bridge_calls", "Calls finished, by pool, method and status",
+                             ["pool", "method", "code"], registry=self.registry)
+        self.latency = Histogram("vllm_bridge_call_seconds", "Call latency through the router, queue wait included",
+                                 ["pool", "method"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.queue_wait = Histogram("vllm_bridge_queue_wait_seconds", "Time calls waited for a worker slot",
+                                    ["pool"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.restarts = Counter("vllm_bridge_worker_restarts", "Worker processes restarted after a crash",
+                                ["pool"], registry=self.registry)
+        self.recycles = Counter("vllm_bridge_worker_recycles", "Worker processes recycled (lifetime or calls)",
+                                ["pool"], registry=self.registry)
+        self._children: dict[tuple[str, str, str], Any] = {}
+        self._server: Any = None
+
+    def observe_call(self, pool: str, method: str, code: str, seconds: float) -> None:
+        key = (pool, method, code)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = (self.calls.labels(pool, method, code), self.latency.labels(pool, method))
+        child[0].inc()
+        child[1].observe(seconds)
+
+    def watch(self, snapshot: Callable[[], list[PoolSnapshot]]) -> None:
+        self.registry.register(_LiveState(snapshot))
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Starts the HTTP endpoint (a daemon thread); returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        return int(server.server_port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,184 @@
+"""The supervisor end to end: a worker killed with calls in flight, a pool that keeps crashing,
+recycling with draining, and SIGTERM of the server with calls in flight. Real processes only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bridge_server.client import CallError, Target
+from tests.pool_harness import Gate, PoolServer, group_members, in_thread, open_gates, start_pool_server, wait_until
+
+PC = "vllm.config.ParallelConfig"
+DIVIDE = "vllm.distributed.divide"
+
+CONFIG = """
+grace_s = 10
+[[pools]]
+name = "c"
+workers = 1
+max_concurrent = 32
+restart_backoff_s = 0.2
+
+[[pools]]
+name = "r"
+workers = 1
+max_concurrent = 8
+recycle_after_calls = 40
+
+[[pools]]
+name = "broken"
+workers = 1
+worker_args = ["--no-such-option"]
+restart_backoff_s = 0.05
+max_restarts = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolServer]:
+    s = start_pool_server(tmp_path_factory.mktemp("pool-lifecycle"), CONFIG)
+    yield s
+    s.stop()
+
+
+def test_kill_9_fails_the_in_flight_calls_at_once_and_the_worker_is_replaced(server: PoolServer) -> None:
+    with server.client(pool="c") as c:
+        ref = c.call(PC, session_id="crash-keep")
+        c.call(PC, session_id="crash-strict")
+        before = server.pool("c").workers[0]
+        assert before.id == "c-0-g1" and before.state == "ready"
+        assert [p.pid for p in group_members(before.pid)] == [before.pid]
+        gates = [Gate() for _ in range(16)]
+        calls = [in_thread(lambda g=g, i=i: c.call(*g.args(), session_id=f"crash-{i}")) for i, g in enumerate(gates)]
+        wait_until(lambda: server.pool("c").in_flight == 16, what="16 calls in flight")
+        wait_until(lambda: all(g.running() for g in gates), what="all 16 running in the worker")
+
+        killed = time.monotonic()
+        os.kill(before.pid, signal.SIGKILL)
+        for out in calls:
+            assert out.done.wait(10)
+        assert max(out.ended for out in calls) - killed < 1.0
+        for out in calls:
+            assert out.error is not None, out.value
+            assert out.error.code == grpc.StatusCode.UNAVAILABLE and out.error.reason == "worker crashed"
+            assert out.error.category == "worker" and "c-0-g1" in out.error.details
+            assert "SIGKILL" in out.error.details
+
+        # Nothing of the killed worker's process group is left.
+        wait_until(lambda: not group_members(before.pid), timeout=5, what="the killed worker's group gone")
+
+        # It is replaced, and new calls succeed.
+        wait_until(lambda: (w := server.pool("c").workers[0]).state == "ready" and w.generation == 2,
+                   timeout=120, what="the replacement ready")
+        pool = server.pool("c")
+        assert pool.restarts == 1 and pool.workers[0].id == "c-0-g2" and "SIGKILL" in pool.workers[0].last_exit
+        assert c.call(DIVIDE, 9, 3) == 3
+
+        # Its refs and its strict sessions are lost, with an error that names them; hint moves on.
+        with pytest.raises(CallError) as err:
+            c.call(Target.get(ref, "world_size"))
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.reason == "worker lost"
+        assert ref.id in err.value.details and "c-0-g1" in err.value.details
+        with pytest.raises(CallError) as err:
+            c.call(PC, session_id="crash-strict", affinity="strict_queue")
+        assert err.value.reason == "worker lost" and "'crash-strict'" in err.value.details
+        assert c.call(PC, session_id="crash-strict", affinity="hint").worker_id == "c-0-g2"
+        assert c.call(PC, session_id="crash-strict", affinity="strict_fail_fast").worker_id == "c-0-g2"
+
+
+def test_a_pool_that_keeps_crashing_is_degraded_instead_of_restarting_forever(server: PoolServer) -> None:
+    pool = server.pool("broken")
+    assert pool.state == "degraded" and "worker crashes within" in pool.detail, pool
+    assert pool.workers[0].state == "failed" and "exited with code 2" in pool.workers[0].last_exit
+    restarts = pool.restarts
+    time.sleep(1.0)
+    assert server.pool("broken").restarts == restarts == 2
+    assert server.status().state == "degraded"
+    with grpc.insecure_channel(server.address) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        status = {s: health.Check(health_pb2.HealthCheckRequest(service=s), timeout=5).status
+                  for s in ("", "pool/c", "pool/broken")}
+    assert status == {"": health_pb2.HealthCheckResponse.NOT_SERVING, "pool/c": health_pb2.HealthCheckResponse.SERVING,
+                      "pool/broken": health_pb2.HealthCheckResponse.NOT_SERVING}
+    with server.client(pool="broken") as c:
+        t0 = time.monotonic()
+        with pytest.raises(CallError) as err:
+            c.call(DIVIDE, 4, 2)
+        assert time.monotonic() - t0 < 1
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE and "degraded" in err.value.details
+
+
+def test_a_worker_is_recycled_after_its_calls_and_drained_first(server: PoolServer) -> None:
+    first = server.pool("r").workers[0]
+    assert first.id == "r-0-g1"
+    gate = Gate()
+    with server.client(pool="r", session_id="recycle") as c:
+        slow = in_thread(lambda: c.call(*gate.args(), affinity="strict_queue"))
+        wait_until(lambda: server.pool("r").in_flight == 1, what="a slow call on the first worker")
+        # Calls keep succeeding while the replacement starts and the first worker drains.
+        deadline = time.monotonic() + 120
+        n = 0
+        while True:
+            assert c.call(DIVIDE, 10, 2, affinity="hint") == 5
+            n += 1
+            if n % 10 == 0:
+                workers = {w.id: w for w in server.pool("r").workers}
+                if "r-0-g2" in workers and workers["r-0-g2"].state == "ready":
+                    break
+            assert time.monotonic() < deadline, "no replacement"
+            time.sleep(0.01)
+        # The old worker is draining: its slow call is still running, and it takes no new calls.
+        workers = {w.id: w for w in server.pool("r").workers}
+        assert workers["r-0-g1"].state == "draining" and workers["r-0-g1"].in_flight == 1
+        assert c.call(PC, affinity="hint").worker_id == "r-0-g2"
+        open_gates([gate])
+        assert slow.done.wait(30) and slow.error is None, slow.error
+        wait_until(lambda: "r-0-g1" not in {w.id for w in server.pool("r").workers}, timeout=30,
+                   what="the recycled worker gone")
+        wait_until(lambda: not group_members(first.pid), timeout=5, what="its process group gone")
+        assert server.pool("r").restarts == 0     # a recycle is not a crash
+
+
+CONFIG_SIGTERM = """
+grace_s = 30
+[[pools]]
+name = "d"
+workers = 1
+max_concurrent = 4
+"""
+
+
+def test_sigterm_lets_in_flight_calls_finish_then_every_process_is_gone(tmp_path: Path) -> None:
+    server = start_pool_server(tmp_path, CONFIG_SIGTERM)
+    try:
+        worker = server.pool("d").workers[0]
+        sockets_dir = Path(worker.address.removeprefix("unix:")).parent
+        assert sockets_dir.is_dir()
+        gates = [Gate() for _ in range(3)]
+        with server.client(pool="d") as c:
+            calls = [in_thread(lambda g=g: c.call(*g.args())) for g in gates]
+            wait_until(lambda: server.pool("d").in_flight == 3, what="3 calls in flight")
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+            # No new calls are taken, but the server waits for the ones in flight.
+            with server.client(pool="d") as late, pytest.raises(CallError) as err:
+                late.call(DIVIDE, 4, 2, timeout=5)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            assert server.proc.poll() is None and psutil.pid_exists(worker.pid)
+            open_gates(gates)
+            for out in calls:
+                assert out.done.wait(30) and out.error is None, out.error
+        assert server.proc.wait(30) == 0
+        wait_until(lambda: not group_members(worker.pid), timeout=5, what="the worker's group gone")
+        assert not sockets_dir.exists()
+    finally:
+        server.stop()
