@@ -62,6 +62,37 @@ class ObjectSpec:
 
 
 @dataclass
+class DistributedConfig:
+    """A pool whose workers are the ranks of one torch.distributed group (`[pools.distributed]`)."""
+
+    backend: str = "gloo"                # gloo on CPU, nccl with GPUs
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def worker_args(self, rank: int, world_size: int, init_method: str) -> list[str]:
+        return ["--dist-backend", self.backend, "--dist-world-size", str(world_size), "--dist-rank", str(rank),
+                "--dist-init", init_method, "--dist-tp", str(self.tensor_parallel_size),
+                "--dist-pp", str(self.pipeline_parallel_size)]
+
+
+DIST_BACKENDS = ("gloo", "nccl")
+
+
+def _distributed(where: str, raw: Any) -> DistributedConfig | None:
+    if raw is None or isinstance(raw, DistributedConfig):
+        return raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a table, got {raw!r}")
+    d = DistributedConfig()
+    for key, value in raw.items():
+        if not hasattr(d, key):
+            raise ConfigError(f"{where}.{key}: unknown key; known: backend, tensor_parallel_size, "
+                              f"pipeline_parallel_size")
+        setattr(d, key, _coerce(f"{where}.{key}", value, getattr(DistributedConfig(), key)))
+    return d
+
+
+@dataclass
 class PoolConfig:
     name: str
     workers: int = 1
@@ -81,6 +112,7 @@ class PoolConfig:
     drain_timeout_s: float = 60.0        # a recycled worker's in-flight calls get this long
     worker_grace_s: float = 10.0         # the worker's own grace on SIGTERM
     log_dir: str = ""                    # per-worker log files here; empty: inherit the server's
+    distributed: DistributedConfig | None = None   # the workers are the ranks of one group
 
 
 @dataclass
@@ -166,6 +198,8 @@ def _set_pool_key(pool: PoolConfig, key: str, value: Any) -> None:
         value = [_object(f"{where}[{i}]", o) for i, o in enumerate(value)]
     elif key == "env":
         value = {str(k): str(v) for k, v in _coerce(where, value, {}).items()}
+    elif key == "distributed":
+        value = _distributed(where, value)
     elif key == "worker_args":
         value = [str(a) for a in _coerce(where, value, [])]
     else:
@@ -222,6 +256,17 @@ def validate(cfg: ServerConfig) -> ServerConfig:
             raise ConfigError(f"pool {p.name!r}: workers and max_concurrent must be >= 1, queue_size >= 0")
         if p.affinity not in AFFINITY_MODES:
             raise ConfigError(f"pool {p.name!r}: affinity {p.affinity!r}; expected one of {', '.join(AFFINITY_MODES)}")
+        d = p.distributed
+        if d is not None:
+            if d.backend not in DIST_BACKENDS:
+                raise ConfigError(f"pool {p.name!r}: distributed.backend {d.backend!r}; expected one of "
+                                  f"{', '.join(DIST_BACKENDS)}")
+            if d.tensor_parallel_size * d.pipeline_parallel_size != p.workers:
+                raise ConfigError(f"pool {p.name!r}: tensor_parallel_size {d.tensor_parallel_size} x "
+                                  f"pipeline_parallel_size {d.pipeline_parallel_size} must equal workers {p.workers}")
+            if p.recycle_after_calls or p.recycle_after_s:
+                raise ConfigError(f"pool {p.name!r}: a distributed pool cannot recycle workers one at a time "
+                                  f"(a group cannot lose a rank); unset recycle_after_calls/recycle_after_s")
         names = [o.name for o in p.objects]
         if len(set(names)) != len(names):
             raise ConfigError(f"pool {p.name!r}: object names repeat: {names}")

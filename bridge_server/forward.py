@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from bridge_server.collective import run_collective
 from bridge_server.errors import BridgeError
 from bridge_server.metrics import Metrics
 from bridge_server.protocol import MD_WORKER_REFS
@@ -83,6 +84,7 @@ class Forwarder:
             "Stream": grpc.unary_stream_rpc_method_handler(self.stream),
             "Release": grpc.unary_unary_rpc_method_handler(self.release),
             "Describe": grpc.unary_unary_rpc_method_handler(self.describe),
+            "Collective": grpc.unary_unary_rpc_method_handler(self.collective),
         })
 
     # ------------------------------------------------------------------------------------ helpers
@@ -169,6 +171,21 @@ class Forwarder:
             raise
         finally:
             self.metrics.observe_call(out.pool, "Call", out.code, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------------------------ Collective
+    async def collective(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        t0 = time.perf_counter()
+        out = _Outcome()
+        try:
+            out.pool, reply = await run_collective(self.router, request, context,
+                                                   _forwarded(context.invocation_metadata()))
+            out.code = "OK"
+            return reply
+        except BaseException as exc:
+            await self._abort(context, out, exc)
+            raise
+        finally:
+            self.metrics.observe_call(out.pool, "Collective", out.code, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------------------------ Stream
     async def stream(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:

@@ -104,6 +104,10 @@ class PoolRouter:
         self.queue: deque[Waiter] = deque()
         self.sessions: OrderedDict[str, Backend] = OrderedDict()
         self.unavailable = ""        # set by the supervisor when no worker will come (degraded, stopping)
+        # Distributed pools: collectives run one at a time on all ranks, in the order they arrive,
+        # or the group deadlocks; and a broken collective restarts the group (set by the supervisor).
+        self.collective_lock = asyncio.Lock()
+        self.restart_group: Callable[[str], None] = lambda reason: None
         self.observe_wait: Callable[[float], None] = lambda seconds: None   # metrics hook
 
     # ------------------------------------------------------------------------------- membership
@@ -156,6 +160,17 @@ class PoolRouter:
             raise pool_error(grpc.StatusCode.UNAVAILABLE, f"pool {self.name!r} has no live worker for rank {rank} "
                              f"now", "no live worker")
         return min(live, key=lambda b: b.state != READY)
+
+    def group(self) -> list[Backend]:
+        """Every rank's live worker, in rank order; UNAVAILABLE naming the missing ranks otherwise."""
+        by_rank = {b.index: b for b in self.backends if b.state == READY}
+        missing = [r for r in range(self.config.workers) if r not in by_rank]
+        if missing:
+            why = f" ({self.unavailable})" if self.unavailable else ""
+            raise pool_error(grpc.StatusCode.UNAVAILABLE, f"pool {self.name!r} cannot run a collective now: rank(s) "
+                             f"{', '.join(map(str, missing))} not ready (the group is starting or restarting){why}",
+                             "group not ready")
+        return [by_rank[r] for r in range(self.config.workers)]
 
     # ------------------------------------------------------------------------------- sessions
     def pinned(self, session: str) -> Backend | None:

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections import deque
@@ -37,6 +38,12 @@ from bridge_server.workerproc import (EXITED, STARTING, WorkerProc, describe_exi
 log = logging.getLogger("vllm_bridge.supervisor")
 
 BACKOFF, FAILED = "backoff", "failed"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @dataclass(eq=False)
@@ -71,6 +78,11 @@ class PoolSupervisor:
         self._stopping = asyncio.Event()
         self._seq = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        # A distributed pool is one torch.distributed group: every start of the group rendezvouses
+        # on a fresh port, and losing any rank restarts the whole group.
+        self.group_port = _free_port() if config.distributed else 0
+        self.regrouping = ""
+        router.pools[self.name].restart_group = self.restart_group
 
     # ------------------------------------------------------------------------------------ state
     @property
@@ -79,7 +91,25 @@ class PoolSupervisor:
             return "stopping"
         if self.degraded:
             return "degraded"
+        if self.config.distributed is not None:
+            if all(s.state == READY for s in self.slots):
+                return "serving"
+            return "regrouping" if self.regrouping else "starting"
         return "serving" if any(p.state == READY for p in self.procs) else "starting"
+
+    def restart_group(self, reason: str) -> None:
+        """A group cannot continue with a missing or stuck rank: stop every rank, start them all again."""
+        if self.config.distributed is None or self.stopping:
+            return
+        log.error("pool %s: restarting the whole group: %s", self.name, reason)
+        self.group_port = _free_port()
+        self.regrouping = reason
+        for wp in list(self.procs):
+            if not wp.exited.is_set():
+                wp.expected_exit = True
+                wp.exit_description = f"stopped to restart the group ({reason})"
+                kill_group(wp.pid)
+        self.on_change()
 
     @property
     def restarts(self) -> int:
@@ -156,6 +186,9 @@ class PoolSupervisor:
                         os.path.join(self.sockets_dir, f"{self.name[:40]}-{self._seq}.sock"))
         slot.last_id = wp.id
         slot.state = STARTING
+        d = self.config.distributed
+        if d is not None:
+            wp.extra_args = d.worker_args(slot.index, self.config.workers, f"tcp://127.0.0.1:{self.group_port}")
         self.procs.append(wp)
         self.on_change()
         try:
@@ -177,6 +210,9 @@ class PoolSupervisor:
             return wp
         wp.state = READY
         slot.state = READY
+        if self.regrouping and all(s.state == READY for s in self.slots):
+            log.info("pool %s: the group is back (%s)", self.name, self.regrouping)
+            self.regrouping = ""
         wp.backend = Backend(wp.id, self.name, wp.address, self.config.max_concurrent, slot.index, channel,
                              make_stubs(channel))
         self.router.add_backend(wp.backend)
@@ -204,6 +240,7 @@ class PoolSupervisor:
         if not wp.expected_exit:
             log.error("pool %s: worker %s (pid %d) %s", self.name, wp.id, wp.pid, desc)
             self._note_crash(slot, wp)
+            self.restart_group(f"rank {slot.index} ({wp.id}) {desc}")
         wp.exited.set()
         self.on_change()
 

@@ -81,6 +81,7 @@ class WorkerProc:
     exit_description: str = ""
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     recycle: asyncio.Event = field(default_factory=asyncio.Event)
+    extra_args: list[str] = field(default_factory=list)   # e.g. its rank in a distributed pool
 
     @property
     def address(self) -> str:
@@ -99,7 +100,8 @@ def worker_command(wp: WorkerProc, cfg: PoolConfig) -> list[str]:
            "--grace", str(cfg.worker_grace_s)]
     if cfg.objects:
         cmd += ["--objects", json.dumps([o.to_json() for o in cfg.objects])]
-    return cmd + [a.replace("{index}", str(wp.index)).replace("{workers}", str(cfg.workers)) for a in cfg.worker_args]
+    return cmd + wp.extra_args + [a.replace("{index}", str(wp.index)).replace("{workers}", str(cfg.workers))
+                                  for a in cfg.worker_args]
 
 
 async def spawn(wp: WorkerProc, cfg: PoolConfig) -> None:
