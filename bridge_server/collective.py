@@ -93,17 +93,26 @@ async def _on_rank(rank: int, backend: Backend, payload: bytes, metadata: list[t
         backend.in_flight -= 1
 
 
-def _payloads(request: pb.CollectiveRequest, pool: PoolRouter) -> tuple[list[bytes], str]:
+def _payloads(request: pb.CollectiveRequestView, pool: PoolRouter) -> tuple[list[bytes], str]:
+    """The per-rank CallRequest payloads, as bytes; only the target (for messages) is decoded."""
     ranks = pool.config.workers
     if request.per_rank:
         if len(request.per_rank) != ranks:
             raise BridgeError.validation(f"Collective: per_rank has {len(request.per_rank)} calls, but pool "
                                          f"{pool.name!r} has {ranks} ranks", parameter="per_rank")
-        return [c.SerializeToString() for c in request.per_rank], request.per_rank[0].target.name
-    if not request.HasField("call"):
+        payloads = list(request.per_rank)
+    elif request.call:
+        payloads = [request.call] * ranks
+    else:
         raise BridgeError.validation("Collective: give `call` (the same call on every rank) or `per_rank`",
                                      parameter="call")
-    return [request.call.SerializeToString()] * ranks, request.call.target.name
+    return payloads, _target_name(payloads[0])
+
+
+def _target_name(payload: bytes) -> str:
+    """For messages: the target of a serialized CallRequest, without parsing its arguments' values
+    (the unknown argument fields are skipped, not decoded)."""
+    return pb.CallTargetView.FromString(payload).target.name or "call"
 
 
 def _remaining(route: Route) -> float | None:
@@ -115,7 +124,7 @@ async def run_collective(router: Router, request: bytes, context: grpc.aio.Servi
     """Returns (pool name, CollectiveReply bytes); raises BridgeError."""
     route = read_route(context.invocation_metadata(), context.time_remaining())
     pool = router.pool(route.opts.pool)
-    payloads, label = _payloads(pb.CollectiveRequest.FromString(request), pool)
+    payloads, label = _payloads(pb.CollectiveRequestView.FromString(request), pool)
     try:
         await asyncio.wait_for(pool.collective_lock.acquire(), _remaining(route))
     except TimeoutError:
@@ -165,5 +174,4 @@ async def _gather(tasks: list[asyncio.Task[bytes]], route: Route, label: str, po
         stuck = sorted(tasks.index(t) for t in pending)
         raise BridgeError.timeout(f"collective {label}: deadline exceeded with rank(s) {', '.join(map(str, stuck))} "
                                   f"still running", target=label)
-    replies = [pb.CallReply.FromString(t.result()) for t in tasks]
-    return pb.CollectiveReply(results=replies).SerializeToString()
+    return pb.CollectiveReplyView(results=[t.result() for t in tasks]).SerializeToString()
