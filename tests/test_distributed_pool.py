@@ -169,3 +169,40 @@ def test_collective_argument_errors(tp: BridgeClient, server: PoolServer, tmp_pa
     with pytest.raises(CallError) as err:
         tp.collective(f"{D}.divide", per_rank=[((6, 3), {})])
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "2 ranks" in err.value.details
+
+
+# Documented vllm.distributed functions, called as collectives on every rank with plausible arguments.
+# Each must reach vLLM and either return or raise vLLM's own error: never a bridge failure.
+SWEEP: list[tuple[str, tuple[object, ...]]] = [
+    ("get_tp_group", ()), ("get_pp_group", ()), ("get_dp_group", ()), ("get_ep_group", ()), ("get_dcp_group", ()),
+    ("get_pcp_group", ()), ("get_world_group", ()), ("get_context_model_parallel_group", ()),
+    ("get_inner_dp_world_group", ()), ("get_tensor_model_parallel_rank", ()),
+    ("get_tensor_model_parallel_world_size", ()), ("get_decode_context_model_parallel_rank", ()),
+    ("get_decode_context_model_parallel_world_size", ()), ("get_node_count", ()), ("is_global_first_rank", ()),
+    ("is_local_first_rank", ()), ("model_parallel_is_initialized", ()),
+    ("get_distributed_init_method", ("127.0.0.1", 1234)), ("get_tcp_uri", ("127.0.0.1", 1234)),
+    ("get_pp_indices", (32, 0, 2)), ("divide", (6, 3)), ("ensure_divisibility", (6, 3)),
+    ("is_torch_equal_or_newer", ("2.0",)), ("split_tensor_along_last_dim", (torch.ones(2, 4), 2)),
+    ("sched_yield", ()), ("resolve_obj_by_qualname", ("vllm.distributed.divide",)),
+    ("init_logger", ("bridge.test",)), ("logger", ()), ("use_sched_yield", ()), ("set_custom_all_reduce", (True,)),
+    ("all_reduce", (torch.ones(3), "tp:0")), ("all_gather", (torch.ones(3), 0, 2, "tp:0")),
+    ("reduce_scatter", (torch.ones(4), 0, 2, "tp:0")), ("all_reduce_fake", (torch.ones(3), "tp:0")),
+    ("all_gather_fake", (torch.ones(3), 0, 2, "tp:0")), ("reduce_scatter_fake", (torch.ones(4), 0, 2, "tp:0")),
+    ("graph_capture", ("cpu",)), ("tensor_model_parallel_all_reduce", (torch.ones(2),)),
+]
+
+
+def test_documented_distributed_functions_reach_vllm_on_a_group(tp: BridgeClient) -> None:
+    problems = []
+    for name, args in SWEEP:
+        try:
+            results = tp.collective(f"{D}.{name}", *args, timeout=30)
+            assert len(results) == 2
+        except CallError as err:
+            if err.category != "python_error":      # vLLM's own error is an answer; ours is not
+                problems.append(f"{name}: {err.code.name} {err.category}: {err.details}")
+    assert not problems, "\n".join(problems)
+    assert tp.collective(f"{D}.all_reduce", torch.ones(3), "tp:0")[0].tolist() == [2.0, 2.0, 2.0]
+    with pytest.raises(CallError) as err:
+        tp.collective(f"{D}.graph_capture", "cpu")
+    assert err.value.category == "python_error"
