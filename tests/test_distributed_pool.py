@@ -203,6 +203,7 @@ def test_documented_distributed_functions_reach_vllm_on_a_group(tp: BridgeClient
                 problems.append(f"{name}: {err.code.name} {err.category}: {err.details}")
     assert not problems, "\n".join(problems)
     assert tp.collective(f"{D}.all_reduce", torch.ones(3), "tp:0")[0].tolist() == [2.0, 2.0, 2.0]
-    with pytest.raises(CallError) as err:
-        tp.collective(f"{D}.graph_capture", "cpu")
-    assert err.value.category == "python_error"
+    managers = tp.collective(f"{D}.graph_capture", "cpu")     # a context manager on each rank
+    with pytest.raises(CallError) as err:                      # entering it needs CUDA: vLLM says so
+        tp.call(Target.method(managers[0], "__enter__"))
+    assert err.value.category == "python_error" and "cuda" in err.value.details.lower()
