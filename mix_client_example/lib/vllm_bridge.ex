@@ -1,0 +1,140 @@
+defmodule VllmBridge do
+  @moduledoc """
+  Elixir client for vllm-bridge, a gRPC server that drives vLLM.
+
+  The documented bindings are generated modules: `Vllm.ForwardContext.Module`,
+  `Vllm.Distributed`, `Vllm.ForwardContext.DPMetadata` and `Vllm.AsyncLLMEngine`. Every function
+  returns `{:ok, value}` or `{:error, %VllmBridge.Error{}}` and takes a trailing keyword list:
+  `__runtime__: [...]` holds runtime options, every other keyword is a Python keyword argument.
+
+  | `__runtime__` option | meaning | sent as |
+  | --- | --- | --- |
+  | `timeout` | ms for the call (an integer or `:infinity`) | the gRPC deadline |
+  | `timeout_profile` | `:default` 120 s, `:ml_inference` 600 s, `:batch_job` unlimited, `:streaming` 120 s | `x-bridge-timeout-profile` |
+  | `stream_timeout` | ms allowed between two stream items | `x-bridge-stream-timeout-ms` |
+  | `session_id` | the session that owns the refs the call makes | `x-bridge-session` |
+  | `pool_name` | which pool serves the call | `x-bridge-pool` |
+  | `affinity` | `:hint`, `:strict_queue`, `:strict_fail_fast` | `x-bridge-affinity` |
+
+  Without `timeout` no deadline is sent and the server applies the profile. Without `session_id`
+  the call runs under the calling process's own session (`session_id/0`), released when the
+  process exits (see `VllmBridge.Sessions`). The server address is `config :vllm_bridge, address:`,
+  else `$VLLM_BRIDGE_ADDRESS`, else `127.0.0.1:50051`.
+
+  This module has the generic operations the documents do not name: members of any ref
+  (`call_method/4`, `get_attr/3`, `set_attr/4`), context managers (`with_context/3`), constructors
+  and functions by catalog name, releasing refs and sessions, and the catalog.
+  """
+
+  alias VllmBridge.{Client, Error, Ref}
+
+  @type receiver :: Ref.t() | String.t()
+  @type result(t) :: {:ok, t} | {:error, Error.t()}
+
+  @doc "Calls a catalog function or classmethod by name: `call(\"vllm.distributed.divide\", [6, 3])`."
+  @spec call(String.t(), list(), keyword()) :: result(term())
+  def call(name, args \\ [], opts \\ []), do: Client.call({:function, name}, args, opts)
+
+  @doc "Builds an instance of a catalog class and returns its ref: `new(\"vllm.SamplingParams\", [], max_tokens: 8)`."
+  @spec new(String.t(), list(), keyword()) :: result(Ref.t())
+  def new(class, args \\ [], opts \\ []), do: Client.call({:constructor, class}, args, opts)
+
+  @doc "Calls a method of a ref, or of an object the server published by name (`\"engine\"`)."
+  @spec call_method(receiver(), String.t(), list(), keyword()) :: result(term())
+  def call_method(receiver, name, args \\ [], opts \\ []), do: Client.call({:method, receiver, name}, args, opts)
+
+  @doc "Reads an attribute of a ref or published object."
+  @spec get_attr(receiver(), String.t(), keyword()) :: result(term())
+  def get_attr(receiver, name, opts \\ []), do: Client.call({:get_attr, receiver, name}, [], opts)
+
+  @doc "Sets an attribute of a ref or published object."
+  @spec set_attr(receiver(), String.t(), term(), keyword()) :: result(nil)
+  def set_attr(receiver, name, value, opts \\ []), do: Client.call({:set_attr, receiver, name}, [value], opts)
+
+  @doc "Streams the items of an iterator or generator ref (a lazy `Stream`, like `generate`)."
+  @spec iterate(receiver(), keyword()) :: result(Enumerable.t())
+  def iterate(receiver, opts \\ []), do: Client.stream({:iterate, receiver}, [], opts)
+
+  @doc """
+  Runs `fun` inside a Python context manager: calls `__enter__` on `cm` (a ref, e.g. the result
+  of `Vllm.ForwardContext.Module.set_forward_context/3`), passes what it returned to `fun`, and
+  always calls `__exit__` afterwards, even if `fun` raises. Returns `{:ok, fun_result}`.
+  """
+  @spec with_context(Ref.t(), (term() -> result), keyword()) :: {:ok, result} | {:error, Error.t()} when result: term()
+  def with_context(cm, fun, opts \\ []) do
+    with {:ok, entered} <- call_method(cm, "__enter__", [], opts) do
+      try do
+        {:ok, fun.(entered)}
+      after
+        call_method(cm, "__exit__", [], opts)
+      end
+    end
+  end
+
+  @doc """
+  Runs a catalog function on every rank of a distributed pool at once (a lone worker is a group of
+  one rank) and returns the results in rank order: `collective("vllm.distributed.get_tensor_model_parallel_rank")`.
+  """
+  @spec collective(String.t(), list(), keyword()) :: result([term()])
+  def collective(name, args \\ [], opts \\ []), do: Client.collective({:function, name}, args, opts)
+
+  @doc "Releases refs (their objects are freed on the server). Returns how many were live."
+  @spec release(Ref.t() | [Ref.t() | String.t()]) :: result(non_neg_integer())
+  def release(refs), do: Client.release(List.wrap(refs), "")
+
+  @doc "Releases every ref of a session."
+  @spec release_session(String.t()) :: result(non_neg_integer())
+  def release_session(session), do: Client.release([], session)
+
+  @doc "The server's catalog: what can be called, with parameters (a `VllmBridge.V1.Catalog`)."
+  @spec describe(String.t()) :: result(VllmBridge.V1.Catalog.t())
+  def describe(prefix \\ ""), do: Client.describe(prefix)
+
+  @doc "The session the calling process uses by default."
+  @spec session_id() :: String.t()
+  defdelegate session_id(), to: Client
+
+  @doc "Marks a binary as Python `bytes` (plain binaries are `str`)."
+  @spec bytes(binary()) :: VllmBridge.Bytes.t()
+  def bytes(data) when is_binary(data), do: %VllmBridge.Bytes{data: data}
+end
+
+defmodule VllmBridge.Binding do
+  @moduledoc false
+  # What the generated `Vllm.*` functions call. They differ only in how their arguments are laid
+  # out (SnakeBridge's conventions, kept for compatibility with the documents), so the layouts are
+  # resolved here once.
+
+  alias VllmBridge.Client
+
+  @doc false
+  def invoke(mode, target, {args, opts}), do: invoke(mode, target, args, opts)
+
+  @doc false
+  def invoke(:call, target, args, opts), do: Client.call(target, args, opts)
+  def invoke(:stream, target, args, opts), do: Client.stream(target, args, opts)
+
+  @doc false
+  # Module functions: an argument in an optional slot may instead be the trailing keyword list.
+  def tail(args) do
+    {init, [last]} = Enum.split(args, -1)
+    if keyword?(last), do: {init, last}, else: {args, []}
+  end
+
+  @doc false
+  # Class methods: `rest` is the list of optional positional arguments; a keyword list given there
+  # (and no opts) is taken as the options, so `sleep(engine, level: 2)` works as expected.
+  def rest(required, rest) when is_list(rest) do
+    if rest != [] and keyword?(rest), do: {required, rest}, else: {required ++ rest, []}
+  end
+
+  @doc false
+  # Classmethods are documented with a receiver: a ref (or published name) calls the method on that
+  # object; the class's module (or nil) calls it on the class itself.
+  def classmethod(receiver, attr, _qualified) when is_binary(receiver) or is_struct(receiver, VllmBridge.Ref),
+    do: {:method, receiver, attr}
+
+  def classmethod(receiver, _attr, qualified) when is_atom(receiver), do: {:function, qualified}
+
+  defp keyword?(list), do: is_list(list) and Keyword.keyword?(list)
+end

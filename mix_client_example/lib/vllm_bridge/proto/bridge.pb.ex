@@ -1,0 +1,343 @@
+defmodule VllmBridge.V1.Target.Kind do
+  @moduledoc false
+
+  use Protobuf, enum: true, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :KIND_UNSPECIFIED, 0
+  field :FUNCTION, 1
+  field :MODULE_ATTR, 2
+  field :CONSTRUCTOR, 3
+  field :METHOD, 4
+  field :GET_ATTR, 5
+  field :SET_ATTR, 6
+  field :ITERATE, 7
+end
+
+defmodule VllmBridge.V1.Parameter.Kind do
+  @moduledoc false
+
+  use Protobuf, enum: true, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :KIND_UNSPECIFIED, 0
+  field :POSITIONAL_ONLY, 1
+  field :POSITIONAL_OR_KEYWORD, 2
+  field :VAR_POSITIONAL, 3
+  field :KEYWORD_ONLY, 4
+  field :VAR_KEYWORD, 5
+end
+
+defmodule VllmBridge.V1.CatalogEntry.Kind do
+  @moduledoc false
+
+  use Protobuf, enum: true, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :KIND_UNSPECIFIED, 0
+  field :FUNCTION, 1
+  field :MODULE_ATTR, 2
+  field :CONSTRUCTOR, 3
+  field :CLASSMETHOD, 4
+  field :METHOD, 5
+  field :ATTRIBUTE, 6
+end
+
+defmodule VllmBridge.V1.Value do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  oneof :kind, 0
+
+  field :null, 1, type: VllmBridge.V1.Null, oneof: 0
+  field :bool, 2, type: :bool, oneof: 0
+  field :int, 3, type: :sint64, oneof: 0
+  field :big_int, 4, type: :string, json_name: "bigInt", oneof: 0
+  field :float, 5, type: :double, oneof: 0
+  field :str, 6, type: :string, oneof: 0
+  field :bytes, 7, type: :bytes, oneof: 0
+  field :list, 8, type: VllmBridge.V1.Items, oneof: 0
+  field :tuple, 9, type: VllmBridge.V1.Items, oneof: 0
+  field :set, 10, type: VllmBridge.V1.Items, oneof: 0
+  field :frozenset, 11, type: VllmBridge.V1.Items, oneof: 0
+  field :map, 12, type: VllmBridge.V1.Map, oneof: 0
+  field :atom, 13, type: :string, oneof: 0
+  field :tensor, 14, type: VllmBridge.V1.Tensor, oneof: 0
+  field :ref, 15, type: VllmBridge.V1.Ref, oneof: 0
+  field :record, 16, type: VllmBridge.V1.Record, oneof: 0
+  field :enum, 17, type: VllmBridge.V1.Enum, oneof: 0
+end
+
+defmodule VllmBridge.V1.Null do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+end
+
+defmodule VllmBridge.V1.Items do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :items, 1, repeated: true, type: VllmBridge.V1.Value
+end
+
+defmodule VllmBridge.V1.Map do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :entries, 1, repeated: true, type: VllmBridge.V1.Entry
+end
+
+defmodule VllmBridge.V1.Entry do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :key, 1, type: VllmBridge.V1.Value
+  field :value, 2, type: VllmBridge.V1.Value
+end
+
+defmodule VllmBridge.V1.Tensor do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :dtype, 1, type: :string
+  field :shape, 2, repeated: true, type: :int64
+  field :data, 3, type: :bytes
+end
+
+defmodule VllmBridge.V1.Ref do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :id, 1, type: :string
+  field :session_id, 2, type: :string, json_name: "sessionId"
+  field :worker_id, 3, type: :string, json_name: "workerId"
+  field :type_name, 4, type: :string, json_name: "typeName"
+  field :repr, 5, type: :string
+end
+
+defmodule VllmBridge.V1.Record do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :type_name, 1, type: :string, json_name: "typeName"
+  field :fields, 2, repeated: true, type: VllmBridge.V1.Field
+end
+
+defmodule VllmBridge.V1.Field do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :name, 1, type: :string
+  field :value, 2, type: VllmBridge.V1.Value
+end
+
+defmodule VllmBridge.V1.Enum do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :type_name, 1, type: :string, json_name: "typeName"
+  field :name, 2, type: :string
+  field :value, 3, type: VllmBridge.V1.Value
+end
+
+defmodule VllmBridge.V1.Target do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  oneof :receiver, 0
+
+  field :kind, 1, type: VllmBridge.V1.Target.Kind, enum: true
+  field :name, 2, type: :string
+  field :ref, 3, type: VllmBridge.V1.Ref, oneof: 0
+  field :object, 4, type: :string, oneof: 0
+end
+
+defmodule VllmBridge.V1.CallRequest.KwargsEntry do
+  @moduledoc false
+
+  use Protobuf, map: true, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :key, 1, type: :string
+  field :value, 2, type: VllmBridge.V1.Value
+end
+
+defmodule VllmBridge.V1.CallRequest do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :target, 1, type: VllmBridge.V1.Target
+  field :args, 2, repeated: true, type: VllmBridge.V1.Value
+  field :kwargs, 3, repeated: true, type: VllmBridge.V1.CallRequest.KwargsEntry, map: true
+end
+
+defmodule VllmBridge.V1.CallReply do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :value, 1, type: VllmBridge.V1.Value
+end
+
+defmodule VllmBridge.V1.StreamItem do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :index, 1, type: :uint64
+  field :value, 2, type: VllmBridge.V1.Value
+end
+
+defmodule VllmBridge.V1.CollectiveRequest do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :call, 1, type: VllmBridge.V1.CallRequest
+  field :per_rank, 2, repeated: true, type: VllmBridge.V1.CallRequest, json_name: "perRank"
+end
+
+defmodule VllmBridge.V1.CollectiveReply do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :results, 1, repeated: true, type: VllmBridge.V1.CallReply
+end
+
+defmodule VllmBridge.V1.CollectiveRequestView do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :call, 1, type: :bytes
+  field :per_rank, 2, repeated: true, type: :bytes, json_name: "perRank"
+end
+
+defmodule VllmBridge.V1.CollectiveReplyView do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :results, 1, repeated: true, type: :bytes
+end
+
+defmodule VllmBridge.V1.CallTargetView do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :target, 1, type: VllmBridge.V1.Target
+end
+
+defmodule VllmBridge.V1.ReleaseRequest do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :ref_ids, 1, repeated: true, type: :string, json_name: "refIds"
+  field :session_id, 2, type: :string, json_name: "sessionId"
+end
+
+defmodule VllmBridge.V1.ReleaseReply do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :released, 1, type: :uint32
+end
+
+defmodule VllmBridge.V1.DescribeRequest do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :prefix, 1, type: :string
+end
+
+defmodule VllmBridge.V1.Parameter do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :name, 1, type: :string
+  field :kind, 2, type: VllmBridge.V1.Parameter.Kind, enum: true
+  field :has_default, 3, type: :bool, json_name: "hasDefault"
+  field :default_repr, 4, type: :string, json_name: "defaultRepr"
+  field :doc_type, 5, type: :string, json_name: "docType"
+  field :annotation, 6, type: :string
+end
+
+defmodule VllmBridge.V1.CatalogEntry do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :name, 1, type: :string
+  field :kind, 2, type: VllmBridge.V1.CatalogEntry.Kind, enum: true
+  field :module, 3, type: :string
+  field :class_name, 4, type: :string, json_name: "className"
+  field :parameters, 5, repeated: true, type: VllmBridge.V1.Parameter
+  field :return_type, 6, type: :string, json_name: "returnType"
+  field :streams, 7, type: :bool
+  field :is_async, 8, type: :bool, json_name: "isAsync"
+  field :summary, 9, type: :string
+  field :default_timeout_profile, 10, type: :string, json_name: "defaultTimeoutProfile"
+  field :exclusive, 11, type: :bool
+  field :documented_in, 12, type: :string, json_name: "documentedIn"
+end
+
+defmodule VllmBridge.V1.Catalog do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :entries, 1, repeated: true, type: VllmBridge.V1.CatalogEntry
+  field :vllm_version, 2, type: :string, json_name: "vllmVersion"
+  field :bridge_version, 3, type: :string, json_name: "bridgeVersion"
+end
+
+defmodule VllmBridge.V1.ErrorDetail do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :category, 1, type: :string
+  field :python_type, 2, type: :string, json_name: "pythonType"
+  field :message, 3, type: :string
+  field :traceback, 4, type: :string
+  field :target, 5, type: :string
+  field :parameter, 6, type: :string
+  field :reason, 7, type: :string
+  field :suggestions, 8, repeated: true, type: :string
+end
+
+defmodule VllmBridge.V1.Bridge.Service do
+  @moduledoc false
+
+  use GRPC.Service, name: "vllm_bridge.v1.Bridge", protoc_gen_elixir_version: "0.12.0"
+
+  rpc :Call, VllmBridge.V1.CallRequest, VllmBridge.V1.CallReply
+
+  rpc :Stream, VllmBridge.V1.CallRequest, stream(VllmBridge.V1.StreamItem)
+
+  rpc :Collective, VllmBridge.V1.CollectiveRequest, VllmBridge.V1.CollectiveReply
+
+  rpc :Release, VllmBridge.V1.ReleaseRequest, VllmBridge.V1.ReleaseReply
+
+  rpc :Describe, VllmBridge.V1.DescribeRequest, VllmBridge.V1.Catalog
+end
+
+defmodule VllmBridge.V1.Bridge.Stub do
+  @moduledoc false
+
+  use GRPC.Stub, service: VllmBridge.V1.Bridge.Service
+end

@@ -1,0 +1,227 @@
+defmodule VllmBridge.LiveTest do
+  # Against a running server (VLLM_BRIDGE_ADDRESS); excluded when it is not set.
+  use ExUnit.Case, async: false
+  @moduletag :live
+
+  alias Vllm.AsyncLLMEngine, as: Engine
+  alias Vllm.Distributed, as: D
+  alias Vllm.ForwardContext.DPMetadata
+  alias Vllm.ForwardContext.Module, as: FC
+  alias VllmBridge.{Bytes, Error, FrozenSet, PyEnum, Record, Ref, Tensor}
+
+  @engine System.get_env("VLLM_BRIDGE_ENGINE", "engine")
+
+  defp dp(opts \\ []), do: DPMetadata.new(Tensor.from_list(7, :int64), Tensor.from_list([5, 7, 3], :int64), [], opts)
+  defp id, do: "exunit-#{System.unique_integer([:positive])}"
+  defp greedy(n), do: %{max_tokens: n, temperature: 0.0, ignore_eos: true}
+
+  describe "Vllm.Distributed" do
+    test "module functions, errors with the Python type" do
+      assert {:ok, 2} = D.divide(6, 3)
+      assert {:ok, {0, 16}} = D.get_pp_indices(32, 0, 2)
+      assert {:ok, true} = D.use_sched_yield() |> then(fn {:ok, b} -> {:ok, is_boolean(b)} end)
+
+      assert {:error, %Error{category: "python_error", python_type: "AssertionError", code: :failed_precondition} = e} =
+               D.ensure_divisibility(7, 2)
+
+      assert e.message =~ "not divisible" and e.traceback =~ "Traceback"
+
+      assert {:error, %Error{code: :invalid_argument, category: "validation", parameter: p}} =
+               VllmBridge.call("vllm.distributed.divide", [6])
+
+      assert p == "denominator"
+    end
+  end
+
+  describe "Vllm.ForwardContext.Module" do
+    test "the forward context through a context-manager ref" do
+      {:ok, config} = VllmBridge.new("vllm.config.VllmConfig")
+      assert {:ok, false} = FC.is_forward_context_available()
+      {:ok, %Ref{} = cm} = FC.set_forward_context(nil, config, 0)
+
+      assert {:ok, {true, %Record{type_name: "vllm.forward_context.ForwardContext"}}} =
+               VllmBridge.with_context(cm, fn _ ->
+                 {:ok, available} = FC.is_forward_context_available()
+                 {:ok, context} = FC._forward_context()
+                 {available, context}
+               end)
+
+      assert {:ok, false} = FC.is_forward_context_available()
+      assert {:ok, nil} = FC._forward_context()
+      assert {:ok, -1.0} = FC.batchsize_logging_interval()
+    end
+  end
+
+  describe "Vllm.ForwardContext.DPMetadata" do
+    test "constructor, methods, attribute, classmethod" do
+      {:ok, dp} = dp()
+      assert {:ok, %Tensor{dtype: "int64"} = t} = DPMetadata.cu_tokens_across_sp(dp, 1)
+      assert Tensor.to_list(t) == [5, 12, 15]
+      assert {:ok, nil} = DPMetadata.local_sizes(dp)
+      {:ok, cm} = DPMetadata.sp_local_sizes(dp, 2)
+      assert {:ok, {:ok, [3, 3, 4, 4, 2, 2]}} = VllmBridge.with_context(cm, fn _ -> DPMetadata.local_sizes(dp) end)
+      {:ok, parallel} = VllmBridge.new("vllm.config.ParallelConfig", [], data_parallel_size: 2, data_parallel_rank: 1)
+      assert {:ok, %Record{}} = DPMetadata.make(DPMetadata, parallel, 7, Tensor.from_list([5, 7], :int64))
+    end
+  end
+
+  describe "Vllm.AsyncLLMEngine" do
+    @describetag :engine
+    test "generate streams RequestOutput records" do
+      {:ok, stream} = Engine.generate(@engine, "Hello", greedy(5), id(), __runtime__: [timeout_profile: :ml_inference])
+      # vLLM merges outputs the consumer has not taken yet, so there are 1 to 5 of them.
+      outputs = Enum.to_list(stream)
+      assert length(outputs) in 1..5
+      assert %Record{type_name: "vllm.outputs.RequestOutput"} = last = List.last(outputs)
+      assert last[:finished] == true
+      assert length(get_in(last, [:outputs, Access.at(0), :token_ids])) == 5
+    end
+
+    test "stopping a stream early cancels the request in the engine" do
+      {:ok, stream} = Engine.generate(@engine, "Hello", greedy(200), id())
+      assert [_, _, _] = Enum.take(stream, 3)
+      {:ok, processor} = VllmBridge.get_attr(@engine, "output_processor")
+
+      assert Enum.any?(1..250, fn _ ->
+               Process.sleep(20)
+               VllmBridge.call_method(processor, "get_num_unfinished_requests") == {:ok, 0}
+             end)
+    end
+
+    test "a failure while streaming raises VllmBridge.Error" do
+      {:ok, stream} = Engine.generate(@engine, "x", %{max_tokens: 2, no_such_option: 1}, id())
+      assert %Error{category: "validation", code: :invalid_argument} = catch_error(Enum.to_list(stream))
+    end
+
+    test "methods and properties" do
+      assert {:ok, {"generate"}} = Engine.get_supported_tasks(@engine)
+      assert {:ok, false} = Engine.is_paused(@engine)
+
+      case Engine.list_loras(@engine) do
+        {:ok, loras} -> assert %MapSet{} = loras
+        {:error, e} -> assert e.python_type == "Exception" and e.message =~ "LoRA is not enabled"
+      end
+
+      assert {:ok, false} = Engine.errored(@engine)
+      assert {:ok, true} = Engine.reset_prefix_cache(@engine, [false])
+      assert {:ok, nil} = Engine.check_health(@engine, __runtime__: [timeout: 10_000])
+    end
+  end
+
+  describe "runtime options" do
+    @describetag :engine
+    test "timeout is the gRPC deadline; the server stops the stream" do
+      {:ok, stream} = Engine.generate(@engine, "slow", greedy(200), id(), __runtime__: [timeout: 100])
+      assert %Error{code: :deadline_exceeded, category: "timeout"} = catch_error(Enum.to_list(stream))
+    end
+
+    test "stream_timeout bounds the gap between items" do
+      {:ok, stream} = Engine.generate(@engine, "idle", greedy(50), id(), __runtime__: [stream_timeout: 1])
+      assert %Error{code: :deadline_exceeded} = catch_error(Enum.to_list(stream))
+      {:ok, stream} = Engine.generate(@engine, "idle", greedy(3), id(), __runtime__: [stream_timeout: 60_000])
+      assert %Record{} = last = stream |> Enum.to_list() |> List.last()
+      assert last[:finished] and length(get_in(last, [:outputs, Access.at(0), :token_ids])) == 3
+    end
+  end
+
+  describe "runtime options (no engine)" do
+    test "timeout_profile, pool_name and affinity reach the server" do
+      for p <- [:default, :ml_inference, :batch_job, :streaming],
+          do: assert({:ok, 2} = D.divide(4, 2, __runtime__: [timeout_profile: p]))
+
+      assert {:error, %Error{parameter: "x-bridge-timeout-profile"}} =
+               D.divide(4, 2, __runtime__: [timeout_profile: :nope])
+
+      for a <- [:hint, :strict_queue, :strict_fail_fast],
+          do: assert({:ok, 2} = D.divide(4, 2, __runtime__: [affinity: a]))
+
+      assert {:error, %Error{message: msg}} = D.divide(4, 2, __runtime__: [affinity: :sometimes])
+      assert msg =~ "x-bridge-affinity"
+      assert {:ok, 2} = D.divide(4, 2, __runtime__: [timeout: 5_000, timeout_profile: :batch_job])
+
+      # A pool server routes by pool and refuses unknown ones; a single worker serves any pool name.
+      case D.divide(4, 2, __runtime__: [pool_name: :no_such_pool]) do
+        {:ok, 2} -> :single_worker
+        {:error, e} -> assert e.code == :not_found and e.message =~ "no_such_pool"
+      end
+    end
+
+    test "session_id owns the refs; releasing the session frees them; refs work in other processes" do
+      session = "exunit-#{System.unique_integer([:positive])}"
+      {:ok, dp} = dp(__runtime__: [session_id: session])
+      assert dp.session_id == session
+      assert {:ok, _} = Task.async(fn -> DPMetadata.cu_tokens_across_sp(dp, 1) end) |> Task.await()
+      assert {:ok, 1} = VllmBridge.release_session(session)
+      assert {:error, %Error{category: "ref", code: :not_found}} = DPMetadata.local_sizes(dp)
+    end
+
+    test "each process has its own session, released when it exits" do
+      parent = self()
+
+      pid =
+        spawn(fn ->
+          {:ok, ref} = dp()
+          send(parent, {:made, ref, VllmBridge.session_id()})
+          receive do: (:exit -> :ok)
+        end)
+
+      assert_receive {:made, ref, session}, 10_000
+      assert ref.session_id == session and session != VllmBridge.session_id()
+      assert {:ok, nil} = DPMetadata.local_sizes(ref)
+      send(pid, :exit)
+
+      assert Enum.any?(1..250, fn _ ->
+               Process.sleep(20)
+               match?({:error, %Error{category: "ref"}}, DPMetadata.local_sizes(ref))
+             end)
+    end
+  end
+
+  test "collective runs one call on every rank, results in rank order" do
+    assert {:ok, [_ | _] = results} = VllmBridge.collective("vllm.distributed.divide", [6, 3])
+    assert Enum.all?(results, &(&1 == 2))
+  end
+
+  test "every value kind round-trips through Python" do
+    {:ok, holder} = dp()
+
+    values = [
+      42,
+      -(2 ** 70),
+      2 ** 64,
+      1.5,
+      :infinity,
+      :neg_infinity,
+      nil,
+      true,
+      false,
+      "héllo",
+      %Bytes{data: "raw"},
+      [1, "a", nil],
+      {1, {2, 3}},
+      MapSet.new([1, 2]),
+      %FrozenSet{set: MapSet.new(["x"])},
+      %{"a" => 1, 2 => "b", {1, 2} => [3], nil => true},
+      Tensor.from_list([[1.0, 2.0]], :float32),
+      %Tensor{dtype: "bfloat16", shape: [2], data: <<0x80, 0x3F, 0, 0x40>>},
+      %PyEnum{type_name: "vllm.config.compilation.CUDAGraphMode", name: "NONE", value: 0},
+      %Record{
+        type_name: "vllm.forward_context.BatchDescriptor",
+        fields: [{"num_tokens", 4}, {"num_reqs", nil}, {"uniform", false}, {"has_lora", false}]
+      }
+    ]
+
+    for v <- values do
+      assert {:ok, nil} = VllmBridge.set_attr(holder, "probe", v)
+      assert {:ok, ^v} = VllmBridge.get_attr(holder, "probe")
+    end
+
+    assert {:ok, nil} = VllmBridge.set_attr(holder, "probe", :nan)
+    assert {:ok, :nan} = VllmBridge.get_attr(holder, "probe")
+    assert {:ok, nil} = VllmBridge.set_attr(holder, "probe", :an_atom)
+    assert {:ok, "an_atom"} = VllmBridge.get_attr(holder, "probe")
+    {:ok, other} = dp()
+    assert {:ok, nil} = VllmBridge.set_attr(holder, "probe", [other])
+    assert {:ok, [%Record{type_name: "vllm.forward_context.DPMetadata"}]} = VllmBridge.get_attr(holder, "probe")
+  end
+end
