@@ -1,0 +1,676 @@
+"""Generation throughput and time to first token: the bridge against in-process vLLM and `vllm serve`.
+
+    python -m bench.bench_engine [--json PATH] [--rounds 6] [--concurrency 8 32] [--wait-quiet 20]
+                                 [--kinds cumulative delta] [--stream-interval N] [--ways ...]
+
+For each concurrency level N, N concurrent 64-token generations (temperature 0, ignore_eos, distinct
+prompts and request ids) are run as one warm-up round plus `--rounds` measured rounds, three ways,
+one after the other so that they never share the machine's CPU cores:
+
+1. bridge      a worker (`python -m bridge_server.cli worker --objects ...`) publishing an engine as
+               `engine`; each request is a gRPC `Stream` call of `Target.method("engine", "generate")`
+               with (prompt, sampling params map, request id), made from a grpc.aio client here.
+2. in-process  `AsyncLLM.from_engine_args` in a separate Python process (this module, `--phase`),
+               iterating `generate` directly: the ceiling the bridge is measured against.
+3. vllm-serve  vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`): streamed
+               completions over HTTP (aiohttp) from here.
+
+All three use the same engine arguments: the tiny model, float32, max_model_len 256, enforce_eager,
+max_num_seqs 16 (`--max-num-seqs`); so 32 concurrent requests queue, the same way everywhere.
+
+Figures per way and level: aggregate output tokens/s (a round's tokens over its wall time; median
+over the measured rounds) and time to first token (from issuing a request to its first streamed
+item; p50 and p90 over every request of the measured rounds). Then the ratios bridge/in-process
+(goal >= 0.9) and bridge/vllm-serve (goal > 1).
+
+Options for experiments (the client's or the operator's choice; no server change):
+- `--kinds cumulative delta final_only`: also run the bridge and in-process ways with that
+  `RequestOutputKind` in their sampling params, on the same engine. vllm serve streams deltas anyway.
+- `--stream-interval N`: vLLM's engine arg for all three ways (an output every N tokens, the first at
+  once). In vLLM 0.14 it only takes effect with the DELTA kind (with CUMULATIVE, vLLM still emits an
+  output per token), so pair it with `--kinds delta`.
+
+CPU accounting: during the measured rounds of each level the CPU time of every process involved is
+read (the client, the server's front-end process, vLLM's engine core) and reported in microseconds
+per generated token, next to the CPU used by processes that are not ours. This machine may be
+shared: before each level the benchmark waits (up to `--wait-quiet` seconds) for other processes
+to leave the CPU alone, and a run with much foreign CPU says so instead of passing off noise as a
+result. Runtime: about 90 s on a quiet machine, plus any waiting.
+
+The clients do as little as they can, so as not to steal CPU from the server they measure: the
+bridge client sends a pre-serialized request and keeps the stream's raw bytes, parsing only the
+last item (with the default CUMULATIVE kind it carries every token id; with DELTA every item is
+parsed, just deep enough to count its token ids); the HTTP client parses only the final usage chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import enum
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.common import ROOT, free_port, machine_info, percentile, print_table, start_worker, write_json
+
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+       "VLLM_CPU_KVCACHE_SPACE": "1"}
+for _k, _v in ENV.items():
+    os.environ.setdefault(_k, _v)
+
+WAYS = ("bridge", "in-process", "vllm-serve")
+KINDS = ("cumulative", "delta", "final_only")
+STREAM_METHOD = "/vllm_bridge.v1.Bridge/Stream"
+GOAL_VS_IN_PROCESS = 0.9
+GOAL_VS_SERVE = 1.0
+CONTENDED_CORES = 0.25    # a round during which other processes used more than this is not trusted
+
+
+# ------------------------------------------------------------------------------------- the workload
+
+@dataclass(frozen=True)
+class Workload:
+    model: str
+    concurrency: tuple[int, ...] = (8, 32)
+    rounds: int = 6
+    max_tokens: int = 64
+    max_num_seqs: int = 16
+    stream_interval: int = 1     # vLLM's own default: an output per engine step
+    wait_quiet_s: float = 20.0   # per level, for a shared machine: see wait_quiet
+
+    def engine_args(self) -> dict[str, Any]:
+        args = {"model": self.model, "dtype": "float32", "max_model_len": 256, "enforce_eager": True,
+                "max_num_seqs": self.max_num_seqs}
+        if self.stream_interval != 1:
+            args["stream_interval"] = self.stream_interval
+        return args
+
+    def sampling(self) -> dict[str, Any]:
+        return {"temperature": 0.0, "max_tokens": self.max_tokens, "ignore_eos": True}
+
+    def requests(self, tag: str, c: int, r: int) -> list[tuple[str, str]]:
+        """[(request_id, prompt)] of round r (0: the warm-up) at concurrency c; the same prompts for
+        every way. Every prompt is distinct and starts with its own number, so prefix caching shares
+        nothing between requests or rounds; all have the same shape (about 20 tokens)."""
+        return [(f"bench-{tag}-c{c}-r{r}-{i}",
+                 f"{c * 1000 + r * 100 + i} the worker streams many tokens to request number {i} of round {r} today")
+                for i in range(c)]
+
+
+@dataclass
+class Sample:
+    """One request: seconds to its first streamed item and to its end, its output tokens and how many
+    items (RequestOutputs, SSE chunks) it was streamed in."""
+
+    ttft: float
+    total: float
+    tokens: int
+    items: int
+    engine_ttft: float | None = None   # vLLM's own metrics.first_token_latency, where it is known
+
+
+@dataclass
+class Round:
+    concurrency: int
+    warmup: bool
+    wall_s: float
+    samples: list[Sample]
+    foreign_cores: float = 0.0     # CPU used meanwhile by processes not ours
+    contended: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.samples)
+
+
+OneRequest = Callable[[str, str], Awaitable[Sample]]     # (request_id, prompt) -> its Sample
+Roles = Callable[[], dict[str, list[psutil.Process]]]   # who to charge CPU time to
+
+
+# ----------------------------------------------------------------------------------- CPU accounting
+
+def _cpu_s(procs: Sequence[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def _busy_s() -> float:
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
+class CpuMeter:
+    """CPU seconds per role between start() and stop(), and what the rest of the machine used."""
+
+    def __init__(self, roles: Roles) -> None:
+        self.roles = roles
+
+    def start(self) -> None:
+        self._procs = self.roles()
+        self._t0 = {r: _cpu_s(ps) for r, ps in self._procs.items()}
+        self._busy0, self._wall0 = _busy_s(), time.perf_counter()
+
+    def stop(self, tokens: int) -> dict[str, Any]:
+        used = {r: _cpu_s(ps) - self._t0[r] for r, ps in self._procs.items()}
+        busy, wall = _busy_s() - self._busy0, time.perf_counter() - self._wall0
+        ours = sum(used.values())
+        return {"wall_s": wall, "tokens": tokens, "cpu_s": used, "ours_s": ours, "foreign_s": max(0.0, busy - ours),
+                "foreign_cores": max(0.0, busy - ours) / wall if wall else 0.0,
+                "us_per_token": {r: s / tokens * 1e6 for r, s in used.items()} if tokens else {}}
+
+
+def wait_quiet(roles: Roles, max_wait_s: float, threshold_cores: float = 0.15) -> float:
+    """Waits (at most max_wait_s) until processes not ours use less than `threshold_cores` over one
+    second: on a shared machine a measurement should not start in the middle of someone else's.
+    Returns the foreign load last seen, in cores."""
+    end = time.monotonic() + max_wait_s
+    foreign = 0.0
+    while True:
+        procs = [p for ps in roles().values() for p in ps]
+        ours0, busy0, t0 = _cpu_s(procs), _busy_s(), time.perf_counter()
+        time.sleep(1.0)
+        foreign = max(0.0, (_busy_s() - busy0) - (_cpu_s(procs) - ours0)) / (time.perf_counter() - t0)
+        if foreign < threshold_cores or time.monotonic() >= end:
+            return foreign
+
+
+def children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+# ------------------------------------------------------------------------------------ measurement
+
+async def run_schedule(work: Workload, one: OneRequest, roles: Roles, tag: str) -> dict[str, Any]:
+    """Runs every level's rounds; returns the rounds and, per level, the CPU its measured rounds used.
+
+    A measured round during which processes not ours used more than `CONTENDED_CORES` is marked
+    contended and, while the budget of `work.rounds` extra rounds lasts, made up for by another
+    round: the figures are then taken from uncontended rounds only (see summarize)."""
+    rounds: list[Round] = []
+    cpu: dict[str, Any] = {}
+    meter = CpuMeter(roles)
+    for c in work.concurrency:
+        if work.wait_quiet_s > 0:
+            await asyncio.to_thread(wait_quiet, roles, work.wait_quiet_s)
+        procs = [p for ps in roles().values() for p in ps]
+        clean = extra = 0
+        r = 0
+        while clean < work.rounds:
+            warmup = r == 0
+            if r == 1:
+                meter.start()
+            reqs = work.requests(tag, c, r)
+            busy0, ours0 = _busy_s(), _cpu_s(procs)
+            t0 = time.perf_counter()
+            samples = await asyncio.gather(*(one(rid, prompt) for rid, prompt in reqs))
+            wall = time.perf_counter() - t0
+            foreign = max(0.0, (_busy_s() - busy0) - (_cpu_s(procs) - ours0)) / wall
+            bad = sorted({s.tokens for s in samples} - {work.max_tokens})
+            if bad:
+                raise RuntimeError(f"expected {work.max_tokens} tokens per request, got {bad}")
+            contended = foreign > CONTENDED_CORES
+            rounds.append(Round(c, warmup, wall, list(samples), foreign, contended))
+            r += 1
+            if warmup:
+                continue
+            if not contended or extra >= work.rounds:
+                clean += 1
+            else:
+                extra += 1
+        measured = [x for x in rounds if x.concurrency == c and not x.warmup]
+        cpu[str(c)] = meter.stop(sum(x.tokens for x in measured))
+    return {"rounds": [asdict(x) for x in rounds], "cpu": cpu}
+
+
+def summarize(data: dict[str, Any], c: int) -> dict[str, Any]:
+    """Figures of one level from its measured rounds, leaving out contended ones when enough others
+    remain (run_schedule ran extra rounds for them)."""
+    every = [r for r in data["rounds"] if r["concurrency"] == c and not r["warmup"]]
+    quiet = [r for r in every if not r["contended"]]
+    measured = quiet if len(quiet) * 2 > len(every) or len(quiet) >= 3 else every
+    rates = [sum(s["tokens"] for s in r["samples"]) / r["wall_s"] for r in measured]
+    ttfts = sorted(s["ttft"] * 1e3 for r in measured for s in r["samples"])
+    totals = sorted(s["total"] * 1e3 for r in measured for s in r["samples"])
+    engine_ttfts = sorted(s["engine_ttft"] * 1e3 for r in measured for s in r["samples"]
+                          if s.get("engine_ttft") is not None)
+    return {"rounds": len(measured), "contended_rounds": len(every) - len(quiet),
+            "skewed": measured is every and len(quiet) < len(every),
+            "tok_s": statistics.median(rates), "tok_s_min": min(rates),
+            "tok_s_max": max(rates), "tok_s_by_round": rates,
+            "ttft_p50_ms": percentile(ttfts, 50), "ttft_p90_ms": percentile(ttfts, 90),
+            "request_p50_ms": percentile(totals, 50),
+            "items_per_request": statistics.mean(s["items"] for r in measured for s in r["samples"]),
+            "engine_ttft_p50_ms": percentile(engine_ttfts, 50) if engine_ttfts else None,
+            "cpu": data["cpu"].get(str(c), {})}
+
+
+# ----------------------------------------------------------------------------------- 1. the bridge
+
+def _request_output_kind(kind: str) -> enum.Enum:
+    """A stand-in for vllm.sampling_params.RequestOutputKind: an enum goes on the wire as its type's
+    qualified name and the member name, which the worker rebuilds into vLLM's own enum. The client
+    needs no vLLM import."""
+    cls = enum.Enum("RequestOutputKind", {"CUMULATIVE": 0, "DELTA": 1, "FINAL_ONLY": 2},  # type: ignore[misc]
+                    module="vllm.sampling_params")
+    return cls[kind.upper()]  # type: ignore[no-any-return]
+
+
+def _inspect_item(item_bytes: bytes) -> tuple[int, float | None]:
+    """len(outputs[0].token_ids) of one streamed RequestOutput, and its metrics.first_token_latency
+    (seconds from the request's arrival in the engine front-end to its first token there), read
+    without decoding the rest of the record."""
+    from vllm_bridge.v1 import bridge_pb2 as pb
+    value = pb.StreamItem.FromString(item_bytes).value
+    tokens, latency = None, None
+    for f in value.record.fields:
+        if f.name == "outputs":
+            seq = f.value.list if f.value.HasField("list") else f.value.tuple
+            for g in seq.items[0].record.fields:
+                if g.name == "token_ids":
+                    kind = g.value.WhichOneof("kind")
+                    if kind not in ("list", "tuple"):
+                        raise ValueError(f"token_ids sent as {kind}")
+                    tokens = len(getattr(g.value, kind).items)
+        elif f.name == "metrics" and f.value.HasField("record"):
+            latency = next((g.value.float for g in f.value.record.fields if g.name == "first_token_latency"), None)
+    if tokens is None:
+        raise ValueError("no outputs[0].token_ids in the streamed item")
+    return tokens, latency
+
+
+async def bridge_measure(work: Workload, address: str, kind: str, roles: Roles) -> dict[str, Any]:
+    import grpc
+
+    from bridge_server.client import Target
+    from bridge_server.codec import Encoder
+    from bridge_server.protocol import GRPC_OPTIONS, RuntimeOptions, to_metadata
+    from vllm_bridge.v1 import bridge_pb2 as pb
+
+    def no_refs(obj: object) -> pb.Ref:
+        raise TypeError(f"cannot send {type(obj).__qualname__} by value")
+
+    enc = Encoder(make_ref=no_refs)
+    params = work.sampling()
+    if kind != "cumulative":
+        params["output_kind"] = _request_output_kind(kind)
+    target, params_value = Target.method("engine", "generate").msg, enc.encode(params)
+    metadata = tuple(to_metadata(RuntimeOptions(session_id="bench")))
+    delta = kind == "delta"
+
+    async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        # No (de)serializers: requests go as bytes built up front, items come back as bytes.
+        stream = channel.unary_stream(STREAM_METHOD)
+
+        async def one(request_id: str, prompt: str) -> Sample:
+            payload = pb.CallRequest(target=target, args=[pb.Value(str=prompt), params_value,
+                                                          pb.Value(str=request_id)]).SerializeToString()
+            t0 = time.perf_counter()
+            first, last, tokens, items = None, b"", 0, 0
+            async for raw in stream(payload, metadata=metadata):
+                items += 1
+                if first is None:
+                    first = time.perf_counter()
+                if delta:
+                    tokens += _inspect_item(raw)[0]
+                last = raw
+            end = time.perf_counter()
+            n, engine_ttft = _inspect_item(last) if last else (0, None)
+            return Sample((first or end) - t0, end - t0, tokens if delta else n, items, engine_ttft)
+
+        return await run_schedule(work, one, roles, f"bridge-{kind}")
+
+
+def run_bridge(work: Workload, kinds: Sequence[str], log_dir: Path) -> dict[str, dict[str, Any]]:
+    objects = [{"name": "engine", "target": "vllm.AsyncLLMEngine.from_engine_args",
+                "kwargs": {"engine_args": work.engine_args()}}]
+    t0 = time.monotonic()
+    server = start_worker("--objects", json.dumps(objects), log_dir=log_dir)
+    ready_s = time.monotonic() - t0
+    try:
+        pid, me = server.proc.pid, psutil.Process()
+
+        def roles() -> dict[str, list[psutil.Process]]:
+            return {"client": [me], "front-end": [psutil.Process(pid)], "engine core": children(pid)}
+
+        return {kind: {"ready_s": ready_s, **asyncio.run(bridge_measure(work, server.address, kind, roles))}
+                for kind in kinds}
+    finally:
+        stop_group(server.proc)
+
+
+# ------------------------------------------------------------------------------- 2. in-process vLLM
+
+async def in_process_measure(work: Workload, kinds: Sequence[str]) -> dict[str, dict[str, Any]]:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**work.engine_args()))
+    me = psutil.Process()
+    ready_s = time.time() - me.create_time()   # like the others: from process start, imports included
+
+    def roles() -> dict[str, list[psutil.Process]]:
+        return {"front-end+client": [me], "engine core": me.children(recursive=True)}
+
+    out = {}
+    try:
+        for kind in kinds:
+            params = SamplingParams(**work.sampling(), output_kind=RequestOutputKind[kind.upper()])
+            delta = kind == "delta"
+
+            async def one(request_id: str, prompt: str) -> Sample:
+                t0 = time.perf_counter()
+                first, last, tokens, items = None, None, 0, 0
+                async for item in engine.generate(prompt, params, request_id):  # noqa: B023
+                    items += 1
+                    if first is None:
+                        first = time.perf_counter()
+                    if delta:  # noqa: B023
+                        tokens += len(item.outputs[0].token_ids)
+                    last = item
+                end = time.perf_counter()
+                if not delta and last is not None:  # noqa: B023
+                    tokens = len(last.outputs[0].token_ids)
+                metrics = getattr(last, "metrics", None)
+                return Sample((first or end) - t0, end - t0, tokens, items,
+                              getattr(metrics, "first_token_latency", None))
+
+            out[kind] = {"ready_s": ready_s, **await run_schedule(work, one, roles, f"inproc-{kind}")}
+    finally:
+        engine.shutdown()
+    return out
+
+
+def run_in_process(work: Workload, kinds: Sequence[str], log_dir: Path) -> dict[str, dict[str, Any]]:
+    """Runs `in_process_measure` in a fresh interpreter (this module with --phase) and reads its result."""
+    out = log_dir / "in-process.json"
+    argv = [sys.executable, "-m", "bench.bench_engine", "--phase", "in-process", "--phase-out", str(out),
+            "--phase-workload", json.dumps({**asdict(work), "kinds": list(kinds)})]
+    log = log_dir / "in-process.log"
+    proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **ENV}, stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        rc = proc.wait(600)
+    finally:
+        stop_group(proc)
+    if rc != 0:
+        raise RuntimeError(f"the in-process phase exited with {rc}:\n{_tail(log)}")
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------------------- 3. vllm serve
+
+async def http_measure(work: Workload, base: str, roles: Roles) -> dict[str, Any]:
+    import aiohttp
+
+    url = f"{base}/v1/completions"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=300)) as session:
+        async def one(request_id: str, prompt: str) -> Sample:
+            body = {"model": work.model, "prompt": prompt, "stream": True, **work.sampling(),
+                    "stream_options": {"include_usage": True}}
+            t0 = time.perf_counter()
+            first, chunks, last = None, 0, b""
+            async with session.post(url, json=body, headers={"X-Request-Id": request_id}) as resp:
+                resp.raise_for_status()
+                async for line in resp.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    data = line[6:].strip()
+                    if data == b"[DONE]":
+                        break
+                    if first is None:
+                        first = time.perf_counter()
+                    chunks += 1
+                    last = data
+            end = time.perf_counter()
+            usage = json.loads(last).get("usage") if last else None
+            tokens = int(usage["completion_tokens"]) if usage else chunks
+            return Sample((first or end) - t0, end - t0, tokens, chunks - (1 if usage else 0))
+
+        return await run_schedule(work, one, roles, "serve")
+
+
+def run_vllm_serve(work: Workload, log_dir: Path) -> dict[str, Any]:
+    port = free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", work.model,
+            "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
+            "--max-num-seqs", str(work.max_num_seqs), "--host", "127.0.0.1", "--port", str(port),
+            "--disable-uvicorn-access-log", "--stream-interval", str(work.stream_interval)]
+    log = log_dir / "vllm-serve.log"
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **ENV}, stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = t0 + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{_tail(log)}")
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(f"{base}/health", timeout=1).status == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vllm serve not ready after 180 s:\n{_tail(log)}")
+            time.sleep(0.2)
+        ready_s = time.monotonic() - t0
+        me = psutil.Process()
+
+        def roles() -> dict[str, list[psutil.Process]]:
+            return {"client": [me], "front-end": [psutil.Process(proc.pid)], "engine core": children(proc.pid)}
+
+        return {"ready_s": ready_s, **asyncio.run(http_measure(work, base, roles))}
+    finally:
+        stop_group(proc)
+
+
+# --------------------------------------------------------------------------------------- processes
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the process group (a server shuts its engine down), then waits until every process
+    of the family is gone, SIGKILLing what lingers: the next phase must have the CPU to itself."""
+    family = [psutil.Process(proc.pid)] if proc.poll() is None else []
+    family += children(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(30)
+    _gone, alive = psutil.wait_procs(family, timeout=10)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
+    if proc.poll() is None:
+        proc.wait(5)
+
+
+def _tail(log: Path, n: int = 40) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+    return ""
+
+
+# ------------------------------------------------------------------------------------------ report
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def compare(rows: dict[str, Any], work: Workload, kinds: Sequence[str]) -> dict[str, Any]:
+    """bridge / in-process for each output kind, and bridge / vllm-serve."""
+    pairs = [(_label("bridge", k), _label("in-process", k)) for k in kinds]
+    pairs += [(_label("bridge", k), "vllm-serve") for k in kinds]
+    out: dict[str, Any] = {}
+    for a, b in pairs:
+        if a in rows and b in rows:
+            out[f"{a} / {b}"] = {str(c): {"tok_s": _ratio(rows[a]["levels"][str(c)]["tok_s"],
+                                                           rows[b]["levels"][str(c)]["tok_s"]),
+                                          "ttft_p50": _ratio(rows[a]["levels"][str(c)]["ttft_p50_ms"],
+                                                             rows[b]["levels"][str(c)]["ttft_p50_ms"])}
+                                 for c in work.concurrency}
+    return out
+
+
+def _label(way: str, kind: str) -> str:
+    return way if kind == "cumulative" or way == "vllm-serve" else f"{way} [{kind}]"
+
+
+def report(results: dict[str, Any], work: Workload) -> None:
+    rows = results["rows"]
+    levels = [str(c) for c in work.concurrency]
+    print(f"\n{work.max_tokens}-token generations, temperature 0, ignore_eos; engine: {results['engine_args']}; "
+          f"{work.rounds} measured rounds per level after 1 warm-up (plus one more for each round contended by "
+          f"other processes); tok/s: median over rounds; TTFT: over all requests of those rounds\n")
+    headers = ["way", "ready s"]
+    for c in levels:
+        headers += [f"tok/s @{c}", f"TTFT p50 @{c} ms", f"TTFT p90 @{c} ms"]
+    table = []
+    for name, row in rows.items():
+        cells: list[object] = [name, row["ready_s"]]
+        for c in levels:
+            lv = row["levels"][c]
+            cells += [round(lv["tok_s"]), lv["ttft_p50_ms"], lv["ttft_p90_ms"]]
+        table.append(cells)
+    print_table(headers, table)
+
+    print("\nCPU per generated token (us), measured rounds; 'foreign': CPU used meanwhile by processes not ours\n")
+    headers = ["way", "level", "rounds (contended, left out)", "items/request", "client", "front-end", "engine core",
+               "all ours", "foreign cores"]
+    table = []
+    for name, row in rows.items():
+        for c in levels:
+            cpu = row["levels"][c]["cpu"]
+            per = cpu.get("us_per_token", {})
+            client = per.get("client", 0.0)
+            front = per.get("front-end", per.get("front-end+client", 0.0))
+            lv = row["levels"][c]
+            table.append([name, c, f"{lv['rounds']} ({lv['contended_rounds']})" + (" SKEWED" if lv["skewed"] else ""),
+                          lv["items_per_request"],
+                          round(client) if "client" in per else "(in front-end)", round(front),
+                          round(per.get("engine core", 0.0)), round(sum(per.values())),
+                          round(cpu.get("foreign_cores", 0.0), 2)])
+    print_table(headers, table)
+
+    print("\nTTFT p50 (ms) as the client sees it, and inside vLLM's front-end (metrics.first_token_latency: from "
+          "the request's arrival in AsyncLLM to its first token there)\n")
+    headers = ["way"] + [h for c in levels for h in (f"client @{c}", f"in vLLM @{c}")]
+    table = []
+    for name, row in rows.items():
+        cells = [name]
+        for c in levels:
+            lv = row["levels"][c]
+            cells += [lv["ttft_p50_ms"], "n/a" if lv["engine_ttft_p50_ms"] is None else lv["engine_ttft_p50_ms"]]
+        table.append(cells)
+    print_table(headers, table)
+
+    print()
+    for name, by_level in results["ratios"].items():
+        goal = GOAL_VS_SERVE if name.endswith("vllm-serve") else GOAL_VS_IN_PROCESS
+        parts = [f"@{c}: tok/s {v['tok_s']:.2f}{' ok' if v['tok_s'] >= goal else ''}, TTFT p50 {v['ttft_p50']:.2f}x"
+                 for c, v in by_level.items()]
+        print(f"{name:<36} " + "; ".join(parts) + f"   (tok/s goal {'>' if goal == 1.0 else '>='} {goal})")
+    used = [lv for row in rows.values() for lv in row["levels"].values()]
+    if any(lv["skewed"] for lv in used):
+        print(f"\nWARNING: other processes kept using more than {CONTENDED_CORES} of the {psutil.cpu_count()} "
+              f"cores through most rounds of some levels: those figures are skewed by a busy machine; rerun "
+              f"when it is quiet.")
+
+
+# -------------------------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.bench_engine", description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--rounds", type=int, default=6, help="measured rounds per level, after one warm-up")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=16, help="engine batch limit, the same for all ways")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="vLLM engine arg for all ways: stream an output every N tokens (the first at once)")
+    p.add_argument("--wait-quiet", type=float, default=20.0,
+                   help="before each level, wait up to this many seconds for other processes to leave the "
+                        "CPU alone (0: do not wait)")
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=["cumulative"],
+                   help="RequestOutputKinds to run the bridge and in-process ways with (first: the headline)")
+    p.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
+    p.add_argument("--model", default=None, help="model folder (default: the tiny model, built if missing)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--logs", default=None, help="keep the servers' logs in this folder")
+    p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--phase-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--phase-workload", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.phase == "in-process":
+        spec = json.loads(args.phase_workload)
+        kinds = spec.pop("kinds")
+        work = Workload(**{**spec, "concurrency": tuple(spec["concurrency"])})
+        Path(args.phase_out).write_text(json.dumps(asyncio.run(in_process_measure(work, kinds))))
+        return 0
+
+    if args.model is None:
+        from bridge_server.tiny_model import ensure_tiny_model
+        args.model = str(ensure_tiny_model())
+    work = Workload(model=args.model, concurrency=tuple(args.concurrency), rounds=args.rounds,
+                    max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs,
+                    stream_interval=args.stream_interval, wait_quiet_s=args.wait_quiet)
+    kinds = list(dict.fromkeys(args.kinds))
+    started = time.monotonic()
+    raw: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        log_dir = Path(args.logs) if args.logs else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for way in WAYS:
+            if way not in args.ways:
+                continue
+            t = time.monotonic()
+            print(f"[{way}] starting", file=sys.stderr, flush=True)
+            if way == "bridge":
+                for kind, data in run_bridge(work, kinds, log_dir).items():
+                    raw[_label(way, kind)] = data
+            elif way == "in-process":
+                for kind, data in run_in_process(work, kinds, log_dir).items():
+                    raw[_label(way, kind)] = data
+            else:
+                raw[way] = run_vllm_serve(work, log_dir)
+            print(f"[{way}] done in {time.monotonic() - t:.1f} s", file=sys.stderr, flush=True)
+    rows = {name: {"ready_s": data["ready_s"],
+                   "levels": {str(c): summarize(data, c) for c in work.concurrency}} for name, data in raw.items()}
+    results = {"benchmark": "engine", "machine": machine_info(), "workload": asdict(work), "kinds": kinds,
+               "engine_args": work.engine_args(), "sampling": work.sampling(), "rows": rows,
+               "ratios": compare(rows, work, kinds), "total_s": time.monotonic() - started}
+    report(results, work)
+    print(f"\ntotal {results['total_s']:.0f} s")
+    if args.json:
+        write_json(args.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
