@@ -91,6 +91,7 @@ class Workload:
     max_num_seqs: int = 16
     stream_interval: int = 1     # vLLM's own default: an output per engine step
     wait_quiet_s: float = 20.0   # per level, for a shared machine: see wait_quiet
+    bridge_interval_ms: int = 0  # the bridge's own coalescing (x-bridge-stream-interval-ms); 0: every output
 
     def engine_args(self) -> dict[str, Any]:
         args = {"model": self.model, "dtype": "float32", "max_model_len": 256, "enforce_eager": True,
@@ -315,7 +316,8 @@ async def bridge_measure(work: Workload, address: str, kind: str, roles: Roles) 
     if kind != "cumulative":
         params["output_kind"] = _request_output_kind(kind)
     target, params_value = Target.method("engine", "generate").msg, enc.encode(params)
-    metadata = tuple(to_metadata(RuntimeOptions(session_id="bench")))
+    interval = work.bridge_interval_ms / 1000 if work.bridge_interval_ms else None
+    metadata = tuple(to_metadata(RuntimeOptions(session_id="bench", stream_interval_s=interval)))
     delta = kind == "delta"
 
     async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
@@ -610,6 +612,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=16, help="engine batch limit, the same for all ways")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="vLLM engine arg for all ways: stream an output every N tokens (the first at once)")
+    p.add_argument("--bridge-interval-ms", type=int, default=0,
+                   help="ask the bridge to coalesce stream items to one per this many ms (0: one per output)")
     p.add_argument("--wait-quiet", type=float, default=20.0,
                    help="before each level, wait up to this many seconds for other processes to leave the "
                         "CPU alone (0: do not wait)")
@@ -639,7 +643,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.model = str(ensure_tiny_model())
     work = Workload(model=args.model, concurrency=tuple(args.concurrency), rounds=args.rounds,
                     max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs,
-                    stream_interval=args.stream_interval, wait_quiet_s=args.wait_quiet)
+                    stream_interval=args.stream_interval, wait_quiet_s=args.wait_quiet,
+                    bridge_interval_ms=args.bridge_interval_ms)
     kinds = list(dict.fromkeys(args.kinds))
     started = time.monotonic()
     raw: dict[str, Any] = {}

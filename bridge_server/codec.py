@@ -116,7 +116,10 @@ class Encoder:
     records: Mapping[type, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def encode(self, obj: object) -> pb.Value:
-        out = pb.Value()
+        return self.encode_into(obj, pb.Value())
+
+    def encode_into(self, obj: object, out: pb.Value) -> pb.Value:
+        """Fills `out` (e.g. the value field of a reply being built), saving a copy of the tree."""
         put = _SCALARS.get(type(obj))
         if put is not None:
             put(obj, out)

@@ -151,10 +151,7 @@ class Invoker:
         if not callable(member):
             raise BridgeError.validation(f"{label} is an attribute, not a method: use GET_ATTR", target=label)
         is_async = inspect.iscoroutinefunction(member) or inspect.isasyncgenfunction(member)
-        try:
-            sig: inspect.Signature | None = inspect.signature(member)
-        except (TypeError, ValueError):
-            sig = None
+        sig = _member_signature(type(obj), name, member)
         return Plan(label=label, fn=member, signature=sig, entry=entry, exclusive=exclusive, is_async=is_async,
                     profile=profile, receiver=obj, fill_exit_args=name in _EXIT_METHODS,
                     result_ref=entry.result_ref if entry else False)
@@ -202,7 +199,7 @@ class Invoker:
             fields = {str(k): v for k, v in value.items()}
             where = f"{plan.label}: parameter {param.name}: cannot build {short} from the map given"
             try:
-                inspect.signature(cls).bind(**fields)
+                _class_signature(cls).bind(**fields)
             except TypeError as exc:
                 raise BridgeError.validation(f"{where}: {exc}", target=plan.label, parameter=param.name) from None
             except ValueError:
@@ -306,16 +303,19 @@ class Invoker:
         self.objects[name] = obj = await self.call_python(target, args, kwargs)
         return obj
 
-    async def stream(self, request: pb.CallRequest, session_id: str, deadlines: Deadlines) -> AsyncIterator[pb.Value]:
+    async def stream(self, request: pb.CallRequest, session_id: str, deadlines: Deadlines,
+                     interval_s: float | None = None) -> AsyncIterator[tuple[Any, Encoder]]:
+        """Yields each item with the encoder to encode it with (the caller encodes it in place)."""
         plan = self.plan(request.target)
         args, kwargs = await self.prepare(plan, *self.decode(request))
         source = await self.run_checked(plan, args, kwargs, deadlines.call)
         encoder = self.encoder(session_id, plan.exclusive)
         lane = self._exclusive_lane if plan.exclusive else self._shared_lane
-        async for item in self._iterate(source, plan, deadlines, lane):
-            yield encoder.encode(item)
+        async for item in self._iterate(source, plan, deadlines, lane, interval_s):
+            yield item, encoder
 
-    async def _iterate(self, source: Any, plan: Plan, deadlines: Deadlines, lane: ThreadPoolExecutor) -> AsyncIterator[Any]:
+    async def _iterate(self, source: Any, plan: Plan, deadlines: Deadlines, lane: ThreadPoolExecutor,
+                       interval_s: float | None = None) -> AsyncIterator[Any]:
         if hasattr(source, "__anext__") or hasattr(source, "__aiter__"):
             agen = source.__aiter__()
             step: Callable[[], Any] = agen.__anext__
@@ -346,7 +346,13 @@ class Invoker:
                 if done_exc is StopIteration and item is sentinel:
                     return
                 first = False
+                sent = time.monotonic()
                 yield item
+                if interval_s:
+                    # Coalescing: not asking for the next item yet lets vLLM merge the outputs that
+                    # arrive meanwhile into one (its per-request collector), so fewer messages carry
+                    # the same tokens. The first item is never held back.
+                    await asyncio.sleep(max(0.0, sent + interval_s - time.monotonic()))
         finally:
             if close is not None:
                 try:
@@ -355,6 +361,32 @@ class Invoker:
                         await result
                 except Exception:  # closing is best effort: the stream's outcome is already decided
                     pass
+
+
+def _member_signature(cls: type, name: str, member: Any) -> inspect.Signature | None:
+    """A method's signature, computed once per class and name (it is the same for every instance);
+    anything else (an instance attribute holding a callable) is inspected each time."""
+    if inspect.ismethod(member) and member.__func__ is getattr(cls, name, None):
+        return _method_signature(cls, name)
+    try:
+        return inspect.signature(member)
+    except (TypeError, ValueError):
+        return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _method_signature(cls: type, name: str) -> inspect.Signature | None:
+    try:
+        params = list(inspect.signature(getattr(cls, name)).parameters.values())[1:]   # without self
+    except (TypeError, ValueError):
+        return None
+    return inspect.Signature(params)
+
+
+@functools.lru_cache(maxsize=256)
+def _class_signature(cls: type) -> inspect.Signature:
+    """Resolving a config class's signature walks its type hints: once per class, not per request."""
+    return inspect.signature(cls)
 
 
 def _as_documented(returns: str, result: Any) -> Any:
@@ -394,10 +426,12 @@ def _short_repr(obj: object) -> str:
 
 
 async def _with_deadline(aw: Any, at: float | None, label: str, doing: str = "running") -> Any:
+    """Awaits within a deadline. asyncio.timeout, not wait_for: no extra task per await, which
+    matters once per streamed item."""
     if at is None:
         return await aw
-    remaining = at - time.monotonic()
     try:
-        return await asyncio.wait_for(aw, timeout=max(remaining, 0.0))
+        async with asyncio.timeout_at(asyncio.get_running_loop().time() + (at - time.monotonic())):
+            return await aw
     except TimeoutError:
         raise BridgeError.timeout(f"{label}: deadline exceeded while {doing}", target=label) from None

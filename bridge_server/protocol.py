@@ -20,6 +20,7 @@ MD_SESSION = "x-bridge-session"
 MD_TIMEOUT_PROFILE = "x-bridge-timeout-profile"
 MD_TIMEOUT_MS = "x-bridge-timeout-ms"
 MD_STREAM_TIMEOUT_MS = "x-bridge-stream-timeout-ms"
+MD_STREAM_INTERVAL_MS = "x-bridge-stream-interval-ms"
 MD_POOL = "x-bridge-pool"
 MD_AFFINITY = "x-bridge-affinity"
 MD_REFS = "x-bridge-refs"
@@ -71,6 +72,7 @@ class RuntimeOptions:
     timeout_profile: str | None = None
     timeout_s: float | None = None
     stream_timeout_s: float | None = None
+    stream_interval_s: float | None = None   # coalesce stream items: at most one per interval
     pool: str | None = None
     affinity: str | None = None
     refs: tuple[str, ...] = ()
@@ -112,12 +114,14 @@ def parse_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> Runtim
         rank = int(rank_raw)
     timeout = get(MD_TIMEOUT_MS)
     stream_timeout = get(MD_STREAM_TIMEOUT_MS)
+    stream_interval = get(MD_STREAM_INTERVAL_MS)
     refs = get(MD_REFS)
     return RuntimeOptions(
         session_id=get(MD_SESSION) or DEFAULT_SESSION,
         timeout_profile=profile,
         timeout_s=_ms(MD_TIMEOUT_MS, timeout) if timeout is not None else None,
         stream_timeout_s=_ms(MD_STREAM_TIMEOUT_MS, stream_timeout) if stream_timeout is not None else None,
+        stream_interval_s=_ms(MD_STREAM_INTERVAL_MS, stream_interval) if stream_interval is not None else None,
         pool=get(MD_POOL),
         affinity=affinity,
         refs=tuple(r for r in (refs or "").split(",") if r),
@@ -134,6 +138,8 @@ def to_metadata(opts: RuntimeOptions) -> list[tuple[str, str]]:
         md.append((MD_TIMEOUT_MS, str(round(opts.timeout_s * 1000))))
     if opts.stream_timeout_s is not None:
         md.append((MD_STREAM_TIMEOUT_MS, str(round(opts.stream_timeout_s * 1000))))
+    if opts.stream_interval_s is not None:
+        md.append((MD_STREAM_INTERVAL_MS, str(round(opts.stream_interval_s * 1000))))
     if opts.pool:
         md.append((MD_POOL, opts.pool))
     if opts.affinity:

@@ -111,8 +111,11 @@ class BridgeService(pb_grpc.BridgeServicer):
             plan = self.invoker.plan(request.target)
             deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
             index = 0
-            async for value in self.invoker.stream(request, opts.session_id, deadlines):
-                yield pb.StreamItem(index=index, value=value)
+            async for item, encoder in self.invoker.stream(request, opts.session_id, deadlines,
+                                                            opts.stream_interval_s):
+                out = pb.StreamItem(index=index)
+                encoder.encode_into(item, out.value)
+                yield out
                 index += 1
             context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
         except Exception as exc:

@@ -112,6 +112,23 @@ def test_generate_streams_the_same_tokens_as_in_process_vllm(bridge: BridgeClien
     assert out["token_ids"] == in_process_token_ids(model, "The quick brown fox", 24)
 
 
+def test_a_stream_interval_coalesces_items_without_losing_tokens(bridge: BridgeClient) -> None:
+    every = list(bridge.stream(Target.method("engine", "generate"), "coalesce", greedy(64), "every"))
+    coalesced = list(bridge.stream(Target.method("engine", "generate"), "coalesce", greedy(64), "coalesced",
+                                   stream_interval_s=0.05))
+    assert len(coalesced) < len(every) and len(coalesced) >= 1
+    assert coalesced[-1]["outputs"][0]["token_ids"] == every[-1]["outputs"][0]["token_ids"]
+    assert coalesced[-1]["finished"] is True
+    # With DELTA outputs (the enum member travels as a typed enum value) the pieces still add up to
+    # every token exactly once.
+    from vllm.sampling_params import RequestOutputKind
+    deltas = list(bridge.stream(Target.method("engine", "generate"), "coalesce",
+                                greedy(64, output_kind=RequestOutputKind.DELTA), "coalesced-delta",
+                                stream_interval_s=0.05))
+    assert len(deltas) < 64
+    assert sum((d["outputs"][0]["token_ids"] for d in deltas), []) == every[-1]["outputs"][0]["token_ids"]
+
+
 def test_concurrent_generations_share_the_engine(bridge: BridgeClient) -> None:
     results: dict[int, list[int]] = {}
 
