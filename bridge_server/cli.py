@@ -103,8 +103,9 @@ def cmd_describe(args: argparse.Namespace) -> int:
         from bridge_server.worker import default_catalog
         catalog = describe(default_catalog())
         if args.prefix:
+            kept = [e for e in catalog.entries if e.name.startswith(args.prefix)]
             del catalog.entries[:]
-            catalog.entries.extend(e for e in describe(default_catalog()).entries if e.name.startswith(args.prefix))
+            catalog.entries.extend(kept)
     json.dump(MessageToDict(catalog, preserving_proto_field_name=True), sys.stdout, indent=2)
     print()
     return 0
