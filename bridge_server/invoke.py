@@ -16,7 +16,6 @@ import asyncio
 import difflib
 import functools
 import inspect
-import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from bridge_server.binding import bind_arguments, member_signature
 from bridge_server.catalog import Catalog, Entry, Kind
 from bridge_server.codec import Decoder, Encoder
 from bridge_server.errors import BridgeError
@@ -36,7 +36,6 @@ from vllm_bridge.v1 import bridge_pb2 as pb
 _ALLOWED_DUNDERS = frozenset({"__enter__", "__exit__", "__aenter__", "__aexit__", "__len__", "__getitem__",
                               "__contains__"})
 _EXIT_METHODS = frozenset({"__exit__", "__aexit__"})
-_TYPEERROR_PARAM = re.compile(r"'(\w+)'")
 
 
 @dataclass
@@ -151,7 +150,7 @@ class Invoker:
         if not callable(member):
             raise BridgeError.validation(f"{label} is an attribute, not a method: use GET_ATTR", target=label)
         is_async = inspect.iscoroutinefunction(member) or inspect.isasyncgenfunction(member)
-        sig = _member_signature(type(obj), name, member)
+        sig = member_signature(type(obj), name, member)
         return Plan(label=label, fn=member, signature=sig, entry=entry, exclusive=exclusive, is_async=is_async,
                     profile=profile, receiver=obj, fill_exit_args=name in _EXIT_METHODS,
                     result_ref=entry.result_ref if entry else False)
@@ -173,43 +172,7 @@ class Invoker:
             args = [None, None, None]
         if plan.signature is None:
             return args, kwargs
-        try:
-            bound = plan.signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            m = _TYPEERROR_PARAM.search(str(exc))
-            raise BridgeError.validation(f"{plan.label}{_short_sig(plan.signature)}: {exc}", target=plan.label,
-                                         parameter=m.group(1) if m else "") from None
-        for pname, value in bound.arguments.items():
-            if isinstance(value, dict):
-                built = self._build_argument(plan, plan.signature.parameters[pname], value)
-                if built is not value:
-                    bound.arguments[pname] = built
-        return list(bound.args), dict(bound.kwargs)
-
-    def _build_argument(self, plan: Plan, param: inspect.Parameter, value: dict[Any, Any]) -> Any:
-        """A map given where the signature expects one of the catalog's classes is built into it.
-
-        Keys are checked against the class's signature first: vLLM's pydantic configs silently drop
-        unknown fields, and a misspelt option must not be ignored.
-        """
-        annotation = param.annotation if isinstance(param.annotation, str) else repr(param.annotation)
-        for short, cls in self.catalog.short_types.items():
-            if not re.search(rf"\b{short}\b", annotation):
-                continue
-            fields = {str(k): v for k, v in value.items()}
-            where = f"{plan.label}: parameter {param.name}: cannot build {short} from the map given"
-            try:
-                _class_signature(cls).bind(**fields)
-            except TypeError as exc:
-                raise BridgeError.validation(f"{where}: {exc}", target=plan.label, parameter=param.name) from None
-            except ValueError:
-                pass   # no introspectable signature: let the class judge
-            try:
-                return cls(**fields)
-            except Exception as exc:  # the class's own validation says what is wrong
-                raise BridgeError.validation(f"{where}: {type(exc).__name__}: {exc}", target=plan.label,
-                                             parameter=param.name) from None
-        return value
+        return bind_arguments(plan.label, plan.signature, args, kwargs, self.catalog.short_types)
 
     # ------------------------------------------------------------------------------------ execution
     async def run(self, plan: Plan, args: list[Any], kwargs: dict[str, Any], deadline: float | None) -> Any:
@@ -363,32 +326,6 @@ class Invoker:
                     pass
 
 
-def _member_signature(cls: type, name: str, member: Any) -> inspect.Signature | None:
-    """A method's signature, computed once per class and name (it is the same for every instance);
-    anything else (an instance attribute holding a callable) is inspected each time."""
-    if inspect.ismethod(member) and member.__func__ is getattr(cls, name, None):
-        return _method_signature(cls, name)
-    try:
-        return inspect.signature(member)
-    except (TypeError, ValueError):
-        return None
-
-
-@functools.lru_cache(maxsize=1024)
-def _method_signature(cls: type, name: str) -> inspect.Signature | None:
-    try:
-        params = list(inspect.signature(getattr(cls, name)).parameters.values())[1:]   # without self
-    except (TypeError, ValueError):
-        return None
-    return inspect.Signature(params)
-
-
-@functools.lru_cache(maxsize=256)
-def _class_signature(cls: type) -> inspect.Signature:
-    """Resolving a config class's signature walks its type hints: once per class, not per request."""
-    return inspect.signature(cls)
-
-
 def _as_documented(returns: str, result: Any) -> Any:
     """Gives a result the shape its document promises where vLLM's own type drifts (results that
     cross vLLM's engine IPC come back as lists even when the API returns a tuple or a set)."""
@@ -411,10 +348,6 @@ def _bound_map(plan: Plan, args: list[Any], kwargs: dict[str, Any]) -> Mapping[s
 async def _maybe_await(value: Any) -> None:
     if inspect.isawaitable(value):
         await value
-
-
-def _short_sig(sig: inspect.Signature) -> str:
-    return "(" + ", ".join(str(p).split(":")[0].split("=")[0].strip() for p in sig.parameters.values()) + ")"
 
 
 def _short_repr(obj: object) -> str:
