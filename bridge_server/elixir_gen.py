@@ -8,7 +8,7 @@ changes, so this joins them mechanically, refuses any documented name the catalo
 (and any served name no document binds), and writes deterministic text that is committed and
 checked by `tests/test_elixir_bindings.py`.
 
-Argument layouts follow the documents' own (SnakeBridge) conventions so documented calls work as
+Argument layouts follow the documents' own conventions so documented calls work as
 written: module functions take each optional parameter as one more arity, where the last argument
 may instead be the keyword list of options; class members take the receiver first and the optional
 positional parameters as one list. Every function also accepts a trailing keyword list (`__runtime__`

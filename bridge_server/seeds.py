@@ -1,6 +1,6 @@
 """Parse the generated Elixir binding documents (``shared/seeds``) into "surfaces".
 
-Why this exists: the Elixir side was generated (SnakeBridge, vLLM 0.14.0) from these documents, so
+Why this exists: these documents describe the Elixir bindings generated for vLLM 0.14.0, so
 they are the contract for which names the bridge must expose. They come in two layouts -- a module
 page with one heading per arity and bullet lists, and a "flattened" page whose headings were lost
 and whose bullets run together on one line -- so this module normalises both into one small,

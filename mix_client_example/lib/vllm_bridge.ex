@@ -102,7 +102,7 @@ end
 defmodule VllmBridge.Binding do
   @moduledoc false
   # What the generated `Vllm.*` functions call. They differ only in how their arguments are laid
-  # out (SnakeBridge's conventions, kept for compatibility with the documents), so the layouts are
+  # out (the binding documents' conventions, kept so documented calls work as written), so the layouts are
   # resolved here once.
 
   alias VllmBridge.Client

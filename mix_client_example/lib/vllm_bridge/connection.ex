@@ -85,7 +85,7 @@ defmodule VllmBridge.Sessions do
   Releases a process's default session when the process exits.
 
   By default every Elixir process calls under its own session (`VllmBridge.session_id/0`), so the
-  refs it makes live as long as it does, as with Snakepit. Refs passed to other processes stay
+  refs it makes live as long as it does, as the documents describe. Refs passed to other processes stay
   usable while their maker lives; to keep refs beyond that, call with an explicit
   `__runtime__: [session_id: ...]` (never released automatically) or set
   `config :vllm_bridge, release_sessions_on_exit: false`.
