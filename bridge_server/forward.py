@@ -102,6 +102,11 @@ class Forwarder:
         """Every failure of the router itself leaves as a rich status."""
         if isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError)):
             return
+        if context.cancelled():
+            # The caller went away (a stream its consumer stopped early): a write that fails now is
+            # the cancellation, not a router failure, and there is nobody left to tell.
+            out.code = "CANCELLED"
+            return
         if isinstance(exc, BridgeError):
             err = exc
         else:
