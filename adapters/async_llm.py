@@ -98,7 +98,9 @@ ASYNC_LLM = AdapterSpec(
         RecordType("vllm.outputs", "RequestOutput", (
             "request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished", "metrics",
             "lora_request", "encoder_prompt", "encoder_prompt_token_ids", "num_cached_tokens",
-            "kv_transfer_params")),
+            "kv_transfer_params"),
+            constant=("request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "encoder_prompt",
+                      "encoder_prompt_token_ids")),
         RecordType("vllm.outputs", "PoolingRequestOutput",
                    ("request_id", "outputs", "prompt_token_ids", "num_cached_tokens", "finished")),
         RecordType("vllm.outputs", "EmbeddingRequestOutput",

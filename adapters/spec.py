@@ -33,6 +33,7 @@ class RecordType:
     module: str
     attr: str
     fields: tuple[str, ...]
+    constant: tuple[str, ...] = ()   # fields that are the same object in every item of one stream
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,7 @@ class Catalog:
     methods: dict[type, dict[str, Entry]] = field(default_factory=dict)   # class -> name -> entry
     types: dict[str, type] = field(default_factory=dict)    # qualified name -> class clients may build
     records: dict[type, tuple[str, ...]] = field(default_factory=dict)   # plain classes sent by value
+    record_constants: dict[type, frozenset[str]] = field(default_factory=dict)   # per stream, see codec
     finalizers: dict[type, Callable[[Any], None]] = field(default_factory=dict)
     documents: dict[str, DocSurface] = field(default_factory=dict)
 
@@ -208,5 +209,8 @@ def build_catalog(specs: Iterable[AdapterSpec], documents: dict[str, DocSurface]
             catalog.add(Entry(name=ctor.name, kind=Kind.CONSTRUCTOR, module=ctor.module, class_name=ctor.attr,
                               attr="__init__", owner=cls, signature=_signature(cls), doc=None, result_ref=True))
         for rec in spec.records:
-            catalog.records[getattr(importlib.import_module(rec.module), rec.attr)] = rec.fields
+            cls = getattr(importlib.import_module(rec.module), rec.attr)
+            catalog.records[cls] = rec.fields
+            if rec.constant:
+                catalog.record_constants[cls] = frozenset(rec.constant)
     return catalog

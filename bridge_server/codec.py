@@ -114,6 +114,10 @@ class Encoder:
     # Plain classes that adapters declare to be records (vLLM's RequestOutput is neither a dataclass
     # nor a struct), by exact type, with the attribute names to send.
     records: Mapping[type, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # For one stream of records: fields that stay the same object from item to item (a request's prompt
+    # and prompt token ids) are encoded once and copied after that. None: no memo (one-off values).
+    constant_fields: Mapping[type, frozenset[str]] = dataclasses.field(default_factory=dict)
+    memo: dict[tuple[type, str], tuple[object, pb.Value]] | None = None
 
     def encode(self, obj: object) -> pb.Value:
         return self.encode_into(obj, pb.Value())
@@ -151,9 +155,13 @@ class Encoder:
         depth += 1
         if fields is not None:
             out.record.type_name = _type_name(type(obj))
+            constant = self.constant_fields.get(type(obj)) if self.memo is not None else None
             for name, value in fields:
                 field = out.record.fields.add(name=name)
-                self._fill(value, field.value, depth, active)
+                if constant and name in constant:
+                    self._fill_constant(type(obj), name, value, field.value, depth, active)
+                else:
+                    self._fill(value, field.value, depth, active)
         elif kind == "map":
             out.map.SetInParent()
             for key, value in obj.items():
@@ -171,6 +179,15 @@ class Encoder:
                 else:
                     self._fill(item, add(), depth, active)
         active.discard(id(obj))
+
+    def _fill_constant(self, cls: type, name: str, value: Any, out: pb.Value, depth: int, active: set[int]) -> None:
+        assert self.memo is not None
+        seen = self.memo.get((cls, name))
+        if seen is not None and seen[0] is value:
+            out.CopyFrom(seen[1])
+            return
+        self._fill(value, out, depth, active)
+        self.memo[(cls, name)] = (value, out)   # keeps `value` alive, so its id cannot be reused
 
     def _fill_leaf(self, obj: object, out: pb.Value) -> bool:
         """Fill the by-value kinds that hold no other values, matched by isinstance; False if none."""

@@ -215,12 +215,13 @@ class Invoker:
     def _settle_abandoned(self) -> None:
         self.abandoned -= 1
 
-    def encoder(self, session_id: str, exclusive: bool) -> Encoder:
+    def encoder(self, session_id: str, exclusive: bool, stream: bool = False) -> Encoder:
         def make_ref(obj: object) -> pb.Ref:
             entry = self.refs.put(obj, session_id, exclusive=exclusive)
             return pb.Ref(id=entry.id, session_id=session_id, worker_id=self.refs.worker_id,
                           type_name=entry.type_name, repr=_short_repr(obj))
-        return Encoder(make_ref=make_ref, tensor_max_bytes=self.tensor_max_bytes, records=self.catalog.records)
+        return Encoder(make_ref=make_ref, tensor_max_bytes=self.tensor_max_bytes, records=self.catalog.records,
+                       constant_fields=self.catalog.record_constants, memo={} if stream else None)
 
     def encode_result(self, plan: Plan, result: Any, session_id: str) -> pb.Value:
         enc = self.encoder(session_id, plan.exclusive)
@@ -272,7 +273,7 @@ class Invoker:
         plan = self.plan(request.target)
         args, kwargs = await self.prepare(plan, *self.decode(request))
         source = await self.run_checked(plan, args, kwargs, deadlines.call)
-        encoder = self.encoder(session_id, plan.exclusive)
+        encoder = self.encoder(session_id, plan.exclusive, stream=True)
         lane = self._exclusive_lane if plan.exclusive else self._shared_lane
         async for item in self._iterate(source, plan, deadlines, lane, interval_s):
             yield item, encoder

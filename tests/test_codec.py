@@ -507,3 +507,34 @@ def test_decode_takes_a_base_path() -> None:
     _, decoder, _ = codec()
     with pytest.raises(CodecError, match=r"^args\[2\]\[1\]: expected"):
         decoder.decode(in_list(pb.Value()), "args[2]")
+
+
+class _Out:
+    """A plain class declared as a record, like vLLM's RequestOutput."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], token_ids: list[int]) -> None:
+        self.request_id, self.prompt_token_ids, self.token_ids = request_id, prompt_token_ids, token_ids
+
+
+def test_a_streams_constant_fields_are_encoded_once_and_stay_exact() -> None:
+    fields = ("request_id", "prompt_token_ids", "token_ids")
+    calls: list[object] = []
+    enc = Encoder(make_ref=lambda o: pb.Ref(id="x"), records={_Out: fields},
+                  constant_fields={_Out: frozenset({"request_id", "prompt_token_ids"})}, memo={})
+    prompt = list(range(500))
+    decoder = Decoder(resolve_ref=lambda r: r, resolve_type=lambda n: None)
+    first = enc.encode(_Out("r1", prompt, [1]))
+    prompt_value = first.record.fields[1].value
+    original_fill = enc._fill
+
+    def counting_fill(obj: object, *args: object) -> None:
+        calls.append(obj)
+        original_fill(obj, *args)  # type: ignore[arg-type]
+
+    object.__setattr__(enc, "_fill", counting_fill)
+    second = enc.encode(_Out("r1", prompt, [1, 2]))
+    assert prompt not in calls                     # copied from the memo, not encoded again
+    assert second.record.fields[1].value == prompt_value
+    assert decoder.decode(second) == {"request_id": "r1", "prompt_token_ids": prompt, "token_ids": [1, 2]}
+    other_prompt = list(range(3))                  # a different object is encoded afresh
+    assert decoder.decode(enc.encode(_Out("r1", other_prompt, [3])))["prompt_token_ids"] == [0, 1, 2]
