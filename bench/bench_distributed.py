@@ -82,7 +82,7 @@ def direct(numel: int, rounds: int) -> float:
 
 
 def by_value(client: Any, numel: int, rounds: int) -> float:
-    per_rank = [((torch.ones(numel) * (r + 1),), {}) for r in (0, 1)]
+    per_rank: list[tuple[tuple[Any, ...], dict[str, Any]]] = [((torch.ones(numel) * (r + 1),), {}) for r in (0, 1)]
     for _ in range(2):
         client.collective(ALL_REDUCE, per_rank=per_rank, timeout=120)
     samples = []
@@ -97,7 +97,7 @@ def by_value(client: Any, numel: int, rounds: int) -> float:
 def by_ref(client: Any, numel: int, rounds: int) -> float:
     # Put one tensor on each rank (its result comes back as a ref: the pool's tensor limit is 0).
     held = client.collective(ALL_REDUCE, per_rank=[((torch.zeros(numel),), {}) for _ in (0, 1)], timeout=120)
-    per_rank = [((ref,), {}) for ref in held]
+    per_rank: list[tuple[tuple[Any, ...], dict[str, Any]]] = [((ref,), {}) for ref in held]
     for _ in range(2):
         client.release(*client.collective(ALL_REDUCE, per_rank=per_rank, timeout=120))
     samples = []

@@ -41,11 +41,10 @@ import grpc
 
 from bench.common import (
     ROOT,
+    compare,
     interleaved_latencies,
     interleaved_throughput,
-    latency_stats,
     machine_info,
-    median,
     print_table,
     write_json,
 )
@@ -210,10 +209,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bare.kill()
         server.stop()
 
-    stats = {name: latency_stats([s for r in rounds for s in r]) for name, rounds in lat.items()}
-    round_ratios = [latency_stats(r).p50_us / latency_stats(d).p50_us for d, r in zip(lat[DIRECT], lat[ROUTER])]
-    tput_median = {name: median(v) for name, v in tput.items()}
-    ratio_p50 = stats[ROUTER].p50_us / stats[DIRECT].p50_us
+    stats, tput_median, ratio = compare(lat, tput, ROUTER, DIRECT)
+    ratio_p50 = ratio["p50"]
     return {
         "benchmark": "router",
         "machine": machine_info(),
@@ -221,10 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "params": {k: v for k, v in vars(args).items() if k != "json"},
         "latency_us": {name: s.as_dict() for name, s in stats.items()},
         "ratio": {
-            "p50": ratio_p50,
-            "p99": stats[ROUTER].p99_us / stats[DIRECT].p99_us,
-            "p50_per_round": round_ratios,
-            "p50_per_round_median": median(round_ratios),
+            **ratio,
             "throughput": tput_median[ROUTER] / tput_median[DIRECT],
             "p50_bare_proxy": stats[BARE].p50_us / stats[DIRECT].p50_us,
         },

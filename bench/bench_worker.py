@@ -28,11 +28,10 @@ import grpc
 
 from bench.common import (
     echo_call,
+    compare,
     interleaved_latencies,
     interleaved_throughput,
-    latency_stats,
     machine_info,
-    median,
     print_table,
     start_echo_server,
     start_worker,
@@ -101,10 +100,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for server in reversed(started):
             server.stop()
 
-    stats = {name: latency_stats([s for r in rounds for s in r]) for name, rounds in lat.items()}
-    round_ratios = [latency_stats(w).p50_us / latency_stats(e).p50_us for w, e in zip(lat[WORKER], lat[ECHO])]
-    tput_median = {name: median(v) for name, v in tput.items()}
-    ratio_p50 = stats[WORKER].p50_us / stats[ECHO].p50_us
+    stats, tput_median, ratio = compare(lat, tput, WORKER, ECHO)
+    ratio_p50 = ratio["p50"]
     return {
         "benchmark": "worker",
         "machine": machine_info(),
@@ -112,10 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "params": {k: v for k, v in vars(args).items() if k != "json"},
         "latency_us": {name: s.as_dict() for name, s in stats.items()},
         "ratio": {
-            "p50": ratio_p50,
-            "p99": stats[WORKER].p99_us / stats[ECHO].p99_us,
-            "p50_per_round": round_ratios,
-            "p50_per_round_median": median(round_ratios),
+            **ratio,
             "p50_raw_stub": stats[WORKER_RAW].p50_us / stats[ECHO].p50_us,
             "throughput": tput_median[WORKER] / tput_median[ECHO],
         },

@@ -208,6 +208,23 @@ def median(values: Sequence[float]) -> float:
     return percentile(sorted(values), 50)
 
 
+def compare(lat: Mapping[str, Sequence[Sequence[int]]], tput: Mapping[str, Sequence[float]], side: str,
+            baseline: str) -> tuple[dict[str, LatencyStats], dict[str, float], dict[str, Any]]:
+    """One side against its same-run baseline: latency stats per side over all rounds, median
+    throughput per side, and the ratios every benchmark reports (overall, and round by round, since
+    rounds were interleaved precisely so that each one compares like with like)."""
+    stats = {name: latency_stats([s for r in rounds for s in r]) for name, rounds in lat.items()}
+    round_ratios = [latency_stats(a).p50_us / latency_stats(b).p50_us for a, b in zip(lat[side], lat[baseline])]
+    tput_median = {name: median(v) for name, v in tput.items()}
+    ratio: dict[str, Any] = {
+        "p50": stats[side].p50_us / stats[baseline].p50_us,
+        "p99": stats[side].p99_us / stats[baseline].p99_us,
+        "p50_per_round": round_ratios,
+        "p50_per_round_median": median(round_ratios),
+    }
+    return stats, tput_median, ratio
+
+
 # ------------------------------------------------------------------------------------ timing loops
 
 def time_calls(fn: Call, n: int) -> list[int]:
