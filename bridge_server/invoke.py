@@ -268,9 +268,9 @@ class Invoker:
         return obj
 
     async def stream(self, request: pb.CallRequest, session_id: str, deadlines: Deadlines,
-                     interval_s: float | None = None) -> AsyncIterator[tuple[Any, Encoder]]:
+                     interval_s: float | None = None, plan: Plan | None = None) -> AsyncIterator[tuple[Any, Encoder]]:
         """Yields each item with the encoder to encode it with (the caller encodes it in place)."""
-        plan = self.plan(request.target)
+        plan = plan or self.plan(request.target)
         args, kwargs = await self.prepare(plan, *self.decode(request))
         source = await self.run_checked(plan, args, kwargs, deadlines.call)
         encoder = self.encoder(session_id, plan.exclusive, stream=True)

@@ -112,7 +112,7 @@ class BridgeService(pb_grpc.BridgeServicer):
             deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
             index = 0
             async for item, encoder in self.invoker.stream(request, opts.session_id, deadlines,
-                                                            opts.stream_interval_s):
+                                                            opts.stream_interval_s, plan):
                 out = pb.StreamItem(index=index)
                 encoder.encode_into(item, out.value)
                 yield out
