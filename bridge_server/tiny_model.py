@@ -33,7 +33,7 @@ from pathlib import Path
 
 # Bump whenever the recipe (shapes, corpus, seeds, file layout) changes: the default cache path
 # contains it, so an old cache is never mistaken for a new build.
-TINY_MODEL_VERSION = "1"
+TINY_MODEL_VERSION = "2"
 
 MARKER = "tiny_model.json"
 LORA_SUBDIR = "lora"
@@ -41,6 +41,9 @@ LORA_RANK = 8
 LORA_ALPHA = 16
 LORA_TARGETS = ("q_proj", "v_proj")
 VOCAB_SIZE = 1024
+# Room for streams long enough that a test can act on one before it ends; servers still choose their
+# own max_model_len (the default pool uses 256).
+MAX_POSITIONS = 2048
 # Ids follow Llama's convention (unk 0, bos 1, eos 2) so Llama defaults never disagree with ours.
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = range(4)
@@ -108,7 +111,7 @@ def _build_tokenizer(out_dir: Path, seed: int) -> None:
     assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        unk_token="<unk>", chat_template=CHAT_TEMPLATE, model_max_length=256,
+        unk_token="<unk>", chat_template=CHAT_TEMPLATE, model_max_length=MAX_POSITIONS,
         clean_up_tokenization_spaces=False)
     fast.save_pretrained(str(out_dir))
 
@@ -120,7 +123,7 @@ def _build_model(out_dir: Path, seed: int) -> None:
 
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=MAX_POSITIONS,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
         tie_word_embeddings=False, dtype="float32")
     # fork_rng: seeding must not leak into the caller's global RNG (tests seed their own).

@@ -96,6 +96,9 @@ class Gate:
     rank 1 from this process. It runs in the worker's shared thread pool, like any blocking call."""
 
     port: int = field(default_factory=free_port)
+    # The peer's group is kept alive: dropping it closes its sockets, which can fail rank 0's
+    # connection set-up in the worker when it has not finished yet.
+    peers: list[Any] = field(default_factory=list)
 
     def args(self) -> tuple[Any, ...]:
         return (GATE_TARGET, "127.0.0.1", self.port, 0, 2, "gloo")
@@ -108,7 +111,8 @@ class Gate:
     def open(self) -> threading.Thread:
         def peer() -> None:
             from vllm.distributed import stateless_init_torch_distributed_process_group
-            stateless_init_torch_distributed_process_group("127.0.0.1", self.port, 1, 2, "gloo")
+            self.peers.append(
+                stateless_init_torch_distributed_process_group("127.0.0.1", self.port, 1, 2, "gloo"))
         t = threading.Thread(target=peer, daemon=True)
         t.start()
         return t

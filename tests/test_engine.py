@@ -23,11 +23,11 @@ from bridge_server.tiny_model import ensure_tiny_model
 from tests.conftest import WorkerProcess, start_worker
 
 E = "vllm.AsyncLLMEngine"
-LONG = 230   # tokens: the tiny model's context is 256
+LONG = 2000   # tokens: seconds of generation, so a test can act on a stream before it ends
 
 
 def engine_args(model: Path, **extra: Any) -> dict[str, Any]:
-    return {"model": str(model), "dtype": "float32", "max_model_len": 256, "enforce_eager": True,
+    return {"model": str(model), "dtype": "float32", "max_model_len": 2048, "enforce_eager": True,
             "max_num_seqs": 16, "enable_log_requests": True, **extra}
 
 

@@ -56,7 +56,7 @@ def test_config_fields(built: Path) -> None:
     assert cfg.architectures == ["LlamaForCausalLM"]
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (128, 256, 2)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (4, 4, 1024)
-    assert cfg.max_position_embeddings == 256
+    assert cfg.max_position_embeddings == 2048
     assert cfg.hidden_size // cfg.num_attention_heads >= 32  # vLLM's CPU attention minimum
     weights = load_file(str(built / "model.safetensors"))
     assert all(t.dtype == torch.float32 for t in weights.values())
