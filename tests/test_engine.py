@@ -175,11 +175,12 @@ def test_stream_idle_timeout_aborts_the_request_in_the_engine(bridge: BridgeClie
 
 
 def test_abort_from_a_second_call_ends_the_stream_with_finish_reason_abort(bridge: BridgeClient) -> None:
-    stream = bridge.stream(Target.method("engine", "generate"), "abort me", greedy(LONG), "to-abort")
-    next(stream)
     with BridgeClient(bridge.address) as other:
+        other.call(Target.method("engine", "check_health"))    # connected before the race starts
+        stream = bridge.stream(Target.method("engine", "generate"), "abort me", greedy(LONG), "to-abort")
+        next(stream)
         assert other.call(Target.method("engine", "abort"), "to-abort") is None
-    rest = list(stream)
+        rest = list(stream)
     assert rest and rest[-1]["outputs"][0]["finish_reason"] == "abort"
     assert len(rest[-1]["outputs"][0]["token_ids"]) < LONG
     assert wait_until(lambda: unfinished(bridge) == 0)
