@@ -10,6 +10,8 @@ one after the other so that they never share the machine's CPU cores:
 1. bridge      a worker (`python -m bridge_server.cli worker --objects ...`) publishing an engine as
                `engine`; each request is a gRPC `Stream` call of `Target.method("engine", "generate")`
                with (prompt, sampling params map, request id), made from a grpc.aio client here.
+   bridge-mux  the same worker and engine; all requests of the run share one `Multiplex` stream (a
+               message starts each request; items ready together come back in one reply).
 2. in-process  `AsyncLLM.from_engine_args` in a separate Python process (this module, `--phase`),
                iterating `generate` directly: the ceiling the bridge is measured against.
 3. vllm-serve  vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`): streamed
@@ -21,7 +23,7 @@ max_num_seqs 16 (`--max-num-seqs`); so 32 concurrent requests queue, the same wa
 Figures per way and level: aggregate output tokens/s (a round's tokens over its wall time; median
 over the measured rounds) and time to first token (from issuing a request to its first streamed
 item; p50 and p90 over every request of the measured rounds). Then the ratios bridge/in-process
-(goal >= 0.9) and bridge/vllm-serve (goal > 1).
+(goal >= 0.9) and bridge/vllm-serve (goal > 1), for both bridge transports.
 
 Options for experiments (the client's or the operator's choice; no server change):
 - `--kinds cumulative delta final_only`: also run the bridge and in-process ways with that
@@ -49,6 +51,7 @@ import argparse
 import asyncio
 import contextlib
 import enum
+import itertools
 import json
 import os
 import signal
@@ -72,9 +75,10 @@ ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS"
 for _k, _v in ENV.items():
     os.environ.setdefault(_k, _v)
 
-WAYS = ("bridge", "in-process", "vllm-serve")
+WAYS = ("bridge", "bridge-mux", "in-process", "vllm-serve")
 KINDS = ("cumulative", "delta", "final_only")
 STREAM_METHOD = "/vllm_bridge.v1.Bridge/Stream"
+MUX_METHOD = "/vllm_bridge.v1.Bridge/Multiplex"
 GOAL_VS_IN_PROCESS = 0.9
 GOAL_VS_SERVE = 1.0
 CONTENDED_CORES = 0.25    # a round during which other processes used more than this is not trusted
@@ -278,11 +282,14 @@ def _request_output_kind(kind: str) -> enum.Enum:
 
 
 def _inspect_item(item_bytes: bytes) -> tuple[int, float | None]:
+    from vllm_bridge.v1 import bridge_pb2 as pb
+    return _inspect_value(pb.StreamItem.FromString(item_bytes).value)
+
+
+def _inspect_value(value: Any) -> tuple[int, float | None]:
     """len(outputs[0].token_ids) of one streamed RequestOutput, and its metrics.first_token_latency
     (seconds from the request's arrival in the engine front-end to its first token there), read
     without decoding the rest of the record."""
-    from vllm_bridge.v1 import bridge_pb2 as pb
-    value = pb.StreamItem.FromString(item_bytes).value
     tokens, latency = None, None
     for f in value.record.fields:
         if f.name == "outputs":
@@ -290,9 +297,12 @@ def _inspect_item(item_bytes: bytes) -> tuple[int, float | None]:
             for g in seq.items[0].record.fields:
                 if g.name == "token_ids":
                     kind = g.value.WhichOneof("kind")
-                    if kind not in ("list", "tuple"):
+                    if kind == "ints":
+                        tokens = len(g.value.ints.values)
+                    elif kind in ("list", "tuple"):
+                        tokens = len(getattr(g.value, kind).items)
+                    else:
                         raise ValueError(f"token_ids sent as {kind}")
-                    tokens = len(getattr(g.value, kind).items)
         elif f.name == "metrics" and f.value.HasField("record"):
             latency = next((g.value.float for g in f.value.record.fields if g.name == "first_token_latency"), None)
     if tokens is None:
@@ -343,7 +353,73 @@ async def bridge_measure(work: Workload, address: str, kind: str, roles: Roles) 
         return await run_schedule(work, one, roles, f"bridge-{kind}")
 
 
-def run_bridge(work: Workload, kinds: Sequence[str], log_dir: Path) -> dict[str, dict[str, Any]]:
+async def bridge_mux_measure(work: Workload, address: str, kind: str, roles: Roles) -> dict[str, Any]:
+    """The same requests over one `Multiplex` stream, as a client that runs many at once would send them."""
+    import grpc
+
+    from bridge_server.client import Target
+    from bridge_server.codec import Encoder
+    from bridge_server.protocol import GRPC_OPTIONS, RuntimeOptions, to_metadata
+    from vllm_bridge.v1 import bridge_pb2 as pb
+
+    def no_refs(obj: object) -> pb.Ref:
+        raise TypeError(f"cannot send {type(obj).__qualname__} by value")
+
+    params = work.sampling()
+    if kind != "cumulative":
+        params["output_kind"] = _request_output_kind(kind)
+    target, params_value = Target.method("engine", "generate").msg, Encoder(make_ref=no_refs).encode(params)
+    interval = work.bridge_interval_ms / 1000 if work.bridge_interval_ms else None
+    metadata = tuple(to_metadata(RuntimeOptions(session_id="bench", stream_interval_s=interval)))
+    delta = kind == "delta"
+
+    async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        call = channel.stream_stream(MUX_METHOD)(metadata=metadata)
+        waiting: dict[int, asyncio.Queue[Any]] = {}
+        ids = itertools.count(1)
+        write_lock = asyncio.Lock()    # one write at a time on a gRPC stream
+
+        async def dispatch() -> None:
+            while (raw := await call.read()) is not grpc.aio.EOF:
+                for event in pb.MuxReply.FromString(raw).events:
+                    waiting[event.id].put_nowait(event)
+
+        async def one(request_id: str, prompt: str) -> Sample:
+            call_id, events = next(ids), asyncio.Queue[Any]()
+            waiting[call_id] = events
+            start = pb.MuxRequest(start=pb.MuxStart(id=call_id, stream=True, call=pb.CallRequest(
+                target=target, args=[pb.Value(str=prompt), params_value, pb.Value(str=request_id)])))
+            payload = start.SerializeToString()
+            t0 = time.perf_counter()
+            async with write_lock:
+                await call.write(payload)
+            first, last, tokens, items = None, None, 0, 0
+            while (event := await events.get()).WhichOneof("kind") == "value":
+                items += 1
+                if first is None:
+                    first = time.perf_counter()
+                if delta:
+                    tokens += _inspect_value(event.value)[0]
+                last = event
+            end = time.perf_counter()
+            del waiting[call_id]
+            if event.WhichOneof("kind") == "error":
+                raise RuntimeError(f"{request_id}: {event.error.message}")
+            n, engine_ttft = _inspect_value(last.value) if last is not None else (0, None)
+            return Sample((first or end) - t0, end - t0, tokens if delta else n, items, engine_ttft)
+
+        reader = asyncio.create_task(dispatch())
+        try:
+            return await run_schedule(work, one, roles, f"bridge-mux-{kind}")
+        finally:
+            await call.done_writing()
+            reader.cancel()
+
+
+def run_bridge(work: Workload, kinds: Sequence[str], log_dir: Path,
+               transports: Sequence[str] = ("bridge",)) -> dict[str, dict[str, Any]]:
+    """One worker and engine for both transports: a call per request ("bridge") and one Multiplex
+    stream for all ("bridge-mux"). Results are keyed by label (way and kind)."""
     objects = [{"name": "engine", "target": "vllm.AsyncLLMEngine.from_engine_args",
                 "kwargs": {"engine_args": work.engine_args()}}]
     t0 = time.monotonic()
@@ -355,8 +431,10 @@ def run_bridge(work: Workload, kinds: Sequence[str], log_dir: Path) -> dict[str,
         def roles() -> dict[str, list[psutil.Process]]:
             return {"client": [me], "front-end": [psutil.Process(pid)], "engine core": children(pid)}
 
-        return {kind: {"ready_s": ready_s, **asyncio.run(bridge_measure(work, server.address, kind, roles))}
-                for kind in kinds}
+        measure = {"bridge": bridge_measure, "bridge-mux": bridge_mux_measure}
+        return {_label(way, kind): {"ready_s": ready_s,
+                                    **asyncio.run(measure[way](work, server.address, kind, roles))}
+                for way in transports for kind in kinds}
     finally:
         stop_group(server.proc)
 
@@ -524,8 +602,8 @@ def _ratio(a: float, b: float) -> float:
 
 def compare(rows: dict[str, Any], work: Workload, kinds: Sequence[str]) -> dict[str, Any]:
     """bridge / in-process for each output kind, and bridge / vllm-serve."""
-    pairs = [(_label("bridge", k), _label("in-process", k)) for k in kinds]
-    pairs += [(_label("bridge", k), "vllm-serve") for k in kinds]
+    pairs = [(_label(w, k), _label("in-process", k)) for w in ("bridge", "bridge-mux") for k in kinds]
+    pairs += [(_label(w, k), "vllm-serve") for w in ("bridge", "bridge-mux") for k in kinds]
     out: dict[str, Any] = {}
     for a, b in pairs:
         if a in rows and b in rows:
@@ -656,9 +734,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             t = time.monotonic()
             print(f"[{way}] starting", file=sys.stderr, flush=True)
-            if way == "bridge":
-                for kind, data in run_bridge(work, kinds, log_dir).items():
-                    raw[_label(way, kind)] = data
+            if way in ("bridge", "bridge-mux"):
+                transports = [w for w in ("bridge", "bridge-mux") if w in args.ways]
+                if way != transports[0]:
+                    continue   # measured with the first, on the same worker
+                raw.update(run_bridge(work, kinds, log_dir, transports))
             elif way == "in-process":
                 for kind, data in run_in_process(work, kinds, log_dir).items():
                     raw[_label(way, kind)] = data

@@ -13,6 +13,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from bridge_server.errors import BridgeError
 
 _TYPEERROR_PARAM = re.compile(r"'(\w+)'")
@@ -56,9 +58,24 @@ def _build_argument(label: str, param: inspect.Parameter, value: dict[Any, Any],
         try:
             return cls(**fields)
         except Exception as exc:  # the class's own validation says what is wrong
-            raise BridgeError.validation(f"{where}: {type(exc).__name__}: {exc}", target=label,
-                                         parameter=param.name) from None
+            why = _field_types_error(cls, fields) or f"{type(exc).__name__}: {exc}"
+            raise BridgeError.validation(f"{where}: {why}", target=label, parameter=param.name) from None
     return value
+
+
+def _field_types_error(cls: type, fields: dict[str, Any]) -> str | None:
+    """For msgspec structs (SamplingParams), msgspec's own check of the declared field types, which
+    names the field and the expected and given types, where the class's error may name neither."""
+    if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
+        return None
+    try:
+        msgspec.convert(fields, cls)
+    except msgspec.ValidationError as exc:   # "Expected `int`, got `str` - at `$.max_tokens`"
+        return f"field {str(exc).rpartition('$.')[2].rstrip('`')}: {str(exc).partition(' - at ')[0]}" \
+            if " - at `$." in str(exc) else str(exc)
+    except Exception:   # a field type msgspec cannot check: the class's error stands
+        return None
+    return None
 
 
 def member_signature(cls: type, name: str, member: Any) -> inspect.Signature | None:

@@ -7,6 +7,9 @@ Refs come back as `pb.Ref` messages and are passed back as they are.
 
 from __future__ import annotations
 
+import itertools
+import queue
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,10 +27,19 @@ class CallError(Exception):
     """A failed call, with the server's status code and structured detail."""
 
     def __init__(self, err: grpc.RpcError) -> None:
-        self.code: grpc.StatusCode = err.code()  # type: ignore[attr-defined]
-        self.details: str = err.details() or ""  # type: ignore[attr-defined]
-        self.detail = detail_from_rpc_error(err)
-        super().__init__(f"{self.code.name}: {self.details}")
+        self._set(err.code(), err.details() or "", detail_from_rpc_error(err))  # type: ignore[attr-defined]
+
+    def _set(self, code: grpc.StatusCode, details: str, detail: pb.ErrorDetail | None) -> None:
+        self.code, self.details, self.detail = code, details, detail
+        Exception.__init__(self, f"{code.name}: {details}")
+
+    @classmethod
+    def from_mux(cls, error: pb.MuxError) -> CallError:
+        """A call over a Multiplex stream failed: the same error a plain call would have raised."""
+        err = cls.__new__(cls)
+        code = next((c for c in grpc.StatusCode if c.value[0] == error.code), grpc.StatusCode.UNKNOWN)
+        err._set(code, error.message, error.detail if error.HasField("detail") else None)
+        return err
 
     @property
     def category(self) -> str:
@@ -176,3 +188,110 @@ class BridgeClient:
 
     def describe(self, prefix: str = "") -> pb.Catalog:
         return self.stub.Describe(pb.DescribeRequest(prefix=prefix))
+
+    def multiplex(self, timeout: float | None = None, **options: Any) -> Multiplexer:
+        """One `Multiplex` stream for many calls from any number of threads; `options` are its defaults."""
+        return Multiplexer(self, timeout, options)
+
+
+class Multiplexer:
+    """Calls and streams over one `Multiplex` stream; they behave as `BridgeClient.call`/`stream` do.
+
+    A reader thread hands each event to the queue of its call; decoding happens in the caller's thread.
+    """
+
+    def __init__(self, client: BridgeClient, timeout: float | None, options: Mapping[str, Any]) -> None:
+        self._client = client
+        self._requests: queue.SimpleQueue[pb.MuxRequest | None] = queue.SimpleQueue()
+        self._calls: dict[int, queue.SimpleQueue[pb.MuxEvent | CallError]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._failure: CallError | None = None
+        self._replies = client.stub.Multiplex(iter(self._requests.get, None), timeout=timeout,
+                                              metadata=client._metadata([], options))
+        self.replies = 0   # replies received: fewer than events when events were batched
+        self._reader = threading.Thread(target=self._read, name="bridge-multiplex", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for reply in self._replies:
+                self.replies += 1
+                for event in reply.events:
+                    with self._lock:
+                        q = self._calls.get(event.id)
+                    if q is not None:
+                        q.put(event)
+            failure = CallError.from_mux(pb.MuxError(code=grpc.StatusCode.CANCELLED.value[0],
+                                                     message="Multiplex: the stream has ended"))
+        except grpc.RpcError as err:
+            failure = CallError(err)
+        with self._lock:
+            self._failure = failure
+            for q in self._calls.values():
+                q.put(failure)
+
+    def _start(self, target: Target | str, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None,
+               stream: bool, timeout: float | None, options: dict[str, Any]) -> tuple[int, queue.SimpleQueue[Any]]:
+        if timeout is not None:
+            options["timeout_s"] = timeout
+        req, refs = self._client.request(target, args, kwargs)
+        metadata = dict(self._client._metadata(refs, options))
+        call_id, q = next(self._ids), queue.SimpleQueue[Any]()
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            self._calls[call_id] = q
+        self._requests.put(pb.MuxRequest(start=pb.MuxStart(id=call_id, call=req, stream=stream,
+                                                           metadata=metadata)))
+        return call_id, q
+
+    def _next(self, q: queue.SimpleQueue[Any]) -> pb.MuxEvent:
+        event = q.get()
+        if isinstance(event, CallError):
+            raise event
+        if event.WhichOneof("kind") == "error":
+            raise CallError.from_mux(event.error)
+        return event  # type: ignore[no-any-return]
+
+    def call(self, target: Target | str, *args: Any, kwargs: Mapping[str, Any] | None = None,
+             timeout: float | None = None, **options: Any) -> Any:
+        call_id, q = self._start(target, args, kwargs, False, timeout, options)
+        try:
+            return self._client._decoder.decode(self._next(q).value)
+        finally:
+            with self._lock:
+                self._calls.pop(call_id, None)
+
+    def stream(self, target: Target | str, *args: Any, kwargs: Mapping[str, Any] | None = None,
+               timeout: float | None = None, **options: Any) -> Iterator[Any]:
+        call_id, q = self._start(target, args, kwargs, True, timeout, options)
+        ended = False
+        try:
+            while True:
+                try:
+                    event = self._next(q)
+                except CallError:
+                    ended = True
+                    raise
+                if event.WhichOneof("kind") == "end":
+                    ended = True
+                    return
+                yield self._client._decoder.decode(event.value)
+        finally:
+            if not ended:   # the caller stopped early: the server aborts the call
+                self._requests.put(pb.MuxRequest(cancel=call_id))
+            with self._lock:
+                self._calls.pop(call_id, None)
+
+    def close(self) -> None:
+        """Ends the stream; calls still running are cancelled."""
+        self._requests.put(None)
+        self._replies.cancel()
+        self._reader.join(10)
+
+    def __enter__(self) -> Multiplexer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

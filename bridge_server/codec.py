@@ -15,7 +15,7 @@ import math
 import operator
 import types
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 import numpy as np
@@ -83,22 +83,69 @@ _SCALARS[bytearray] = _SCALARS[memoryview] = lambda obj, out: setattr(out, "byte
 _CONTAINERS: dict[type, str] = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset", dict: "map"}
 
 
-def _record_fields(obj: object) -> list[tuple[str, object]] | None:
-    """The fields of a by-value record in declaration order, or None when obj is not one."""
-    cls, missing = type(obj), object()
-    if isinstance(obj, tuple) and hasattr(cls, "_fields"):
-        return list(zip(cls._fields, obj))
+_MISSING = object()
+
+
+def _present(obj: object, names: tuple[str, ...]) -> list[tuple[str, object]]:
+    # An init=False field never set, or a msgspec UNSET one, is left out rather than sent as a ref.
+    pairs = []
+    for name in names:
+        value = getattr(obj, name, _MISSING)
+        if value is not _MISSING and value is not msgspec.UNSET:
+            pairs.append((name, value))
+    return pairs
+
+
+_T = TypeVar("_T")
+
+
+def _per_class(fn: Callable[[type], _T]) -> Callable[[type], _T]:
+    """Memoizes a function of a class (functools.cache, typed for classes)."""
+    return functools.cache(fn)  # type: ignore[arg-type]
+
+
+@_per_class
+def _record_plan(cls: type) -> Callable[[Any], list[tuple[str, object]]] | None:
+    """How to list a by-value record's fields in declaration order, worked out once per class; None
+    when instances of cls are not records."""
+    if issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        tuple_names: tuple[str, ...] = tuple(cls._fields)
+        return lambda obj: list(zip(tuple_names, obj))
     if dataclasses.is_dataclass(cls):
-        pairs = [(f.name, getattr(obj, f.name, missing)) for f in dataclasses.fields(cls)]
-    elif isinstance(obj, msgspec.Struct):
-        pairs = [(k, getattr(obj, k, missing)) for k in obj.__struct_fields__]
-    elif isinstance(obj, pydantic.BaseModel):
-        pairs = [(k, getattr(obj, k)) for k in type(obj).model_fields]
-        pairs += (obj.__pydantic_extra__ or {}).items()
+        names = tuple(f.name for f in dataclasses.fields(cls))
+    elif issubclass(cls, msgspec.Struct):
+        names = tuple(cls.__struct_fields__)
+    elif issubclass(cls, pydantic.BaseModel):
+        model_names = tuple(cls.model_fields)
+        return lambda obj: [(k, getattr(obj, k)) for k in model_names] + list((obj.__pydantic_extra__ or {}).items())
     else:
         return None
-    # An init=False field never set, or a msgspec UNSET one, is left out rather than sent as a ref.
-    return [(k, v) for k, v in pairs if v is not missing and v is not msgspec.UNSET]
+    return lambda obj: _present(obj, names)
+
+
+def _record_fields(obj: object) -> list[tuple[str, object]] | None:
+    """The fields of a by-value record in declaration order, or None when obj is not one."""
+    plan = _record_plan(type(obj))
+    return None if plan is None else plan(obj)
+
+
+_SCALAR_BASES: dict[str, type] = {b.__name__: b for b in (int, float, str, bytes, bytearray)}
+
+
+@_per_class
+def _leaf_kind(cls: type) -> str | None:
+    """Which by-value kind holding no other values instances of cls are, worked out once per class."""
+    if issubclass(cls, enum.Enum):  # before int/str: IntEnum and StrEnum members are ints/strs
+        return "enum"
+    for base, kind in ((torch.Tensor, "tensor"), (np.ndarray, "ndarray"), (np.bool_, "np.bool_"),
+                       (np.integer, "np.integer"), (np.floating, "np.floating")):
+        if issubclass(cls, base):
+            return kind
+    return next((name for name, b in _SCALAR_BASES.items() if issubclass(cls, b)), None)
+
+
+_type_name_of = _per_class(_type_name)   # once per class: it is written into every record and enum
+_INT_ONLY = {int}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,31 +182,47 @@ class Encoder:
         out.ref.CopyFrom(self.make_ref(obj))
 
     def _fill(self, obj: Any, out: pb.Value, depth: int, active: set[int]) -> None:
-        put = _SCALARS.get(type(obj))
+        cls = type(obj)
+        put = _SCALARS.get(cls)
         if put is not None:
             return put(obj, out)
-        kind, fields = _CONTAINERS.get(type(obj)), None
+        kind, fields = _CONTAINERS.get(cls), None
         if kind is None:
-            if self._fill_leaf(obj, out):
+            names = self.records.get(cls)
+            if names is not None:
+                fields = [(n, getattr(obj, n)) for n in names if hasattr(obj, n)]
+            elif self._fill_leaf(obj, out):
                 return None
-            names = self.records.get(type(obj))
-            fields = [(n, getattr(obj, n)) for n in names if hasattr(obj, n)] if names else _record_fields(obj)
+            else:
+                fields = _record_fields(obj)
             kind = "record" if fields is not None else next(
                 (k for t, k in _CONTAINERS.items() if isinstance(obj, t)), None)
             if kind is None:
                 return self._ref(obj, out)
+        elif kind == "list" and obj and set(map(type, obj)) == _INT_ONLY:
+            try:   # token ids: one packed field instead of a Value per int
+                out.ints.values.extend(obj)
+                return None
+            except ValueError:   # an int past 64 bits: those go one by one, as big_int
+                out.ClearField("ints")
         # It holds other values: a deep or cyclic structure goes as a ref instead of recursing forever.
         if depth >= self.max_depth or id(obj) in active:
             return self._ref(obj, out)
         active.add(id(obj))
         depth += 1
+        scalars = _SCALARS
         if fields is not None:
-            out.record.type_name = _type_name(type(obj))
-            constant = self.constant_fields.get(type(obj)) if self.memo is not None else None
+            record = out.record
+            record.type_name = _type_name_of(cls)
+            constant = self.constant_fields.get(cls) if self.memo is not None else None
+            add_field = record.fields.add
             for name, value in fields:
-                field = out.record.fields.add(name=name)
-                if constant and name in constant:
-                    self._fill_constant(type(obj), name, value, field.value, depth, active)
+                field = add_field(name=name)
+                put = scalars.get(type(value))  # the scalar case inlined, as for list items
+                if put is not None:
+                    put(value, field.value)
+                elif constant and name in constant:
+                    self._fill_constant(cls, name, value, field.value, depth, active)
                 else:
                     self._fill(value, field.value, depth, active)
         elif kind == "map":
@@ -171,7 +234,7 @@ class Encoder:
         else:
             holder = getattr(out, kind)
             holder.SetInParent()
-            add, scalars = holder.items.add, _SCALARS
+            add = holder.items.add
             for item in obj:
                 put = scalars.get(type(item))  # the scalar case inlined: most items are scalars
                 if put is not None:
@@ -189,29 +252,29 @@ class Encoder:
         self._fill(value, out, depth, active)
         self.memo[(cls, name)] = (value, out)   # keeps `value` alive, so its id cannot be reused
 
-    def _fill_leaf(self, obj: object, out: pb.Value) -> bool:
-        """Fill the by-value kinds that hold no other values, matched by isinstance; False if none."""
-        if isinstance(obj, enum.Enum):  # before int/str: IntEnum and StrEnum members are ints/strs
+    def _fill_leaf(self, obj: Any, out: pb.Value) -> bool:
+        """Fill the by-value kinds that hold no other values, matched by class; False if none."""
+        kind = _leaf_kind(type(obj))
+        if kind is None:
+            return False
+        if kind == "enum":
             self._enum(obj, out)
-        elif isinstance(obj, torch.Tensor):
+        elif kind == "tensor":
             self._tensor(obj, out)
-        elif isinstance(obj, np.ndarray):
+        elif kind == "ndarray":
             self._ndarray(obj, out)
-        elif isinstance(obj, np.bool_):
+        elif kind == "np.bool_":
             out.bool = bool(obj)
-        elif isinstance(obj, np.integer):
+        elif kind == "np.integer":
             _put_int(int(obj), out)
-        elif isinstance(obj, np.floating):  # np.float16 and np.longdouble are not float subclasses
+        elif kind == "np.floating":  # np.float16 and np.longdouble are not float subclasses
             out.float = float(obj)
-        else:
-            base = next((b for b in (int, float, str, bytes, bytearray) if isinstance(obj, b)), None)
-            if base is None:
-                return False
-            _SCALARS[base](obj, out)
+        else:  # a subclass of a scalar type: kind is that type's name
+            _SCALARS[_SCALAR_BASES[kind]](obj, out)
         return True
 
     def _enum(self, member: enum.Enum, out: pb.Value) -> None:
-        out.enum.type_name = _type_name(type(member))
+        out.enum.type_name = _type_name_of(type(member))
         out.enum.name = member.name or ""
         # The value is informative only: send plain scalars, never mint a ref just to describe it.
         put = _SCALARS.get(type(member.value))
@@ -381,6 +444,7 @@ def _build(cls: type, fields: dict[str, object], path: str) -> object:
 Decoder._KINDS = {
     "big_int": Decoder._big_int,
     "list": lambda self, value, path: self._items(value.list.items, path),
+    "ints": lambda self, value, path: list(value.ints.values),
     "tuple": lambda self, value, path: tuple(self._items(value.tuple.items, path)),
     "set": lambda self, value, path: set(self._hashables(value.set.items, path, "set")),
     "frozenset": lambda self, value, path: frozenset(

@@ -7,6 +7,7 @@ the standard rich error model (`grpc-status-details-bin`), which stock gRPC tool
 
 from __future__ import annotations
 
+import logging
 import traceback as tb
 from dataclasses import dataclass, field
 
@@ -16,6 +17,8 @@ from google.rpc import status_pb2
 from grpc_status import rpc_status
 
 from vllm_bridge.v1 import bridge_pb2 as pb
+
+log = logging.getLogger("vllm_bridge.worker")
 
 # Python exception types whose meaning maps onto a more specific status than UNKNOWN.
 _PY_STATUS: dict[str, grpc.StatusCode] = {
@@ -84,11 +87,31 @@ class BridgeError(Exception):
                               traceback=self.traceback, target=self.target, parameter=self.parameter,
                               reason=self.reason, suggestions=self.suggestions)
 
+    def to_mux_error(self) -> pb.MuxError:
+        """The same failure as one event of a Multiplex stream."""
+        return pb.MuxError(code=self.code.value[0], message=self.message, detail=self.detail())
+
     def to_status(self) -> grpc.Status:
         detail = any_pb2.Any()
         detail.Pack(self.detail())
         return rpc_status.to_status(status_pb2.Status(code=self.code.value[0], message=self.message,
                                                       details=[detail]))
+
+
+def server_error(exc: BaseException, label: str) -> BridgeError:
+    """What a worker reports for any exception while serving `label`: bad values are the caller's
+    fault (INVALID_ARGUMENT, naming where), anything unforeseen is the worker's (INTERNAL, logged)."""
+    from bridge_server.codec import CodecError   # here, not at the top: clients import this module too
+
+    if isinstance(exc, BridgeError):
+        return exc
+    if isinstance(exc, CodecError):
+        return BridgeError.validation(f"{label}: {exc}", target=label, parameter=exc.path)
+    log.exception("unexpected failure in %s", label)
+    err = BridgeError.from_exception(exc, label)
+    err.category = "worker"
+    err.code = grpc.StatusCode.INTERNAL
+    return err
 
 
 def detail_from_rpc_error(err: grpc.RpcError) -> pb.ErrorDetail | None:

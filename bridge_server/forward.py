@@ -24,6 +24,7 @@ import grpc
 from bridge_server.collective import run_collective
 from bridge_server.errors import BridgeError
 from bridge_server.metrics import Metrics
+from bridge_server.mux_forward import MULTIPLEX, forward_multiplex
 from bridge_server.protocol import MD_WORKER_REFS
 from bridge_server.router import DEADLINE_MARGIN_S, Backend, Flight, Route, Router, pool_error, read_route
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -42,7 +43,8 @@ _DEATH_WAIT_S = 0.5
 def make_stubs(channel: grpc.aio.Channel) -> dict[str, Any]:
     """Bytes-in, bytes-out multicallables for one worker, made once per worker."""
     return {CALL: channel.unary_unary(CALL), RELEASE: channel.unary_unary(RELEASE),
-            DESCRIBE: channel.unary_unary(DESCRIBE), STREAM: channel.unary_stream(STREAM)}
+            DESCRIBE: channel.unary_unary(DESCRIBE), STREAM: channel.unary_stream(STREAM),
+            MULTIPLEX: channel.stream_stream(MULTIPLEX)}
 
 
 def _forwarded(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[tuple[str, str | bytes]]:
@@ -61,6 +63,20 @@ def crashed(backend: Backend, reason: str = "") -> BridgeError:
     verb = "was stopped" if reason == "worker stopped" else "died"
     return pool_error(grpc.StatusCode.UNAVAILABLE, f"{reason}: worker {backend.id} {verb} while running this call{why}",
                       reason, "worker")
+
+
+async def _worker_died(backend: Backend, flight: Flight, err: grpc.aio.AioRpcError) -> bool:
+    """gRPC may report the closed socket before the exit watcher has failed the flight."""
+    return bool(flight.failed) or (err.code() in _TRANSPORT_CODES and not _has_details(err) and
+                                   await _died_within(backend, _DEATH_WAIT_S))
+
+
+async def upstream_failure(backend: Backend, flight: Flight, err: grpc.aio.AioRpcError | None) -> BridgeError:
+    """What callers hear when a worker's stream fails under them: "worker crashed" if the worker
+    died, else the worker's own status."""
+    if err is None or await _worker_died(backend, flight, err):
+        return crashed(backend, flight.failed)
+    return BridgeError(err.code(), "worker", f"worker {backend.id}: {err.details()}", reason="worker stream failed")
 
 
 class _Outcome:
@@ -85,6 +101,7 @@ class Forwarder:
             "Release": grpc.unary_unary_rpc_method_handler(self.release),
             "Describe": grpc.unary_unary_rpc_method_handler(self.describe),
             "Collective": grpc.unary_unary_rpc_method_handler(self.collective),
+            "Multiplex": grpc.stream_stream_rpc_method_handler(self.multiplex),
         })
 
     # ------------------------------------------------------------------------------------ helpers
@@ -119,8 +136,7 @@ class Forwarder:
     async def _forward_error(self, err: grpc.aio.AioRpcError, backend: Backend, flight: Flight,
                              context: grpc.aio.ServicerContext, out: _Outcome) -> None:
         """Passes the worker's error on unchanged, unless it is the worker dying."""
-        if flight.failed or (err.code() in _TRANSPORT_CODES and not _has_details(err) and
-                             await _died_within(backend, _DEATH_WAIT_S)):
+        if await _worker_died(backend, flight, err):
             raise crashed(backend, flight.failed)
         out.code = err.code().name
         await context.abort(err.code(), err.details() or "", tuple(err.trailing_metadata() or ()))
@@ -239,6 +255,24 @@ class Forwarder:
                 upstream.cancel()
             backend.flights.discard(flight)
             pool.release(backend)
+
+    # ------------------------------------------------------------------------------------ Multiplex
+    async def multiplex(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
+                        ) -> AsyncIterator[bytes]:
+        t0 = time.perf_counter()
+        out = _Outcome()
+        replies = forward_multiplex(self.router, requests, context, _forwarded(context.invocation_metadata()),
+                                    upstream_failure)
+        try:
+            async for reply in replies:
+                yield reply
+            out.code = "OK"
+        except BaseException as exc:
+            await self._abort(context, out, exc)
+            raise
+        finally:
+            await replies.aclose()     # now: it frees the worker slots of calls still running
+            self.metrics.observe_call(out.pool, "Multiplex", out.code, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------------------------ Release
     async def release(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:

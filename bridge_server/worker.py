@@ -21,11 +21,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from bridge_server.catalog import Catalog, build_catalog
-from bridge_server.codec import CodecError
 from bridge_server.describe import describe
-from bridge_server.errors import BridgeError
+from bridge_server.errors import BridgeError, server_error
 from bridge_server.invoke import Invoker
 from bridge_server.jsonvalue import from_json
+from bridge_server.mux import multiplex
 from bridge_server.protocol import GRPC_OPTIONS, MD_WORKER_REFS, parse_metadata, resolve_deadlines
 from bridge_server.refs import RefRegistry
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -71,18 +71,6 @@ class DistributedRank:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
 
 
-def _error(exc: BaseException, label: str) -> BridgeError:
-    if isinstance(exc, BridgeError):
-        return exc
-    if isinstance(exc, CodecError):
-        return BridgeError.validation(f"{label}: {exc}", target=label, parameter=exc.path)
-    log.exception("unexpected failure in %s", label)
-    err = BridgeError.from_exception(exc, label)
-    err.category = "worker"
-    err.code = grpc.StatusCode.INTERNAL
-    return err
-
-
 def _label(target: pb.Target) -> str:
     return target.name or pb.Target.Kind.Name(target.kind)
 
@@ -101,7 +89,7 @@ class BridgeService(pb_grpc.BridgeServicer):
             context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
             return reply
         except Exception as exc:
-            await context.abort_with_status(_error(exc, _label(request.target)).to_status())
+            await context.abort_with_status(server_error(exc, _label(request.target)).to_status())
             raise  # unreachable: abort raises
 
     async def Stream(self, request: pb.CallRequest,  # noqa: N802
@@ -119,7 +107,16 @@ class BridgeService(pb_grpc.BridgeServicer):
                 index += 1
             context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
         except Exception as exc:
-            await context.abort_with_status(_error(exc, _label(request.target)).to_status())
+            await context.abort_with_status(server_error(exc, _label(request.target)).to_status())
+
+    async def Multiplex(self, request_iterator: AsyncIterator[pb.MuxRequest],  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxReply]:
+        try:
+            async for reply in multiplex(self.invoker, request_iterator, context):
+                yield reply
+            context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
+        except Exception as exc:
+            await context.abort_with_status(server_error(exc, "Multiplex").to_status())
 
     async def Collective(self, request: pb.CollectiveRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> pb.CollectiveReply:

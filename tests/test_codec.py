@@ -195,6 +195,26 @@ def test_int_stays_int_and_none_stays_null() -> None:
     assert same(decoder.decode(value), [None, 1, 1.0])
 
 
+def test_lists_of_ints_go_packed_and_everything_else_item_by_item() -> None:
+    class Color(enum.IntEnum):
+        RED = 1
+
+    encoder, decoder, _ = codec()
+    for obj in ([1, -2, 3], [I64 - 1, -I64], [0]):
+        value = wire(encoder.encode(obj))
+        assert value.WhichOneof("kind") == "ints" and list(value.ints.values) == obj
+        assert same(decoder.decode(value), obj)
+    # Anything that would not come back exactly as it went stays a list of Values.
+    for obj in ([], [1, True], [1, 2.0], [1, I64], [1, Color.RED], [np.int64(1)], [1, None]):
+        value = wire(encoder.encode(obj))
+        assert value.WhichOneof("kind") == "list", obj
+        assert [v.WhichOneof("kind") for v in value.list.items] == [
+            wire(encoder.encode(x)).WhichOneof("kind") for x in obj]
+    # Tuples and sets keep their kind.
+    assert wire(encoder.encode((1, 2))).WhichOneof("kind") == "tuple"
+    assert wire(encoder.encode({1, 2})).WhichOneof("kind") == "set"
+
+
 def test_floats_are_exact() -> None:
     encoder, decoder, _ = codec()
     for x in (math.inf, -math.inf, -0.0, 5e-324, 1.7976931348623157e308):
@@ -416,7 +436,7 @@ def test_shared_subtrees_are_not_cycles() -> None:
 
 def test_deep_containers_go_as_a_ref() -> None:
     encoder, decoder, refs = codec(max_depth=3)
-    inner = [1]
+    inner = [1, "one"]    # (a list of ints alone is a leaf on the wire: packed, no Values inside)
     got = decoder.decode(encoder.encode([[[inner]]]))
     assert got == [[[inner]]] and got[0][0][0] is inner  # type: ignore[index]
     assert list(refs.objects.values()) == [inner]

@@ -201,7 +201,9 @@ def test_committed_protobuf_modules_match_the_proto() -> None:
     assert not problems, "regenerate lib/vllm_bridge/proto/bridge.pb.ex (README, Regenerating):\n" + "\n".join(problems)
     assert len(seen) >= 20
     for method in service.methods:
-        assert f"rpc :{method.name}, VllmBridge.V1.{method.input_type.name}" in blocks["VllmBridge.V1.Bridge.Service"]
+        request = f"VllmBridge.V1.{method.input_type.name}"
+        request = f"stream({request})" if method.client_streaming else request
+        assert f"rpc :{method.name}, {request}" in blocks["VllmBridge.V1.Bridge.Service"]
 
 
 def test_runtime_options_are_sent_as_the_protocol_metadata_keys() -> None:

@@ -261,3 +261,62 @@ def test_encode_on_a_pooling_engine_returns_a_vector_and_releasing_it_stops_the_
     assert vector.shape == (128,) and vector.dtype.is_floating_point
     assert bridge.release(session_id="pooling") == 1
     assert wait_until(lambda: not (engine_processes(engine_worker) & started))
+
+
+# --- Multiplex: many generations over one stream ------------------------------------------------
+
+def test_multiplexed_generations_match_plain_streams_and_share_replies(bridge: BridgeClient) -> None:
+    prompts = [f"multiplexed prompt {i}" for i in range(8)]
+    plain = {p: list(bridge.stream(Target.method("engine", "generate"), p, greedy(24), f"plain-{i}"))[-1]
+             for i, p in enumerate(prompts)}
+    results: dict[str, list[dict[str, Any]]] = {}
+    with bridge.multiplex() as mux:
+        def one(i: int, prompt: str) -> None:
+            results[prompt] = list(mux.stream(Target.method("engine", "generate"), prompt, greedy(24), f"mux-{i}"))
+        threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        # A plain call over the same stream, between and after the streams.
+        assert mux.call(Target.method("engine", "check_health")) is None
+        events = sum(len(items) for items in results.values())
+        replies = mux.replies
+    for p in prompts:
+        items = results[p]
+        assert items[-1]["finished"] is True and [i["finished"] for i in items[:-1]] == [False] * (len(items) - 1)
+        assert items[-1]["outputs"][0]["token_ids"] == plain[p]["outputs"][0]["token_ids"]
+        assert all(type(t) is int for t in items[-1]["outputs"][0]["token_ids"])
+    # Items that the engine produced in the same step went out together.
+    assert replies < events
+
+
+def test_multiplexed_cancel_aborts_in_the_engine_and_other_calls_go_on(bridge: BridgeClient,
+                                                                       engine_worker: WorkerProcess) -> None:
+    with bridge.multiplex() as mux:
+        doomed = mux.stream(Target.method("engine", "generate"), "cancel me", greedy(LONG), "mux-cancel")
+        assert next(doomed)["finished"] is False
+        doomed.close()    # sends a cancel for that call only
+        assert_aborted_in_engine(engine_worker, bridge, "mux-cancel")
+        ok = list(mux.stream(Target.method("engine", "generate"), "still here", greedy(4), "mux-after"))
+        assert ok[-1]["finished"] is True and len(ok[-1]["outputs"][0]["token_ids"]) == 4
+
+
+def test_multiplexed_errors_end_one_call_with_the_plain_status(bridge: BridgeClient) -> None:
+    with bridge.multiplex() as mux:
+        with pytest.raises(CallError) as err:
+            list(mux.stream(Target.method("engine", "generate"), "x", {"max_tokens": "many"}, "mux-bad"))
+        with pytest.raises(CallError) as plain:
+            list(bridge.stream(Target.method("engine", "generate"), "x", {"max_tokens": "many"}, "plain-bad"))
+        assert err.value.code == plain.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.category == plain.value.category and "max_tokens" in err.value.details
+        with pytest.raises(CallError) as err:
+            mux.call(Target.method("engine", "no_such_method"))
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        # A per-call deadline ends that call only, and aborts its request in the engine.
+        with pytest.raises(CallError) as err:
+            list(mux.stream(Target.method("engine", "generate"), "slow", greedy(LONG), "mux-deadline",
+                            timeout=0.2))
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert mux.call(Target.method("engine", "check_health")) is None
+    assert wait_until(lambda: unfinished(bridge) == 0)

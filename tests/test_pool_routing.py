@@ -257,3 +257,40 @@ def test_release_routes_refs_to_their_workers_and_sessions_to_every_worker(serve
         spread = [c.call(PC, session_id="rel-session", affinity="hint") for _ in range(2)]
         assert c.release(session_id="rel-session") == len(spread)
         assert c.call(Target.get(refs[4], "world_size")) == 1
+
+
+def test_multiplex_through_the_pool_routes_each_call_like_a_plain_call(server: PoolServer) -> None:
+    with server.client(pool="b") as c, c.multiplex() as mux:
+        plain = {s: holder(c.call(PC, session_id=s)) for s in ("mux-1", "mux-2", "mux-3", "mux-4")}
+        assert len(set(plain.values())) == 2
+        # Session pins hold whichever way a call comes in.
+        assert {s: holder(mux.call(PC, session_id=s)) for s in plain} == plain
+        ref = c.call(PC, session_id="mux-ref", kwargs={"data_parallel_size": 2})
+        assert mux.call(Target.get(ref, "data_parallel_size")) == 2   # routed to the ref's worker
+        assert mux.call(DIVIDE, 9, 3) == 3
+        with pytest.raises(CallError) as err:
+            mux.call(DIVIDE, 9, 3, pool="nope")
+        assert err.value.category == "pool" and "nope" in err.value.details
+        with ThreadPoolExecutor(16) as ex:
+            assert list(ex.map(lambda i: mux.call(DIVIDE, 4 * i, 4), range(64))) == list(range(64))
+    idle(server, "b")
+
+
+def test_multiplex_through_the_pool_a_worker_crash_fails_only_its_calls(server: PoolServer) -> None:
+    import os
+    import signal
+
+    import psutil
+    gate = Gate()
+    with server.client(pool="b") as c, c.multiplex() as mux:
+        held = in_thread(lambda: mux.call(*gate.args(), session_id="mux-crash"))
+        wait_until(gate.running, what="the gated call running in a worker")
+        victim = next(conn.pid for conn in psutil.net_connections(kind="tcp")
+                      if conn.laddr and conn.laddr.port == gate.port and conn.status == psutil.CONN_LISTEN)
+        os.kill(victim, signal.SIGKILL)
+        assert held.done.wait(30) and held.error is not None
+        assert held.error.code == grpc.StatusCode.UNAVAILABLE and "worker crashed" in held.error.details
+        assert mux.call(DIVIDE, 8, 2) == 4    # the stream and the other worker go on
+    wait_until(lambda: sum(w.state == "ready" for w in server.pool("b").workers) == 2, timeout=120,
+               what="pool b back to two workers")
+    idle(server, "b")

@@ -212,3 +212,42 @@ def test_many_concurrent_calls_are_served_at_once(worker: WorkerProcess) -> None
     with BridgeClient(worker.address) as c, ThreadPoolExecutor(32) as pool:
         results = list(pool.map(lambda i: c.call(f"{D}.get_pp_indices", 64, i % 4, 4), range(256)))
     assert results == [((i % 4) * 16, (i % 4) * 16 + 16) for i in range(256)]
+
+
+@pytest.mark.parametrize("case,call,code,needle", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_over_multiplex_fails_that_call_alone_with_the_same_error(client: BridgeClient, case: str,
+                                                                            call: object, code: grpc.StatusCode,
+                                                                            needle: str) -> None:
+    with client.multiplex() as mux:
+        kept = mux.call("vllm.config.ParallelConfig", kwargs={"data_parallel_size": 3})
+        with pytest.raises(CallError) as err:
+            call(mux)  # type: ignore[operator]
+        assert err.value.code == code, err.value.details
+        assert needle in err.value.details, err.value.details
+        assert mux.call(Target.get(kept, "data_parallel_size")) == 3
+
+
+def test_multiplex_runs_calls_together_and_finishes_them_after_the_client_half_closes(worker: WorkerProcess) -> None:
+    def start(call_id: int, *args: int, name: str = f"{D}.get_pp_indices") -> pb.MuxRequest:
+        call = pb.CallRequest(target=pb.Target(kind=pb.Target.FUNCTION, name=name),
+                              args=[pb.Value(int=a) for a in args])
+        return pb.MuxRequest(start=pb.MuxStart(id=call_id, call=call))
+
+    requests = [start(i, 64, i % 4, 4) for i in range(1, 65)]
+    requests.append(pb.MuxRequest())             # neither start nor cancel: ends the stream
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = pb_grpc.BridgeStub(channel)
+        events: dict[int, list[pb.MuxEvent]] = {}
+        replies = stub.Multiplex(iter(requests[:64]))   # the iterator ends: a half-close
+        count = 0
+        for reply in replies:
+            count += 1
+            for e in reply.events:
+                events.setdefault(e.id, []).append(e)
+        assert sorted(events) == list(range(1, 65)) and count <= 64
+        for i in range(1, 65):
+            (e,) = events[i]
+            assert tuple(v.int for v in e.value.tuple.items) == ((i % 4) * 16, (i % 4) * 16 + 16)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Multiplex(iter(requests[-1:])))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "start or cancel" in err.value.details()

@@ -120,6 +120,7 @@ defmodule VllmBridge.Codec do
   defp dec({:str, s}), do: s
   defp dec({:bytes, b}), do: %Bytes{data: b}
   defp dec({:list, %{items: items}}), do: Enum.map(items, &decode/1)
+  defp dec({:ints, %{values: values}}), do: values
   defp dec({:tuple, %{items: items}}), do: items |> Enum.map(&decode/1) |> List.to_tuple()
   defp dec({:set, %{items: items}}), do: items |> Enum.map(&decode/1) |> MapSet.new()
   defp dec({:frozenset, %{items: items}}), do: %FrozenSet{set: items |> Enum.map(&decode/1) |> MapSet.new()}

@@ -64,6 +64,7 @@ defmodule VllmBridge.V1.Value do
   field :ref, 15, type: VllmBridge.V1.Ref, oneof: 0
   field :record, 16, type: VllmBridge.V1.Record, oneof: 0
   field :enum, 17, type: VllmBridge.V1.Enum, oneof: 0
+  field :ints, 18, type: VllmBridge.V1.Ints, oneof: 0
 end
 
 defmodule VllmBridge.V1.Null do
@@ -78,6 +79,14 @@ defmodule VllmBridge.V1.Items do
   use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
 
   field :items, 1, repeated: true, type: VllmBridge.V1.Value
+end
+
+defmodule VllmBridge.V1.Ints do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :values, 1, repeated: true, type: :sint64
 end
 
 defmodule VllmBridge.V1.Map do
@@ -320,6 +329,68 @@ defmodule VllmBridge.V1.ErrorDetail do
   field :suggestions, 8, repeated: true, type: :string
 end
 
+defmodule VllmBridge.V1.MuxRequest do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  oneof :kind, 0
+
+  field :start, 1, type: VllmBridge.V1.MuxStart, oneof: 0
+  field :cancel, 2, type: :uint64, oneof: 0
+end
+
+defmodule VllmBridge.V1.MuxStart.MetadataEntry do
+  @moduledoc false
+
+  use Protobuf, map: true, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :key, 1, type: :string
+  field :value, 2, type: :string
+end
+
+defmodule VllmBridge.V1.MuxStart do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :id, 1, type: :uint64
+  field :call, 2, type: VllmBridge.V1.CallRequest
+  field :stream, 3, type: :bool
+  field :metadata, 4, repeated: true, type: VllmBridge.V1.MuxStart.MetadataEntry, map: true
+end
+
+defmodule VllmBridge.V1.MuxReply do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :events, 1, repeated: true, type: VllmBridge.V1.MuxEvent
+end
+
+defmodule VllmBridge.V1.MuxEvent do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  oneof :kind, 0
+
+  field :id, 1, type: :uint64
+  field :value, 2, type: VllmBridge.V1.Value, oneof: 0
+  field :end, 3, type: VllmBridge.V1.Null, oneof: 0
+  field :error, 4, type: VllmBridge.V1.MuxError, oneof: 0
+end
+
+defmodule VllmBridge.V1.MuxError do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :code, 1, type: :int32
+  field :message, 2, type: :string
+  field :detail, 3, type: VllmBridge.V1.ErrorDetail
+end
+
 defmodule VllmBridge.V1.Bridge.Service do
   @moduledoc false
 
@@ -334,6 +405,8 @@ defmodule VllmBridge.V1.Bridge.Service do
   rpc :Release, VllmBridge.V1.ReleaseRequest, VllmBridge.V1.ReleaseReply
 
   rpc :Describe, VllmBridge.V1.DescribeRequest, VllmBridge.V1.Catalog
+
+  rpc :Multiplex, stream(VllmBridge.V1.MuxRequest), stream(VllmBridge.V1.MuxReply)
 end
 
 defmodule VllmBridge.V1.Bridge.Stub do
