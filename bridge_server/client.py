@@ -97,9 +97,10 @@ def _client_decoder() -> Decoder:
 
 
 class BridgeClient:
-    def __init__(self, address: str, *, options: RuntimeOptions | None = None) -> None:
+    def __init__(self, address: str, *, options: RuntimeOptions | None = None,
+                 channel_options: Sequence[tuple[str, Any]] = ()) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = grpc.insecure_channel(address, options=[*GRPC_OPTIONS, *channel_options])
         self.stub = pb_grpc.BridgeStub(self.channel)
         self.options = options or RuntimeOptions()
         self._decoder = _client_decoder()
@@ -232,7 +233,8 @@ class Multiplexer:
                 q.put(failure)
 
     def _start(self, target: Target | str, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None,
-               stream: bool, timeout: float | None, options: dict[str, Any]) -> tuple[int, queue.SimpleQueue[Any]]:
+               stream: bool, timeout: float | None, options: dict[str, Any],
+               window: int = 0) -> tuple[int, queue.SimpleQueue[Any]]:
         if timeout is not None:
             options["timeout_s"] = timeout
         req, refs = self._client.request(target, args, kwargs)
@@ -243,7 +245,7 @@ class Multiplexer:
                 raise self._failure
             self._calls[call_id] = q
         self._requests.put(pb.MuxRequest(start=pb.MuxStart(id=call_id, call=req, stream=stream,
-                                                           metadata=metadata)))
+                                                           metadata=metadata, window=window)))
         return call_id, q
 
     def _next(self, q: queue.SimpleQueue[Any]) -> pb.MuxEvent:
@@ -264,8 +266,11 @@ class Multiplexer:
                 self._calls.pop(call_id, None)
 
     def stream(self, target: Target | str, *args: Any, kwargs: Mapping[str, Any] | None = None,
-               timeout: float | None = None, **options: Any) -> Iterator[Any]:
-        call_id, q = self._start(target, args, kwargs, True, timeout, options)
+               timeout: float | None = None, window: int = 32, **options: Any) -> Iterator[Any]:
+        """`window`: items the server may send ahead of this consumer (0: no limit); credit goes back
+        in halves as items are consumed."""
+        call_id, q = self._start(target, args, kwargs, True, timeout, options, window)
+        step, consumed = max(1, window // 2), 0
         ended = False
         try:
             while True:
@@ -278,6 +283,10 @@ class Multiplexer:
                     ended = True
                     return
                 yield self._client._decoder.decode(event.value)
+                consumed += 1
+                if window and consumed == step:
+                    self._requests.put(pb.MuxRequest(credit=pb.MuxCredit(id=call_id, events=consumed)))
+                    consumed = 0
         finally:
             if not ended:   # the caller stopped early: the server aborts the call
                 self._requests.put(pb.MuxRequest(cancel=call_id))

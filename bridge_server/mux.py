@@ -8,8 +8,10 @@ output for every running request) leaves as a single reply.
 
 Each call runs as its own task with Call's or Stream's semantics (deadlines, sessions, refs, guards,
 errors), so a failure ends that call only. Events are encoded straight into the reply being
-gathered; when that reply holds `max_pending` events, producers wait for the writer, which waits for
-gRPC's flow control: a slow reader slows the calls instead of growing a buffer.
+gathered. A call with `per_call` events waiting (or any call, once the reply holds `max_pending`)
+waits for the writer, which waits for gRPC's flow control: a slow reader slows the calls instead of
+growing a buffer, and meanwhile vLLM merges a waiting request's outputs into one, as it does for a
+slow `Stream`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["Outbox", "multiplex"]
 
-MAX_PENDING = 4096   # events gathered for the next reply before producers wait
+MAX_PENDING = 4096   # events gathered for the next reply before every producer waits
+PER_CALL = 2         # events of one call gathered before that call waits
 
 
 @dataclass
@@ -37,25 +40,47 @@ class Outbox:
     """The reply being gathered. Events are filled in place, saving a copy per event."""
 
     max_pending: int = MAX_PENDING
+    per_call: int = PER_CALL
     reply: pb.MuxReply = field(default_factory=pb.MuxReply)
+    pending: dict[int, int] = field(default_factory=dict)          # events per call in `reply`
+    credit: dict[int, int] = field(default_factory=dict)           # items a windowed stream may still send
     ready: asyncio.Event = field(default_factory=asyncio.Event)    # something to write
-    room: asyncio.Event = field(default_factory=asyncio.Event)     # below max_pending
+    room: asyncio.Event = field(default_factory=asyncio.Event)     # the writer took a reply
 
-    def __post_init__(self) -> None:
-        self.room.set()
-
-    async def wait_for_room(self) -> None:
-        while len(self.reply.events) >= self.max_pending:
+    async def wait_for_room(self, call_id: int) -> None:
+        while (self.pending.get(call_id, 0) >= self.per_call or len(self.reply.events) >= self.max_pending
+               or self.credit.get(call_id, 1) <= 0):
             self.room.clear()
             await self.room.wait()
+
+    def grant(self, call_id: int, events: int) -> None:
+        if call_id in self.credit:
+            self.credit[call_id] += events
+            self.room.set()
+
+    def add_item(self, call_id: int) -> pb.MuxEvent:
+        """A stream's next item: spends one credit of a windowed stream."""
+        if call_id in self.credit:
+            self.credit[call_id] -= 1
+        return self.add(call_id)
 
     def add(self, call_id: int) -> pb.MuxEvent:
         """A new event, already in the reply: the caller fills it before its next await."""
         self.ready.set()
+        self.pending[call_id] = self.pending.get(call_id, 0) + 1
         return self.reply.events.add(id=call_id)
+
+    def drop_last(self) -> None:
+        """Takes back the item just added (it could not be filled); nothing awaited since then."""
+        last = self.reply.events[-1]
+        self.pending[last.id] -= 1
+        if last.id in self.credit:
+            self.credit[last.id] += 1
+        del self.reply.events[-1]
 
     def take(self) -> pb.MuxReply:
         reply, self.reply = self.reply, pb.MuxReply()
+        self.pending.clear()
         self.ready.clear()
         self.room.set()
         return reply
@@ -75,17 +100,17 @@ async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[st
         deadlines = resolve_deadlines(opts, min(limits) if limits else None, plan.profile)
         if not start.stream:
             value = await invoker.call(start.call, opts.session_id, deadlines, plan)
-            await out.wait_for_room()
+            await out.wait_for_room(start.id)
             out.add(start.id).value.CopyFrom(value)
             return
         async for item, encoder in invoker.stream(start.call, opts.session_id, deadlines,
                                                   opts.stream_interval_s, plan):
-            await out.wait_for_room()
-            event = out.add(start.id)
+            await out.wait_for_room(start.id)
+            event = out.add_item(start.id)
             try:
                 encoder.encode_into(item, event.value)
             except BaseException:
-                del out.reply.events[-1]   # nothing awaited since add(): it is still the last one
+                out.drop_last()
                 raise
         out.add(start.id).end.SetInParent()
     except asyncio.CancelledError:
@@ -110,6 +135,7 @@ async def multiplex(invoker: Invoker, requests: AsyncIterator[pb.MuxRequest],
     def finished(call_id: int, task: asyncio.Task[None]) -> None:
         if running.get(call_id) is task:
             del running[call_id]
+            out.credit.pop(call_id, None)
         out.ready.set()   # the writer checks whether everything has ended
 
     async def read() -> None:
@@ -123,6 +149,8 @@ async def multiplex(invoker: Invoker, requests: AsyncIterator[pb.MuxRequest],
                             f"Multiplex: call id {start.id} is still running; ids must be unique among "
                             f"running calls", parameter="start.id"))
                         continue
+                    if start.window:
+                        out.credit[start.id] = start.window
                     task = asyncio.create_task(_run(invoker, start, defaults, context.time_remaining, out))
                     running[start.id] = task
                     task.add_done_callback(functools.partial(finished, start.id))
@@ -130,8 +158,10 @@ async def multiplex(invoker: Invoker, requests: AsyncIterator[pb.MuxRequest],
                     target = running.get(request.cancel)
                     if target is not None:
                         target.cancel()
+                elif kind == "credit":
+                    out.grant(request.credit.id, request.credit.events)
                 else:
-                    raise BridgeError.validation("Multiplex: a request must hold start or cancel",
+                    raise BridgeError.validation("Multiplex: a request must hold start, cancel or credit",
                                                  parameter="kind")
         finally:
             out.ready.set()

@@ -151,16 +151,19 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                         f"calls", parameter="start.id")))
                     continue
                 routing[call_id] = asyncio.create_task(route(call_id, request.start, raw))
-            elif kind == "cancel":
-                up = where.get(request.cancel)
+            elif kind in ("cancel", "credit"):
+                call_id = request.cancel if kind == "cancel" else request.credit.id
+                up = where.get(call_id)
                 if up is not None:
                     async with up.lock:
                         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
                             await up.call.write(raw)
-                elif request.cancel in routing:
-                    cancelled_early.add(request.cancel)
+                elif kind == "cancel" and call_id in routing:
+                    cancelled_early.add(call_id)
+                # (credit for a call still being routed: its window was given in its start)
             else:
-                raise BridgeError.validation("Multiplex: a request must hold start or cancel", parameter="kind")
+                raise BridgeError.validation("Multiplex: a request must hold start, cancel or credit",
+                                             parameter="kind")
         # Half-closed: once every call is placed, half-close the workers' streams and drain them.
         await asyncio.gather(*routing.values(), return_exceptions=True)
         for up in list(upstreams.values()):

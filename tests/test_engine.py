@@ -320,3 +320,21 @@ def test_multiplexed_errors_end_one_call_with_the_plain_status(bridge: BridgeCli
         assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert mux.call(Target.method("engine", "check_health")) is None
     assert wait_until(lambda: unfinished(bridge) == 0)
+
+
+@pytest.mark.parametrize("way", ["stream", "multiplex"])
+def test_a_slow_reader_gets_merged_items_not_a_backlog(bridge: BridgeClient, way: str) -> None:
+    """The reader stops after one item while the engine generates every token: the worker does not
+    queue an item per token meanwhile (vLLM merges a waiting request's outputs), yet no token is lost.
+    The client keeps gRPC's receive window at its initial 64 KiB (no BDP growth), so what the
+    transport holds is small and what the worker holds shows."""
+    with BridgeClient(bridge.address, channel_options=[("grpc.http2.bdp_probe", 0)]) as client, \
+            client.multiplex() as mux:
+        source = mux if way == "multiplex" else client
+        stream = source.stream(Target.method("engine", "generate"), "slow reader", greedy(LONG), f"slow-{way}")
+        assert next(stream)["finished"] is False
+        assert wait_until(lambda: unfinished(bridge) == 0, timeout=120), "the engine never finished"
+        rest = list(stream)
+    assert rest[-1]["finished"] is True and len(rest[-1]["outputs"][0]["token_ids"]) == LONG
+    # What was already on its way (gRPC's flow-control window) arrives one by one; the rest is merged.
+    assert len(rest) < LONG // 10, len(rest)

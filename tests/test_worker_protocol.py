@@ -250,4 +250,4 @@ def test_multiplex_runs_calls_together_and_finishes_them_after_the_client_half_c
             assert tuple(v.int for v in e.value.tuple.items) == ((i % 4) * 16, (i % 4) * 16 + 16)
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Multiplex(iter(requests[-1:])))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "start or cancel" in err.value.details()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "start, cancel or credit" in err.value.details()

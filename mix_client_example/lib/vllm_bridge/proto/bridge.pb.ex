@@ -338,6 +338,16 @@ defmodule VllmBridge.V1.MuxRequest do
 
   field :start, 1, type: VllmBridge.V1.MuxStart, oneof: 0
   field :cancel, 2, type: :uint64, oneof: 0
+  field :credit, 3, type: VllmBridge.V1.MuxCredit, oneof: 0
+end
+
+defmodule VllmBridge.V1.MuxCredit do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :id, 1, type: :uint64
+  field :events, 2, type: :uint32
 end
 
 defmodule VllmBridge.V1.MuxStart.MetadataEntry do
@@ -358,6 +368,7 @@ defmodule VllmBridge.V1.MuxStart do
   field :call, 2, type: VllmBridge.V1.CallRequest
   field :stream, 3, type: :bool
   field :metadata, 4, repeated: true, type: VllmBridge.V1.MuxStart.MetadataEntry, map: true
+  field :window, 5, type: :uint32
 end
 
 defmodule VllmBridge.V1.MuxReply do
