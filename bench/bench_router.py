@@ -59,6 +59,7 @@ ARGS = (6, 3)
 GOAL_P50_OVERHEAD = 0.30
 CALL = "/vllm_bridge.v1.Bridge/Call"
 DIRECT, ROUTER, BARE = "direct (worker)", "router (pool server)", "bare proxy (floor)"
+ROUTER_MUX = "router, Multiplex"
 
 CONFIG = """
 grace_s = 5
@@ -198,8 +199,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             caller_index()
             return router_rpc(payload, metadata=local.md)
 
-        tput = interleaved_throughput({DIRECT: direct_many, ROUTER: router_many}, rounds=args.tp_rounds,
-                                      concurrency=args.concurrency, duration_s=args.duration)
+        # The same calls over one Multiplex stream through the router (each caller its own session):
+        # what a client that multiplexes gets, from the Python client (which encodes and decodes).
+        mux_client = BridgeClient(server.address)
+        mux = mux_client.multiplex()
+
+        def router_mux_many() -> object:
+            i = caller_index()
+            return mux.call(TARGET, *ARGS, session_id=f"bench-{i}", pool="bench")
+
+        tput = interleaved_throughput({DIRECT: direct_many, ROUTER: router_many, ROUTER_MUX: router_mux_many},
+                                      rounds=args.tp_rounds, concurrency=args.concurrency,
+                                      duration_s=args.duration)
+        mux.close()
+        mux_client.close()
         per_worker = {w.id: w.calls for w in server.status().pools[0].workers}
         routed.close()
         for ch in channels.values():
@@ -220,6 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ratio": {
             **ratio,
             "throughput": tput_median[ROUTER] / tput_median[DIRECT],
+            "throughput_multiplex": tput_median[ROUTER_MUX] / tput_median[DIRECT],
             "p50_bare_proxy": stats[BARE].p50_us / stats[DIRECT].p50_us,
         },
         "router_added_p50_us": stats[ROUTER].p50_us - stats[DIRECT].p50_us,
@@ -239,6 +253,7 @@ def report(res: dict[str, Any]) -> None:
           f"callers over 2 workers, median of {p['tp_rounds']} x {p['duration']:g} s)")
     rows = [[name, lat[name]["p50_us"], lat[name]["p99_us"], lat[name]["mean_us"],
              tput[name]["median"] if name in tput else "-"] for name in lat]
+    rows += [[name, "-", "-", "-", tput[name]["median"]] for name in tput if name not in lat]
     print_table(["side", "p50 us", "p99 us", "mean us", f"ops/s @{p['concurrency']}"], rows)
     rr = ratio["p50_per_round"]
     print(f"\nrouter/direct: p50 {ratio['p50']:.2f}x (+{res['router_added_p50_us']:.0f} us; per round: median "
@@ -247,6 +262,7 @@ def report(res: dict[str, Any]) -> None:
     print(f"of the router's +{res['router_added_p50_us']:.0f} us at p50: the bare gRPC hop (no logic) costs "
           f"+{res['hop_floor_p50_us']:.0f} us ({ratio['p50_bare_proxy']:.2f}x direct), the router's own work "
           f"{res['router_logic_p50_us']:+.0f} us")
+    print(f"throughput over one Multiplex stream through the router: {ratio['throughput_multiplex']:.2f}x direct")
     print(f"calls per worker through the router: {res['router_calls_per_worker']}")
     goal = res["goal"]
     print(f"goal: router adds <= {goal['p50_overhead_max']:.0%} to p50: {'met' if goal['met'] else 'NOT met'}")

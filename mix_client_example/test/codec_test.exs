@@ -47,6 +47,13 @@ defmodule VllmBridge.CodecTest do
     end
   end
 
+  test "packed int lists (how the server sends token ids) decode to lists" do
+    # Bytes as the Python server writes [1, -2, 300, 2**40]: Value.ints, packed zigzag varints.
+    bytes = Base.decode16!("92010c0a0a0203d804808080808040", case: :lower)
+    assert bytes |> PB.Value.decode() |> Codec.decode() == [1, -2, 300, 1_099_511_627_776]
+    assert Codec.decode(%PB.Value{kind: {:ints, %PB.Ints{values: []}}}) == []
+  end
+
   test "special cases: nan, atoms, non-UTF-8 binaries" do
     assert {:nan, []} = wire(:nan)
     assert {:hello, []} = wire(:hello)
