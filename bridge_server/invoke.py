@@ -31,6 +31,7 @@ from bridge_server.codec import Decoder, Encoder
 from bridge_server.errors import BridgeError
 from bridge_server.protocol import Deadlines
 from bridge_server.refs import RefRegistry
+from bridge_server.watchdog import Watchdog
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 _ALLOWED_DUNDERS = frozenset({"__enter__", "__exit__", "__aenter__", "__aexit__", "__len__", "__getitem__",
@@ -295,6 +296,7 @@ class Invoker:
             raise BridgeError.validation(f"{plan.label} returned {type(source).__qualname__}, which is not iterable: "
                                          f"use Call instead of Stream", target=plan.label)
         first = True
+        watchdog = Watchdog()
         try:
             while True:
                 if first:
@@ -302,11 +304,19 @@ class Invoker:
                 else:
                     idle = None if deadlines.stream_idle_s is None else time.monotonic() + deadlines.stream_idle_s
                     limit = min((t for t in (idle, deadlines.total) if t is not None), default=None)
+                watchdog.arm(limit)
                 try:
-                    item = await _with_deadline(step(), limit, plan.label,
-                                                "waiting for the first item" if first else "waiting for the next item")
+                    item = await step()
                 except done_exc:
                     return
+                except asyncio.CancelledError:
+                    if watchdog.expired_cancel():
+                        doing = "waiting for the first item" if first else "waiting for the next item"
+                        raise BridgeError.timeout(f"{plan.label}: deadline exceeded while {doing}",
+                                                  target=plan.label) from None
+                    raise
+                finally:
+                    watchdog.disarm()
                 if done_exc is StopIteration and item is sentinel:
                     return
                 first = False
@@ -318,6 +328,7 @@ class Invoker:
                     # the same tokens. The first item is never held back.
                     await asyncio.sleep(max(0.0, sent + interval_s - time.monotonic()))
         finally:
+            watchdog.close()
             if close is not None:
                 try:
                     result = close()
