@@ -28,6 +28,8 @@ def _add_worker_options(p: argparse.ArgumentParser) -> None:
                    help="larger tensors are returned as refs")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown")
     p.add_argument("--ready-file", default=None, help="write the bound port here once serving")
+    p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                   help="the worker's event loop (default %(default)s)")
     p.add_argument("--objects", default="[]",
                    help='objects to create at start and publish by name, as JSON: '
                         '[{"name": "engine", "target": "vllm.AsyncLLMEngine.from_engine_args", "kwargs": {...}}]')
@@ -55,6 +57,9 @@ def _worker_config(args: argparse.Namespace) -> Any:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from bridge_server.worker import serve_worker
+    if args.loop == "uvloop":
+        import uvloop   # libuv's loop: fewer syscalls per loop turn, which a streaming worker makes many of
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     asyncio.run(serve_worker(_worker_config(args), ready_file=args.ready_file))
     # The graceful stop is done. A call abandoned inside C code (a gloo wait, say) would otherwise
     # keep the interpreter joining its thread forever: a stopped worker must exit.

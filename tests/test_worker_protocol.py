@@ -251,3 +251,18 @@ def test_multiplex_runs_calls_together_and_finishes_them_after_the_client_half_c
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Multiplex(iter(requests[-1:])))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "start, cancel or credit" in err.value.details()
+
+
+def test_the_plain_asyncio_loop_serves_too(tmp_path: Path) -> None:
+    """Workers run on uvloop by default; `--loop asyncio` is the fallback and must serve the same."""
+    w = start_worker(tmp_path, "--loop", "asyncio", name="asyncio-loop")
+    try:
+        with BridgeClient(w.address) as c:
+            assert c.call(f"{D}.divide", 6, 3) == 2
+            with c.multiplex() as mux:
+                assert mux.call(f"{D}.get_pp_indices", 64, 1, 4) == (16, 32)
+            with pytest.raises(CallError) as err:
+                c.call(f"{D}.divide", 6, 3, 1)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        w.stop()
