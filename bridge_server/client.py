@@ -16,7 +16,8 @@ from typing import Any
 
 import grpc
 
-from bridge_server.codec import Decoder, Encoder
+from bridge_server.codec import Encoder
+from bridge_server.decoder import Decoder
 from bridge_server.errors import detail_from_rpc_error
 from bridge_server.protocol import GRPC_OPTIONS, RuntimeOptions, to_metadata
 from vllm_bridge.v1 import bridge_pb2 as pb

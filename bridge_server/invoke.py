@@ -27,7 +27,8 @@ import grpc
 
 from bridge_server.binding import bind_arguments, member_signature
 from bridge_server.catalog import Catalog, Entry, Kind
-from bridge_server.codec import Decoder, Encoder
+from bridge_server.codec import Encoder
+from bridge_server.decoder import Decoder
 from bridge_server.errors import BridgeError
 from bridge_server.protocol import Deadlines
 from bridge_server.refs import RefRegistry

@@ -19,7 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge_server.codec import TORCH_DTYPES, CodecError, Decoder, Encoder
+from bridge_server.codec import TORCH_DTYPES, CodecError, Encoder
+from bridge_server.decoder import Decoder
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
