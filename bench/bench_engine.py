@@ -310,24 +310,35 @@ def _inspect_value(value: Any) -> tuple[int, float | None]:
     return tokens, latency
 
 
-async def bridge_measure(work: Workload, address: str, kind: str, roles: Roles) -> dict[str, Any]:
-    import grpc
-
+def _bridge_request(work: Workload, kind: str) -> tuple[Callable[[str, str], Any], tuple[tuple[str, str], ...]]:
+    """What both bridge transports send: a builder of `generate`'s CallRequest for (request id, prompt),
+    with the sampling params encoded once, and the call's metadata."""
     from bridge_server.client import Target
     from bridge_server.codec import Encoder
-    from bridge_server.protocol import GRPC_OPTIONS, RuntimeOptions, to_metadata
+    from bridge_server.protocol import RuntimeOptions, to_metadata
     from vllm_bridge.v1 import bridge_pb2 as pb
 
     def no_refs(obj: object) -> pb.Ref:
         raise TypeError(f"cannot send {type(obj).__qualname__} by value")
 
-    enc = Encoder(make_ref=no_refs)
     params = work.sampling()
     if kind != "cumulative":
         params["output_kind"] = _request_output_kind(kind)
-    target, params_value = Target.method("engine", "generate").msg, enc.encode(params)
+    target, params_value = Target.method("engine", "generate").msg, Encoder(make_ref=no_refs).encode(params)
     interval = work.bridge_interval_ms / 1000 if work.bridge_interval_ms else None
     metadata = tuple(to_metadata(RuntimeOptions(session_id="bench", stream_interval_s=interval)))
+
+    def request(request_id: str, prompt: str) -> Any:
+        return pb.CallRequest(target=target, args=[pb.Value(str=prompt), params_value, pb.Value(str=request_id)])
+    return request, metadata
+
+
+async def bridge_measure(work: Workload, address: str, kind: str, roles: Roles) -> dict[str, Any]:
+    import grpc
+
+    from bridge_server.protocol import GRPC_OPTIONS
+
+    make_request, metadata = _bridge_request(work, kind)
     delta = kind == "delta"
 
     async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
@@ -335,8 +346,7 @@ async def bridge_measure(work: Workload, address: str, kind: str, roles: Roles) 
         stream = channel.unary_stream(STREAM_METHOD)
 
         async def one(request_id: str, prompt: str) -> Sample:
-            payload = pb.CallRequest(target=target, args=[pb.Value(str=prompt), params_value,
-                                                          pb.Value(str=request_id)]).SerializeToString()
+            payload = make_request(request_id, prompt).SerializeToString()
             t0 = time.perf_counter()
             first, last, tokens, items = None, b"", 0, 0
             async for raw in stream(payload, metadata=metadata):
@@ -357,20 +367,10 @@ async def bridge_mux_measure(work: Workload, address: str, kind: str, roles: Rol
     """The same requests over one `Multiplex` stream, as a client that runs many at once would send them."""
     import grpc
 
-    from bridge_server.client import Target
-    from bridge_server.codec import Encoder
-    from bridge_server.protocol import GRPC_OPTIONS, RuntimeOptions, to_metadata
+    from bridge_server.protocol import GRPC_OPTIONS
     from vllm_bridge.v1 import bridge_pb2 as pb
 
-    def no_refs(obj: object) -> pb.Ref:
-        raise TypeError(f"cannot send {type(obj).__qualname__} by value")
-
-    params = work.sampling()
-    if kind != "cumulative":
-        params["output_kind"] = _request_output_kind(kind)
-    target, params_value = Target.method("engine", "generate").msg, Encoder(make_ref=no_refs).encode(params)
-    interval = work.bridge_interval_ms / 1000 if work.bridge_interval_ms else None
-    metadata = tuple(to_metadata(RuntimeOptions(session_id="bench", stream_interval_s=interval)))
+    make_request, metadata = _bridge_request(work, kind)
     delta = kind == "delta"
 
     async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
@@ -387,8 +387,8 @@ async def bridge_mux_measure(work: Workload, address: str, kind: str, roles: Rol
         async def one(request_id: str, prompt: str) -> Sample:
             call_id, events = next(ids), asyncio.Queue[Any]()
             waiting[call_id] = events
-            start = pb.MuxRequest(start=pb.MuxStart(id=call_id, stream=True, call=pb.CallRequest(
-                target=target, args=[pb.Value(str=prompt), params_value, pb.Value(str=request_id)])))
+            start = pb.MuxRequest(start=pb.MuxStart(id=call_id, stream=True,
+                                                    call=make_request(request_id, prompt)))
             payload = start.SerializeToString()
             t0 = time.perf_counter()
             async with write_lock:

@@ -196,7 +196,7 @@ class Encoder:
                 (k for t, k in _CONTAINERS.items() if isinstance(obj, t)), None)
             if kind is None:
                 return self._ref(obj, out)
-        elif kind == "list" and obj and set(map(type, obj)) == _INT_ONLY:
+        elif kind == "list" and obj and type(obj[0]) is int and set(map(type, obj)) == _INT_ONLY:
             try:   # token ids: one packed field instead of a Value per int
                 out.ints.values.extend(obj)
                 return None

@@ -98,6 +98,11 @@ class BridgeError(Exception):
                                                       details=[detail]))
 
 
+def target_label(target: pb.Target) -> str:
+    """How errors name a call's target: its name, or its kind when it has none (ITERATE on a ref)."""
+    return target.name or pb.Target.Kind.Name(target.kind)
+
+
 def server_error(exc: BaseException, label: str) -> BridgeError:
     """What a worker reports for any exception while serving `label`: bad values are the caller's
     fault (INVALID_ARGUMENT, naming where), anything unforeseen is the worker's (INTERNAL, logged)."""

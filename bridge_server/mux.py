@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from bridge_server.errors import BridgeError, server_error
+from bridge_server.errors import BridgeError, server_error, target_label
 from bridge_server.invoke import Invoker
 from bridge_server.protocol import parse_metadata, resolve_deadlines
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -86,13 +86,10 @@ class Outbox:
         return reply
 
 
-def _label(start: pb.MuxStart) -> str:
-    return start.call.target.name or pb.Target.Kind.Name(start.call.target.kind)
-
-
 async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[str, str | bytes]],
                rpc_remaining: Callable[[], float | None], out: Outbox) -> None:
     """One call, start to last event. Never raises: every outcome becomes an event for its id."""
+    label = target_label(start.call.target)
     try:
         opts = parse_metadata([*defaults, *start.metadata.items()])
         plan = invoker.plan(start.call.target)
@@ -115,11 +112,11 @@ async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[st
         out.add(start.id).end.SetInParent()
     except asyncio.CancelledError:
         out.add(start.id).error.CopyFrom(BridgeError(
-            grpc.StatusCode.CANCELLED, "cancelled", f"{_label(start)}: cancelled by the client",
-            target=_label(start), reason="cancelled").to_mux_error())
+            grpc.StatusCode.CANCELLED, "cancelled", f"{label}: cancelled by the client",
+            target=label, reason="cancelled").to_mux_error())
         raise
     except Exception as exc:
-        out.add(start.id).error.CopyFrom(server_error(exc, _label(start)).to_mux_error())
+        out.add(start.id).error.CopyFrom(server_error(exc, label).to_mux_error())
 
 
 async def multiplex(invoker: Invoker, requests: AsyncIterator[pb.MuxRequest],

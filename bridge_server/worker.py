@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from bridge_server.catalog import Catalog, build_catalog
 from bridge_server.describe import describe
-from bridge_server.errors import BridgeError, server_error
+from bridge_server.errors import BridgeError, server_error, target_label
 from bridge_server.invoke import Invoker
 from bridge_server.jsonvalue import from_json
 from bridge_server.mux import multiplex
@@ -71,10 +71,6 @@ class DistributedRank:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
 
 
-def _label(target: pb.Target) -> str:
-    return target.name or pb.Target.Kind.Name(target.kind)
-
-
 class BridgeService(pb_grpc.BridgeServicer):
     def __init__(self, invoker: Invoker) -> None:
         self.invoker = invoker
@@ -89,7 +85,7 @@ class BridgeService(pb_grpc.BridgeServicer):
             context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
             return reply
         except Exception as exc:
-            await context.abort_with_status(server_error(exc, _label(request.target)).to_status())
+            await context.abort_with_status(server_error(exc, target_label(request.target)).to_status())
             raise  # unreachable: abort raises
 
     async def Stream(self, request: pb.CallRequest,  # noqa: N802
@@ -107,7 +103,7 @@ class BridgeService(pb_grpc.BridgeServicer):
                 index += 1
             context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
         except Exception as exc:
-            await context.abort_with_status(server_error(exc, _label(request.target)).to_status())
+            await context.abort_with_status(server_error(exc, target_label(request.target)).to_status())
 
     async def Multiplex(self, request_iterator: AsyncIterator[pb.MuxRequest],  # noqa: N802
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxReply]:
