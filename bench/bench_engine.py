@@ -20,6 +20,13 @@ one after the other so that they never share the machine's CPU cores:
 All three use the same engine arguments: the tiny model, float32, max_model_len 256, enforce_eager,
 max_num_seqs 16 (`--max-num-seqs`); so 32 concurrent requests queue, the same way everywhere.
 
+All three also run with one core kept free of vLLM's OpenMP threads (`VLLM_CPU_NUM_OF_RESERVED_CPU=1`,
+`--reserved-cpus`), where the machine has two cores or more. That is how vLLM is meant to be served on
+CPUs, and it measures what a GPU deployment sees: model compute that the serving front-end does not
+slow down. With `--reserved-cpus 0` (vLLM's default for one engine: OpenMP on every core) the engine's
+compute and every front-end share the cores, and each microsecond of front-end or client CPU also
+slows the engine; on a 2-core machine that mostly measures how much CPU each way burns per token.
+
 Figures per way and level: aggregate output tokens/s (a round's tokens over its wall time; median
 over the measured rounds) and time to first token (from issuing a request to its first streamed
 item; p50 and p90 over every request of the measured rounds). Then the ratios bridge/in-process
@@ -50,6 +57,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import itertools
 import json
@@ -96,6 +104,7 @@ class Workload:
     stream_interval: int = 1     # vLLM's own default: an output per engine step
     wait_quiet_s: float = 20.0   # per level, for a shared machine: see wait_quiet
     bridge_interval_ms: int = 0  # the bridge's own coalescing (x-bridge-stream-interval-ms); 0: every output
+    reserved_cpus: int = 0       # cores vLLM keeps its OpenMP threads off (VLLM_CPU_NUM_OF_RESERVED_CPU)
 
     def engine_args(self) -> dict[str, Any]:
         args = {"model": self.model, "dtype": "float32", "max_model_len": 256, "enforce_eager": True,
@@ -119,7 +128,13 @@ class Workload:
 @dataclass
 class Sample:
     """One request: seconds to its first streamed item and to its end, its output tokens and how many
-    items (RequestOutputs, SSE chunks) it was streamed in."""
+    items (RequestOutputs, SSE chunks) it was streamed in.
+
+    Times count from the start of the round, when every request of the round is issued: that is what
+    a caller who submits N requests at once waits for. (Timing from the moment each client gets round
+    to sending its own request would hide the queueing inside a client: an in-process client tokenizes
+    and submits its requests one after the other on one thread, and the last one's wait would not count.)
+    `one()` returns absolute perf_counter() times; run_schedule rebases them."""
 
     ttft: float
     total: float
@@ -228,7 +243,8 @@ async def run_schedule(work: Workload, one: OneRequest, roles: Roles, tag: str) 
             reqs = work.requests(tag, c, r)
             busy0, ours0 = _busy_s(), _cpu_s(procs)
             t0 = time.perf_counter()
-            samples = await asyncio.gather(*(one(rid, prompt) for rid, prompt in reqs))
+            samples = [dataclasses.replace(s, ttft=s.ttft - t0, total=s.total - t0)
+                       for s in await asyncio.gather(*(one(rid, prompt) for rid, prompt in reqs))]
             wall = time.perf_counter() - t0
             foreign = max(0.0, (_busy_s() - busy0) - (_cpu_s(procs) - ours0)) / wall
             bad = sorted({s.tokens for s in samples} - {work.max_tokens})
@@ -347,7 +363,6 @@ async def bridge_measure(work: Workload, address: str, kind: str, roles: Roles) 
 
         async def one(request_id: str, prompt: str) -> Sample:
             payload = make_request(request_id, prompt).SerializeToString()
-            t0 = time.perf_counter()
             first, last, tokens, items = None, b"", 0, 0
             async for raw in stream(payload, metadata=metadata):
                 items += 1
@@ -358,7 +373,7 @@ async def bridge_measure(work: Workload, address: str, kind: str, roles: Roles) 
                 last = raw
             end = time.perf_counter()
             n, engine_ttft = _inspect_item(last) if last else (0, None)
-            return Sample((first or end) - t0, end - t0, tokens if delta else n, items, engine_ttft)
+            return Sample(first or end, end, tokens if delta else n, items, engine_ttft)
 
         return await run_schedule(work, one, roles, f"bridge-{kind}")
 
@@ -390,7 +405,6 @@ async def bridge_mux_measure(work: Workload, address: str, kind: str, roles: Rol
             start = pb.MuxRequest(start=pb.MuxStart(id=call_id, stream=True,
                                                     call=make_request(request_id, prompt)))
             payload = start.SerializeToString()
-            t0 = time.perf_counter()
             async with write_lock:
                 await call.write(payload)
             first, last, tokens, items = None, None, 0, 0
@@ -406,7 +420,7 @@ async def bridge_mux_measure(work: Workload, address: str, kind: str, roles: Rol
             if event.WhichOneof("kind") == "error":
                 raise RuntimeError(f"{request_id}: {event.error.message}")
             n, engine_ttft = _inspect_value(last.value) if last is not None else (0, None)
-            return Sample((first or end) - t0, end - t0, tokens if delta else n, items, engine_ttft)
+            return Sample(first or end, end, tokens if delta else n, items, engine_ttft)
 
         reader = asyncio.create_task(dispatch())
         try:
@@ -461,7 +475,6 @@ async def in_process_measure(work: Workload, kinds: Sequence[str]) -> dict[str, 
             delta = kind == "delta"
 
             async def one(request_id: str, prompt: str) -> Sample:
-                t0 = time.perf_counter()
                 first, last, tokens, items = None, None, 0, 0
                 async for item in engine.generate(prompt, params, request_id):  # noqa: B023
                     items += 1
@@ -474,7 +487,7 @@ async def in_process_measure(work: Workload, kinds: Sequence[str]) -> dict[str, 
                 if not delta and last is not None:  # noqa: B023
                     tokens = len(last.outputs[0].token_ids)
                 metrics = getattr(last, "metrics", None)
-                return Sample((first or end) - t0, end - t0, tokens, items,
+                return Sample(first or end, end, tokens, items,
                               getattr(metrics, "first_token_latency", None))
 
             out[kind] = {"ready_s": ready_s, **await run_schedule(work, one, roles, f"inproc-{kind}")}
@@ -511,7 +524,6 @@ async def http_measure(work: Workload, base: str, roles: Roles) -> dict[str, Any
         async def one(request_id: str, prompt: str) -> Sample:
             body = {"model": work.model, "prompt": prompt, "stream": True, **work.sampling(),
                     "stream_options": {"include_usage": True}}
-            t0 = time.perf_counter()
             first, chunks, last = None, 0, b""
             async with session.post(url, json=body, headers={"X-Request-Id": request_id}) as resp:
                 resp.raise_for_status()
@@ -528,7 +540,7 @@ async def http_measure(work: Workload, base: str, roles: Roles) -> dict[str, Any
             end = time.perf_counter()
             usage = json.loads(last).get("usage") if last else None
             tokens = int(usage["completion_tokens"]) if usage else chunks
-            return Sample((first or end) - t0, end - t0, tokens, chunks - (1 if usage else 0))
+            return Sample(first or end, end, tokens, chunks - (1 if usage else 0))
 
         return await run_schedule(work, one, roles, "serve")
 
@@ -622,7 +634,8 @@ def _label(way: str, kind: str) -> str:
 def report(results: dict[str, Any], work: Workload) -> None:
     rows = results["rows"]
     levels = [str(c) for c in work.concurrency]
-    print(f"\n{work.max_tokens}-token generations, temperature 0, ignore_eos; engine: {results['engine_args']}; "
+    print(f"\n{work.max_tokens}-token generations, temperature 0, ignore_eos; engine: {results['engine_args']}, "
+          f"VLLM_CPU_NUM_OF_RESERVED_CPU={work.reserved_cpus} (of {results['machine'].get('cpus', '?')} cores); "
           f"{work.rounds} measured rounds per level after 1 warm-up (plus one more for each round contended by "
           f"other processes); tok/s: median over rounds; TTFT: over all requests of those rounds\n")
     headers = ["way", "ready s"]
@@ -692,6 +705,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM engine arg for all ways: stream an output every N tokens (the first at once)")
     p.add_argument("--bridge-interval-ms", type=int, default=0,
                    help="ask the bridge to coalesce stream items to one per this many ms (0: one per output)")
+    p.add_argument("--reserved-cpus", type=int, default=None,
+                   help="VLLM_CPU_NUM_OF_RESERVED_CPU for every way: cores the engine's OpenMP threads stay off, "
+                        "left to the front-end and the client (default: 1 where the machine has 2 cores or more; "
+                        "0: vLLM's default for one engine, OpenMP threads on every core)")
     p.add_argument("--wait-quiet", type=float, default=20.0,
                    help="before each level, wait up to this many seconds for other processes to leave the "
                         "CPU alone (0: do not wait)")
@@ -719,10 +736,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model is None:
         from bridge_server.tiny_model import ensure_tiny_model
         args.model = str(ensure_tiny_model())
+    cores = len(os.sched_getaffinity(0))
+    reserved = args.reserved_cpus if args.reserved_cpus is not None else (1 if cores >= 2 else 0)
+    if not 0 <= reserved < cores:
+        raise SystemExit(f"--reserved-cpus: expected 0 to {cores - 1} (this machine has {cores} cores), got {reserved}")
+    # Every way's engine inherits it: the worker, the in-process phase and vllm serve.
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved)
     work = Workload(model=args.model, concurrency=tuple(args.concurrency), rounds=args.rounds,
                     max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs,
                     stream_interval=args.stream_interval, wait_quiet_s=args.wait_quiet,
-                    bridge_interval_ms=args.bridge_interval_ms)
+                    bridge_interval_ms=args.bridge_interval_ms, reserved_cpus=reserved)
     kinds = list(dict.fromkeys(args.kinds))
     started = time.monotonic()
     raw: dict[str, Any] = {}
