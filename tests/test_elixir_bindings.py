@@ -213,4 +213,4 @@ def test_runtime_options_are_sent_as_the_protocol_metadata_keys() -> None:
                      "stream_timeout": protocol.MD_STREAM_TIMEOUT_MS, "pool_name": protocol.MD_POOL,
                      "affinity": protocol.MD_AFFINITY}
     assert f'"{protocol.MD_REFS}"' in client
-    assert "@runtime_keys [:timeout | Map.keys(@metadata)]" in client   # timeout is the gRPC deadline
+    assert "@runtime_keys [:timeout, :multiplex | Map.keys(@metadata)]" in client   # not metadata: the deadline, the transport

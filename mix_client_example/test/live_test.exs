@@ -88,6 +88,69 @@ defmodule VllmBridge.LiveTest do
              end)
     end
 
+    test "concurrent streams share one Multiplex stream and equal one call per stream" do
+      prompts = for i <- 1..8, do: "prompt number #{i} for the shared stream"
+
+      tokens = fn runtime ->
+        prompts
+        |> Task.async_stream(
+          fn p ->
+            {:ok, stream} = Engine.generate(@engine, p, greedy(12), id(), __runtime__: runtime)
+            outputs = Enum.to_list(stream)
+            assert List.last(outputs)[:finished] == true
+            get_in(List.last(outputs), [:outputs, Access.at(0), :token_ids])
+          end,
+          timeout: 60_000
+        )
+        |> Enum.map(fn {:ok, ids} -> ids end)
+      end
+
+      shared = tokens.([])
+      assert [{mux, _}] = Registry.lookup(VllmBridge.MuxRegistry, VllmBridge.Client.address())
+      assert Process.alive?(mux)
+      assert Enum.all?(shared, &(length(&1) == 12))
+      assert shared == tokens.(multiplex: false)
+    end
+
+    test "a caller that exits has its multiplexed generation aborted in the engine" do
+      # How long the whole generation takes here, to tell an abort from a natural end.
+      {took_us, _} =
+        :timer.tc(fn -> Engine.generate(@engine, "Hello", greedy(200), id()) |> elem(1) |> Stream.run() end)
+
+      {:ok, processor} = VllmBridge.get_attr(@engine, "output_processor")
+      parent = self()
+
+      runner =
+        spawn(fn ->
+          {:ok, stream} = Engine.generate(@engine, "Hello", greedy(200), id())
+          stream |> Stream.each(fn _ -> send(parent, :item) end) |> Stream.run()
+        end)
+
+      assert_receive :item, 30_000
+      started = System.monotonic_time(:microsecond)
+      # Killed: its stream's after-callback never runs; the multiplexer sees the caller go.
+      Process.exit(runner, :kill)
+
+      assert Enum.any?(1..500, fn _ ->
+               Process.sleep(2)
+               VllmBridge.call_method(processor, "get_num_unfinished_requests") == {:ok, 0}
+             end)
+
+      assert System.monotonic_time(:microsecond) - started < div(took_us, 2),
+             "the request ran on after its caller died (a whole generation takes #{took_us} us)"
+    end
+
+    test "a slow consumer of a multiplexed stream gets every token" do
+      {:ok, stream} = Engine.generate(@engine, "slowly", greedy(100), id())
+
+      outputs =
+        stream
+        |> Stream.each(fn _ -> Process.sleep(5) end)
+        |> Enum.to_list()
+
+      assert length(get_in(List.last(outputs), [:outputs, Access.at(0), :token_ids])) == 100
+    end
+
     test "a failure while streaming raises VllmBridge.Error" do
       {:ok, stream} = Engine.generate(@engine, "x", %{max_tokens: 2, no_such_option: 1}, id())
       assert %Error{category: "validation", code: :invalid_argument} = catch_error(Enum.to_list(stream))

@@ -9,7 +9,7 @@ defmodule VllmBridge.Client do
   `{:iterate, receiver}`.
   """
 
-  alias VllmBridge.{Codec, Connection, Error, Ref, Transport}
+  alias VllmBridge.{Codec, Connection, Error, Mux, Ref, Transport}
   alias VllmBridge.V1, as: PB
   alias VllmBridge.V1.Bridge.Stub
 
@@ -21,7 +21,7 @@ defmodule VllmBridge.Client do
     pool_name: "x-bridge-pool",
     affinity: "x-bridge-affinity"
   }
-  @runtime_keys [:timeout | Map.keys(@metadata)]
+  @runtime_keys [:timeout, :multiplex | Map.keys(@metadata)]
 
   @type target :: tuple()
   @type result :: {:ok, term()} | {:error, Error.t()}
@@ -44,12 +44,35 @@ defmodule VllmBridge.Client do
   consumer stops early (`Enum.take/2`, `Stream.take_while/2`, a `break` out of `for`, an exception).
   A failure while streaming raises `VllmBridge.Error`. Each enumeration runs the call again.
   Arguments are encoded right away, so unsendable values are reported as `{:error, _}`.
+
+  Streams share the address's `Multiplex` stream (`VllmBridge.Mux`) unless `__runtime__` says
+  `multiplex: false`.
   """
   @spec stream(target(), list(), keyword()) :: {:ok, Enumerable.t()} | {:error, Error.t()}
   def stream(target, args, opts) do
     with {:ok, req, md, runtime} <- prepare(target, args, opts) do
       idle = Transport.wait_ms(Enum.max([runtime[:timeout], runtime[:stream_timeout]], fn -> nil end))
-      {:ok, Stream.resource(fn -> open(req, md, runtime, idle) end, &pull/1, &close/1)}
+
+      if Keyword.get(runtime, :multiplex, true) do
+        {:ok, Stream.resource(fn -> open_shared(req, md, runtime, idle) end, &pull/1, &close/1)}
+      else
+        {:ok, Stream.resource(fn -> open(req, md, runtime, idle) end, &pull/1, &close/1)}
+      end
+    end
+  end
+
+  # Over the address's shared Multiplex stream (`VllmBridge.Mux`); the call's deadline travels as
+  # an option of the call, since the shared stream has none.
+  defp open_shared(req, md, runtime, idle) do
+    md =
+      case runtime[:timeout] do
+        ms when is_integer(ms) and ms >= 0 -> Map.put(md, "x-bridge-timeout-ms", Integer.to_string(ms))
+        _ -> md
+      end
+
+    case Mux.open(address(), req, md, idle) do
+      {:ok, handle} -> handle
+      {:error, %Error{} = e} -> raise e
     end
   end
 
@@ -62,6 +85,14 @@ defmodule VllmBridge.Client do
     end
   end
 
+  defp pull(%Mux{} = h) do
+    case Mux.next(h) do
+      {:ok, value, h} -> {[Codec.decode(value)], h}
+      :done -> {:halt, %{h | done: true}}
+      {:error, e} -> raise e
+    end
+  end
+
   defp pull(%Transport{} = h) do
     case Transport.next(h) do
       {:ok, %PB.StreamItem{value: value}, h} -> {[Codec.decode(value)], h}
@@ -70,6 +101,8 @@ defmodule VllmBridge.Client do
     end
   end
 
+  defp close(%Mux{done: true}), do: :ok
+  defp close(%Mux{} = h), do: Mux.cancel(h)
   defp close(%Transport{ref: nil}), do: :ok
   defp close(h), do: Transport.cancel_handle(h)
 

@@ -5,7 +5,14 @@ defmodule VllmBridge.Application do
   @impl true
   def start(_type, _args) do
     :persistent_term.put({VllmBridge, :vm}, Base.url_encode64(:crypto.strong_rand_bytes(6), padding: false))
-    children = [VllmBridge.Connection, VllmBridge.Sessions]
+
+    children = [
+      VllmBridge.Connection,
+      VllmBridge.Sessions,
+      {Registry, keys: :unique, name: VllmBridge.MuxRegistry},
+      {DynamicSupervisor, name: VllmBridge.MuxSupervisor, strategy: :one_for_one}
+    ]
+
     Supervisor.start_link(children, strategy: :one_for_one, name: VllmBridge.Supervisor)
   end
 end
