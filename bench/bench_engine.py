@@ -21,9 +21,9 @@ All three use the same engine arguments: the tiny model, float32, max_model_len 
 max_num_seqs 16 (`--max-num-seqs`); so 32 concurrent requests queue, the same way everywhere.
 
 All three also run with one core kept free of vLLM's OpenMP threads (`VLLM_CPU_NUM_OF_RESERVED_CPU=1`,
-`--reserved-cpus`), where the machine has two cores or more. That is how vLLM is meant to be served on
-CPUs, and it measures what a GPU deployment sees: model compute that the serving front-end does not
-slow down. With `--reserved-cpus 0` (vLLM's default for one engine: OpenMP on every core) the engine's
+`--reserved-cpus`), where the machine has two cores or more: serving processes off the OpenMP cores
+(vLLM reserves a core per rank itself when it runs several ranks), and what a GPU deployment sees:
+model compute that the serving front-end does not slow down. With `--reserved-cpus 0` (vLLM's default for one engine: OpenMP on every core) the engine's
 compute and every front-end share the cores, and each microsecond of front-end or client CPU also
 slows the engine; on a 2-core machine that mostly measures how much CPU each way burns per token.
 
