@@ -60,6 +60,19 @@ defmodule VllmBridge.Error do
   """
   @spec from_status(integer(), String.t(), binary() | nil) :: t()
   def from_status(status, message, details_bin) do
+    with bin when is_binary(bin) <- details_bin,
+         %{details: anys} <- safe_decode(VllmBridge.Proto.Google.Rpc.Status, bin),
+         %{value: value} <- Enum.find(anys, &String.ends_with?(&1.type_url, "vllm_bridge.v1.ErrorDetail")),
+         %VllmBridge.V1.ErrorDetail{} = d <- safe_decode(VllmBridge.V1.ErrorDetail, value) do
+      from_detail(status, message, d)
+    else
+      _ -> from_detail(status, message, nil)
+    end
+  end
+
+  @doc "Builds the error from a status, its message and the server's `ErrorDetail` (or nil), as a Multiplex event carries them."
+  @spec from_detail(integer(), String.t(), VllmBridge.V1.ErrorDetail.t() | nil) :: t()
+  def from_detail(status, message, detail) do
     base = %__MODULE__{
       grpc_status: status,
       code: code_name(status),
@@ -67,23 +80,22 @@ defmodule VllmBridge.Error do
       category: default_category(status)
     }
 
-    with bin when is_binary(bin) <- details_bin,
-         %{details: anys} <- safe_decode(VllmBridge.Proto.Google.Rpc.Status, bin),
-         %{value: value} <- Enum.find(anys, &String.ends_with?(&1.type_url, "vllm_bridge.v1.ErrorDetail")),
-         %VllmBridge.V1.ErrorDetail{} = d <- safe_decode(VllmBridge.V1.ErrorDetail, value) do
-      %{
+    case detail do
+      %VllmBridge.V1.ErrorDetail{} = d ->
+        %{
+          base
+          | category: d.category,
+            python_type: d.python_type,
+            message: if(d.message == "", do: base.message, else: d.message),
+            traceback: d.traceback,
+            target: d.target,
+            parameter: d.parameter,
+            reason: d.reason,
+            suggestions: d.suggestions
+        }
+
+      nil ->
         base
-        | category: d.category,
-          python_type: d.python_type,
-          message: if(d.message == "", do: base.message, else: d.message),
-          traceback: d.traceback,
-          target: d.target,
-          parameter: d.parameter,
-          reason: d.reason,
-          suggestions: d.suggestions
-      }
-    else
-      _ -> base
     end
   end
 

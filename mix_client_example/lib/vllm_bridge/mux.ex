@@ -135,26 +135,8 @@ defmodule VllmBridge.Mux do
   defp credit(h), do: %{h | consumed: h.consumed + 1}
 
   defp mux_error(bin) do
-    %PB.MuxError{code: code, message: message, detail: d} = PB.MuxError.decode(bin)
-    base = Error.from_status(code, message, nil)
-
-    case d do
-      %PB.ErrorDetail{} ->
-        %{
-          base
-          | category: d.category,
-            python_type: d.python_type,
-            message: if(d.message == "", do: base.message, else: d.message),
-            traceback: d.traceback,
-            target: d.target,
-            parameter: d.parameter,
-            reason: d.reason,
-            suggestions: d.suggestions
-        }
-
-      nil ->
-        base
-    end
+    %PB.MuxError{code: code, message: message, detail: detail} = PB.MuxError.decode(bin)
+    Error.from_detail(code, message, detail)
   end
 
   defp whereis(address) do
