@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -55,7 +56,16 @@ def _worker_config(args: argparse.Namespace) -> Any:
                         objects=json.loads(args.objects))
 
 
+def _take_the_group_down(signum: int, frame: object) -> None:
+    """SIGHUP: the server that started this worker died (PR_SET_PDEATHSIG), or the terminal of a
+    worker started by hand hung up. Nobody is left to stop the worker's children (vLLM's engine
+    cores), so the whole process group goes, this worker with it."""
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
+    if os.getpgrp() == os.getpid():   # a group of its own (as the supervisor starts it): only ours to kill
+        signal.signal(signal.SIGHUP, _take_the_group_down)
     from bridge_server.worker import serve_worker
     if args.loop == "uvloop":
         import uvloop   # libuv's loop: fewer syscalls per loop turn, which a streaming worker makes many of

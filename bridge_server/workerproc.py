@@ -3,7 +3,8 @@
 The mechanics only (the supervisor decides when and why). A worker is
 `python -m bridge_server.cli worker --listen unix:<dir>/<n>.sock --worker-id <pool>-<index>-g<gen>`,
 in its own session and process group, so that killing the group also kills vLLM's engine-core
-children, and with PR_SET_PDEATHSIG set, so that it dies with the server however the server dies.
+children, and with PR_SET_PDEATHSIG set to SIGHUP, on which the worker kills its whole group (see
+`cli.cmd_worker`): when the server dies, however it dies, its workers and their engine cores go too.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from bridge_server.router import Backend
 # Workers are spawned through this tiny launcher rather than with a preexec hook: a preexec hook
 # forces a plain fork() of this multi-threaded gRPC process (gRPC's fork handlers can abort the
 # child), while without one Python uses vfork+exec, which runs no Python code in the child. The
-# launcher asks for SIGKILL when its parent (this server) dies, a setting that survives exec, then
-# becomes the worker.
+# launcher asks for SIGHUP when its parent (this server) dies, a setting that survives exec, then
+# becomes the worker. Not SIGKILL: the worker must live long enough to take its engine cores with it
+# (they are its children, and nothing else would kill them once the server is gone).
 _LAUNCHER = """\
 import ctypes, os, signal, sys
 try:
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGHUP), 0, 0, 0)  # PR_SET_PDEATHSIG
 except (OSError, AttributeError):
     pass
 if os.getppid() != int(sys.argv[1]):

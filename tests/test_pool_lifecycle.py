@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bridge_server.client import CallError, Target
+from bridge_server.workerproc import kill_group
 from tests.pool_harness import Gate, PoolServer, group_members, in_thread, open_gates, start_pool_server, wait_until
 
 PC = "vllm.config.ParallelConfig"
@@ -182,3 +183,30 @@ def test_sigterm_lets_in_flight_calls_finish_then_every_process_is_gone(tmp_path
         assert not sockets_dir.exists()
     finally:
         server.stop()
+
+
+def test_sigkill_of_the_server_takes_its_workers_and_their_engine_cores_along(tmp_path: Path) -> None:
+    """Nobody is left to stop anything when the server is SIGKILLed: each worker learns of it (its
+    parent-death signal) and kills its own process group, vLLM's engine core included."""
+    from bridge_server.tiny_model import ensure_tiny_model
+
+    config = f"""
+[[pools]]
+name = "e"
+workers = 1
+[[pools.objects]]
+name = "engine"
+target = "vllm.AsyncLLMEngine.from_engine_args"
+kwargs = {{ engine_args = {{ model = "{ensure_tiny_model()}", dtype = "float32", max_model_len = 256, enforce_eager = true }} }}
+"""
+    server = start_pool_server(tmp_path, config)
+    group = server.pool("e").workers[0].pid
+    try:
+        assert len(group_members(group)) >= 2, "expected vLLM's engine core in the worker's process group"
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(10)
+        wait_until(lambda: not group_members(group), timeout=15,
+                   what="the worker and its engine core gone after the server's SIGKILL")
+    finally:
+        server.stop()
+        kill_group(group)   # whatever the assertion found still running
