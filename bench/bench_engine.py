@@ -23,9 +23,10 @@ max_num_seqs 16 (`--max-num-seqs`); so 32 concurrent requests queue, the same wa
 All three also run with one core kept free of vLLM's OpenMP threads (`VLLM_CPU_NUM_OF_RESERVED_CPU=1`,
 `--reserved-cpus`), where the machine has two cores or more: serving processes off the OpenMP cores
 (vLLM reserves a core per rank itself when it runs several ranks), and what a GPU deployment sees:
-model compute that the serving front-end does not slow down. With `--reserved-cpus 0` (vLLM's default for one engine: OpenMP on every core) the engine's
-compute and every front-end share the cores, and each microsecond of front-end or client CPU also
-slows the engine; on a 2-core machine that mostly measures how much CPU each way burns per token.
+model compute that the serving front-end does not slow down. With `--reserved-cpus 0` (vLLM's default
+for one engine: OpenMP on every core) the engine's compute and every front-end share the cores, and
+each microsecond of front-end or client CPU also slows the engine; on a 2-core machine that mostly
+measures how much CPU each way burns per token.
 
 Figures per way and level: aggregate output tokens/s (a round's tokens over its wall time; median
 over the measured rounds) and time to first token (from issuing a request to its first streamed
@@ -635,7 +636,7 @@ def report(results: dict[str, Any], work: Workload) -> None:
     rows = results["rows"]
     levels = [str(c) for c in work.concurrency]
     print(f"\n{work.max_tokens}-token generations, temperature 0, ignore_eos; engine: {results['engine_args']}, "
-          f"VLLM_CPU_NUM_OF_RESERVED_CPU={work.reserved_cpus} (of {results['machine'].get('cpus', '?')} cores); "
+          f"VLLM_CPU_NUM_OF_RESERVED_CPU={work.reserved_cpus} (of {len(os.sched_getaffinity(0))} usable cores); "
           f"{work.rounds} measured rounds per level after 1 warm-up (plus one more for each round contended by "
           f"other processes); tok/s: median over rounds; TTFT: over all requests of those rounds\n")
     headers = ["way", "ready s"]

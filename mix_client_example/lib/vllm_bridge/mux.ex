@@ -330,7 +330,4 @@ defmodule VllmBridge.Mux do
         Error.from_status(String.to_integer(code), URI.decode(map["grpc-message"] || ""), nil)
     end
   end
-
-  @doc false
-  def window, do: @window
 end
