@@ -11,10 +11,13 @@ from sync gRPC channels, as raw bytes (no client-side encode/decode to blur the 
 - router  to the pool server, listening on a unix socket too, so that both sides use the same
           transport and the difference is the router hop (metadata routing, slot accounting,
           forwarding, metrics);
-- bare proxy  (latency only) a grpc.aio forwarder with no logic at all (bytes in, the same call to
-          the same worker, bytes out), run as its own process (`--bare-proxy LISTEN UPSTREAM`): the
-          floor any Python gRPC router pays for the extra hop, which splits the router's cost into
-          "the hop" and "our logic".
+- two floors (latency only), each a forwarder with no logic at all, run as its own process on
+  the router's event loop (asyncio's) (`--bare-proxy LISTEN UPSTREAM`):
+  - bare gRPC proxy: bytes in, the same gRPC call to the same worker, bytes out: what a router that
+    re-issues each call over gRPC pays for the hop (why the router does not);
+  - bare lane proxy: bytes in, the call over the worker's lane (`bridge_server/lane.py`, as the
+    router sends it), bytes out: the floor of the router's own design, which splits its cost into
+    "the hop" and "our logic" (routing, slots, deadlines, metrics).
 
 Latency: sequential calls in interleaved rounds (direct, router, direct, ...) after a warm-up; p50
 and p99 over all rounds. Throughput: a closed loop of 64 concurrent callers (threads) for each side:
@@ -49,6 +52,8 @@ from bench.common import (
     write_json,
 )
 from bridge_server.client import BridgeClient
+from bridge_server.lane import open_lane
+from bridge_server.workerproc import lane_path
 from bridge_server.protocol import GRPC_OPTIONS, MD_POOL, MD_SESSION
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import pool_pb2 as ppb
@@ -58,7 +63,8 @@ TARGET = "vllm.distributed.divide"
 ARGS = (6, 3)
 GOAL_P50_OVERHEAD = 0.30
 CALL = "/vllm_bridge.v1.Bridge/Call"
-DIRECT, ROUTER, BARE = "direct (worker)", "router (pool server)", "bare proxy (floor)"
+DIRECT, ROUTER = "direct (worker)", "router (pool server)"
+BARE_GRPC, BARE_LANE = "bare gRPC proxy", "bare lane proxy"
 ROUTER_MUX = "router, Multiplex"
 
 CONFIG = """
@@ -72,13 +78,23 @@ queue_size = 4096
 
 
 async def _bare_proxy(listen: str, upstream: str) -> None:
-    channel = grpc.aio.insecure_channel(upstream, options=GRPC_OPTIONS)
-    forward = channel.unary_unary(CALL)
+    """`upstream` is a worker's gRPC address, or `lane:PATH` for its lane."""
+    if upstream.startswith("lane:"):
+        lane = await open_lane(upstream.removeprefix("lane:"))
 
-    async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        md = [(k, v) for k, v in context.invocation_metadata() or () if k != "user-agent"]
-        reply: bytes = await forward(request, metadata=md)
-        return reply
+        async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            md = {k: v for k, v in context.invocation_metadata() or () if k.startswith("x-bridge-")}
+            event = await lane.start(request, md).next()
+            reply: bytes = pb.CallReplyView(value=event.value).SerializeToString()
+            return reply
+    else:
+        channel = grpc.aio.insecure_channel(upstream, options=GRPC_OPTIONS)
+        forward = channel.unary_unary(CALL)
+
+        async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            md = [(k, v) for k, v in context.invocation_metadata() or () if k != "user-agent"]
+            reply: bytes = await forward(request, metadata=md)
+            return reply
 
     server = grpc.aio.server(options=GRPC_OPTIONS)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
@@ -151,7 +167,8 @@ class PoolServerProcess:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="vllm-bridge-bench-router-"))
     server = PoolServerProcess(tmp)
-    bare: subprocess.Popen[bytes] | None = None
+    bares: list[subprocess.Popen[bytes]] = []
+    bare_channels: dict[str, grpc.Channel] = {}
     try:
         with BridgeClient(server.address) as client:
             request, _ = client.request(TARGET, ARGS)
@@ -167,17 +184,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         direct_rpcs = [channels[pinned.id].unary_unary(CALL)] + [
             ch.unary_unary(CALL) for wid, ch in channels.items() if wid != pinned.id]
         direct_rpc = direct_rpcs[0]
-        bare_address = f"unix:{tmp / 'bare.sock'}"
-        bare = start_bare_proxy(bare_address, pinned.address)
-        bare_channel = grpc.insecure_channel(bare_address, options=GRPC_OPTIONS)
-        bare_rpc = bare_channel.unary_unary(CALL)
-
-        lat = interleaved_latencies({DIRECT: lambda: direct_rpc(payload, metadata=metadata),
-                                     ROUTER: lambda: router_rpc(payload, metadata=metadata),
-                                     BARE: lambda: bare_rpc(payload, metadata=metadata)},
-                                    rounds=args.rounds, per_round=args.per_round, warmup=args.warmup)
-        bare_channel.close()
-        bare.kill()
+        for name, upstream in ((BARE_GRPC, pinned.address),
+                               (BARE_LANE, "lane:" + lane_path(pinned.address.removeprefix("unix:")))):
+            address = f"unix:{tmp / ('bare-lane.sock' if name == BARE_LANE else 'bare-grpc.sock')}"
+            bares.append(start_bare_proxy(address, upstream))
+            bare_channels[name] = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        sides = {DIRECT: lambda: direct_rpc(payload, metadata=metadata),
+                 ROUTER: lambda: router_rpc(payload, metadata=metadata)}
+        for name, ch in bare_channels.items():
+            sides[name] = (lambda rpc: lambda: rpc(payload, metadata=metadata))(ch.unary_unary(CALL))
+        lat = interleaved_latencies(sides, rounds=args.rounds, per_round=args.per_round, warmup=args.warmup)
+        for ch in bare_channels.values():
+            ch.close()
+        for proc in bares:
+            proc.kill()
 
         # Throughput: each caller thread gets its own session (router) or worker (direct).
         local = threading.local()
@@ -218,8 +238,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for ch in channels.values():
             ch.close()
     finally:
-        if bare is not None and bare.poll() is None:
-            bare.kill()
+        for proc in bares:
+            if proc.poll() is None:
+                proc.kill()
         server.stop()
 
     stats, tput_median, ratio = compare(lat, tput, ROUTER, DIRECT)
@@ -234,11 +255,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             **ratio,
             "throughput": tput_median[ROUTER] / tput_median[DIRECT],
             "throughput_multiplex": tput_median[ROUTER_MUX] / tput_median[DIRECT],
-            "p50_bare_proxy": stats[BARE].p50_us / stats[DIRECT].p50_us,
+            "p50_bare_grpc_proxy": stats[BARE_GRPC].p50_us / stats[DIRECT].p50_us,
+            "p50_bare_lane_proxy": stats[BARE_LANE].p50_us / stats[DIRECT].p50_us,
         },
         "router_added_p50_us": stats[ROUTER].p50_us - stats[DIRECT].p50_us,
-        "hop_floor_p50_us": stats[BARE].p50_us - stats[DIRECT].p50_us,
-        "router_logic_p50_us": stats[ROUTER].p50_us - stats[BARE].p50_us,
+        "hop_floor_p50_us": stats[BARE_LANE].p50_us - stats[DIRECT].p50_us,
+        "router_logic_p50_us": stats[ROUTER].p50_us - stats[BARE_LANE].p50_us,
         "throughput_ops_s": {name: {"median": tput_median[name], "rounds": v} for name, v in tput.items()},
         "router_calls_per_worker": per_worker,
         "goal": {"p50_overhead_max": GOAL_P50_OVERHEAD, "met": ratio_p50 <= 1 + GOAL_P50_OVERHEAD},
@@ -259,9 +281,10 @@ def report(res: dict[str, Any]) -> None:
     print(f"\nrouter/direct: p50 {ratio['p50']:.2f}x (+{res['router_added_p50_us']:.0f} us; per round: median "
           f"{ratio['p50_per_round_median']:.2f}x, range {min(rr):.2f}-{max(rr):.2f}x), p99 {ratio['p99']:.2f}x, "
           f"throughput {ratio['throughput']:.2f}x")
-    print(f"of the router's +{res['router_added_p50_us']:.0f} us at p50: the bare gRPC hop (no logic) costs "
-          f"+{res['hop_floor_p50_us']:.0f} us ({ratio['p50_bare_proxy']:.2f}x direct), the router's own work "
-          f"{res['router_logic_p50_us']:+.0f} us")
+    print(f"of the router's +{res['router_added_p50_us']:.0f} us at p50: the lane hop with no logic costs "
+          f"+{res['hop_floor_p50_us']:.0f} us ({ratio['p50_bare_lane_proxy']:.2f}x direct), the router's own work "
+          f"{res['router_logic_p50_us']:+.0f} us; a bare gRPC hop instead of the lane: "
+          f"{ratio['p50_bare_grpc_proxy']:.2f}x direct")
     print(f"throughput over one Multiplex stream through the router: {ratio['throughput_multiplex']:.2f}x direct")
     print(f"calls per worker through the router: {res['router_calls_per_worker']}")
     goal = res["goal"]

@@ -29,6 +29,9 @@ def _add_worker_options(p: argparse.ArgumentParser) -> None:
                    help="larger tensors are returned as refs")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown")
     p.add_argument("--ready-file", default=None, help="write the bound port here once serving")
+    p.add_argument("--lane", default=None, metavar="PATH",
+                   help="also serve the router's lane (Multiplex messages, no gRPC) on this unix socket; "
+                        "the pool server sets it")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
                    help="the worker's event loop (default %(default)s)")
     p.add_argument("--objects", default="[]",
@@ -53,7 +56,7 @@ def _worker_config(args: argparse.Namespace) -> Any:
                                args.dist_tp, args.dist_pp)
     return WorkerConfig(distributed=dist, listen=args.listen, worker_id=args.worker_id, session_cap=args.session_cap,
                         idle_ttl_s=args.ref_ttl, tensor_max_bytes=args.tensor_max_bytes, grace_s=args.grace,
-                        objects=json.loads(args.objects))
+                        objects=json.loads(args.objects), lane=args.lane)
 
 
 def _take_the_group_down(signum: int, frame: object) -> None:

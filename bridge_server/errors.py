@@ -98,6 +98,22 @@ class BridgeError(Exception):
                                                       details=[detail]))
 
 
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """A status code from its number (UNKNOWN for a number gRPC does not define)."""
+    return _CODES.get(number, grpc.StatusCode.UNKNOWN)
+
+
+def mux_error_status(err: pb.MuxError) -> grpc.Status:
+    """A Multiplex event's failure as the status the same call would have ended with on its own."""
+    detail = any_pb2.Any()
+    detail.Pack(err.detail)
+    return rpc_status.to_status(status_pb2.Status(code=status_code(err.code).value[0], message=err.message,
+                                                  details=[detail]))
+
+
 def target_label(target: pb.Target) -> str:
     """How errors name a call's target: its name, or its kind when it has none (ITERATE on a ref)."""
     return target.name or pb.Target.Kind.Name(target.kind)

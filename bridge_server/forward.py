@@ -1,14 +1,15 @@
 """Forwarding: the router's `Bridge` service, moving request and reply bytes between caller and worker.
 
 The service is registered as a generic handler with identity serializers, so payloads pass through
-as bytes, never decoded (except `Release`, whose ref ids must be split between their workers). What
-crosses the hop besides the bytes: the caller's metadata, its deadline (minus the time it waited in
-the queue), its cancellation, and the worker's status, details and trailing metadata (which carry
-the rich error) on the way back.
+as bytes, never decoded (except `Release`, whose ref ids must be split between their workers).
+`Call` and `Stream`, the hot paths, go to the worker over its lane (`lane.py`); the rest over the
+worker's gRPC service. What crosses the hop besides the bytes: the caller's options (x-bridge-*
+metadata), its deadline minus the time it waited in the queue, its cancellation, a stream's flow
+control (as lane credit), and the worker's errors, rebuilt as the status the worker's own RPC gives.
 
-A worker that dies mid-call must not leave its callers hanging until gRPC notices: the supervisor's
-exit watcher fails every tracked `Flight` of that worker, which cancels the upstream call, and the
-handler turns that into UNAVAILABLE "worker crashed".
+A worker that dies mid-call must not leave its callers hanging: its lane closes, or the
+supervisor's exit watcher fails every tracked `Flight` of that worker, and the handler turns either
+into UNAVAILABLE "worker crashed".
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from typing import Any
 import grpc
 
 from bridge_server.collective import run_collective
-from bridge_server.errors import BridgeError
+from bridge_server.errors import BridgeError, mux_error_status, status_code
+from bridge_server.lane import LaneClosed
 from bridge_server.metrics import Metrics
 from bridge_server.mux_forward import MULTIPLEX, forward_multiplex
-from bridge_server.protocol import MD_WORKER_REFS
+from bridge_server.protocol import MD_TIMEOUT_MS
 from bridge_server.router import DEADLINE_MARGIN_S, Backend, Flight, Route, Router, pool_error, read_route
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -38,6 +40,8 @@ _DROP_KEYS = ("user-agent",)
 _TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
                     grpc.StatusCode.UNKNOWN)
 _DEATH_WAIT_S = 0.5
+LANE_WINDOW = 32     # stream items a worker may send ahead of the caller
+LANE_CREDIT = 16     # given back this many at a time
 
 
 def make_stubs(channel: grpc.aio.Channel) -> dict[str, Any]:
@@ -133,30 +137,16 @@ class Forwarder:
         out.code = err.code.name
         await context.abort_with_status(err.to_status())
 
-    async def _forward_error(self, err: grpc.aio.AioRpcError, backend: Backend, flight: Flight,
-                             context: grpc.aio.ServicerContext, out: _Outcome) -> None:
-        """Passes the worker's error on unchanged, unless it is the worker dying."""
-        if await _worker_died(backend, flight, err):
-            raise crashed(backend, flight.failed)
-        out.code = err.code().name
-        await context.abort(err.code(), err.details() or "", tuple(err.trailing_metadata() or ()))
-
     @staticmethod
-    def _pass_trailing(backend: Backend, trailing: Any, context: grpc.aio.ServicerContext) -> None:
-        if not trailing:
-            return
-        for k, v in trailing:
-            if k == MD_WORKER_REFS:
-                try:
-                    backend.refs = int(v)
-                except ValueError:
-                    pass
-        context.set_trailing_metadata(tuple(trailing))
+    async def _lane_error(err: pb.MuxError, context: grpc.aio.ServicerContext, out: _Outcome) -> None:
+        """The worker's error, as its own Call or Stream RPC would have ended."""
+        out.code = status_code(err.code).name
+        await context.abort_with_status(mux_error_status(err))
 
     # ------------------------------------------------------------------------------------ Call
     async def call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        # One coroutine, and no await before the upstream call unless the call must queue: this is
-        # the hot path, and every extra step shows in the router's share of the latency.
+        # One coroutine, and no await before the call reaches the worker's lane unless it must queue:
+        # this is the hot path, and every extra step shows in the router's share of the latency.
         t0 = time.perf_counter()
         out = _Outcome()
         try:
@@ -169,21 +159,29 @@ class Forwarder:
             out.pool = pool.name
             flight = Flight()
             backend.flights.add(flight)
+            lane = backend.lane
             try:
-                upstream = backend.stubs[CALL](request, metadata=_forwarded(md), timeout=self._timeout(route))
-                flight.call = upstream
                 try:
-                    reply: bytes = await upstream
+                    lc = lane.start(request, _lane_metadata(md, self._timeout(route)))
+                    flight.call = lc
+                    if lane.framed.paused:
+                        await lane.drain()
+                    event = await lc.next()
                 except asyncio.CancelledError:
                     if flight.failed:
                         raise crashed(backend, flight.failed) from None
+                    if flight.call is not None:
+                        flight.call.cancel()
                     raise
-                except grpc.aio.AioRpcError as err:
-                    await self._forward_error(err, backend, flight, context, out)
-                    raise
-                self._pass_trailing(backend, await upstream.trailing_metadata(), context)
-                out.code = "OK"
-                return reply
+                except LaneClosed as exc:
+                    raise await _lane_failure(backend, flight, str(exc)) from None
+                backend.refs = lane.refs
+                if event.WhichOneof("kind") == "value":
+                    out.code = "OK"
+                    reply: bytes = pb.CallReplyView(value=event.value).SerializeToString()
+                    return reply
+                await self._lane_error(event.error, context, out)
+                raise AssertionError("unreachable: abort raises")
             finally:
                 backend.flights.discard(flight)
                 pool.release(backend)
@@ -231,28 +229,36 @@ class Forwarder:
         out.pool = pool.name
         flight = Flight()
         backend.flights.add(flight)
-        upstream = None
+        lane = backend.lane
+        lc = None
         try:
-            upstream = backend.stubs[STREAM](request, metadata=_forwarded(md), timeout=self._timeout(route))
-            flight.call = upstream
             try:
-                while True:
-                    item = await upstream.read()
-                    if item is grpc.aio.EOF:
-                        break
-                    yield item
+                lc = lane.start(request, _lane_metadata(md, self._timeout(route)), stream=True, window=LANE_WINDOW)
+                flight.call = lc
+                index = taken = 0
+                while (event := await lc.next()).WhichOneof("kind") == "value":
+                    # Written to the caller once the generator resumes: gRPC's flow control, passed on
+                    # to the worker as credit.
+                    yield pb.StreamItemView(index=index, value=event.value).SerializeToString()
+                    index += 1
+                    taken += 1
+                    if taken == LANE_CREDIT:
+                        lc.credit(taken)
+                        taken = 0
             except asyncio.CancelledError:
                 if flight.failed:
                     raise crashed(backend, flight.failed) from None
                 raise
-            except grpc.aio.AioRpcError as err:
-                await self._forward_error(err, backend, flight, context, out)
-                raise
-            self._pass_trailing(backend, await upstream.trailing_metadata(), context)
+            except LaneClosed as exc:
+                raise await _lane_failure(backend, flight, str(exc)) from None
+            lc.finished()
+            backend.refs = lane.refs
+            if event.WhichOneof("kind") == "error":
+                await self._lane_error(event.error, context, out)
             out.code = "OK"
         finally:
-            if upstream is not None and not upstream.done():
-                upstream.cancel()
+            if lc is not None:
+                lc.cancel()       # the caller went away first (or the call ended, then this does nothing)
             backend.flights.discard(flight)
             pool.release(backend)
 
@@ -351,6 +357,22 @@ class Forwarder:
             raise
         finally:
             self.metrics.observe_call(out.pool, "Describe", out.code, time.perf_counter() - t0)
+
+
+def _lane_metadata(metadata: Sequence[tuple[str, str | bytes]] | None, timeout_s: float | None) -> dict[str, str]:
+    """The call's options for the worker; the time left (after any queueing) replaces its own timeout."""
+    options = {k: v for k, v in metadata or () if k.startswith("x-bridge-") and isinstance(v, str)}
+    if timeout_s is not None:
+        options[MD_TIMEOUT_MS] = f"{timeout_s * 1000:.3f}"
+    return options
+
+
+async def _lane_failure(backend: Backend, flight: Flight, reason: str) -> BridgeError:
+    """A lane that closes under its calls: the worker died (say so), or, rarely, the socket failed."""
+    if flight.failed or await _died_within(backend, _DEATH_WAIT_S):
+        return crashed(backend, flight.failed)
+    return pool_error(grpc.StatusCode.UNAVAILABLE, f"worker {backend.id}: the connection to it failed ({reason})",
+                      "worker connection lost", "worker")
 
 
 async def _died_within(backend: Backend, seconds: float) -> bool:

@@ -29,7 +29,7 @@ from bridge_server.invoke import Invoker
 from bridge_server.protocol import parse_metadata, resolve_deadlines
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-__all__ = ["Outbox", "multiplex"]
+__all__ = ["MuxSession", "Outbox", "multiplex"]
 
 MAX_PENDING = 4096   # events gathered for the next reply before every producer waits
 PER_CALL = 2         # events of one call gathered before that call waits
@@ -46,6 +46,7 @@ class Outbox:
     credit: dict[int, int] = field(default_factory=dict)           # items a windowed stream may still send
     ready: asyncio.Event = field(default_factory=asyncio.Event)    # something to write
     room: asyncio.Event = field(default_factory=asyncio.Event)     # the writer took a reply
+    on_first: Callable[[], None] | None = None                     # called when an empty reply gets an event
 
     async def wait_for_room(self, call_id: int) -> None:
         while (self.pending.get(call_id, 0) >= self.per_call or len(self.reply.events) >= self.max_pending
@@ -67,6 +68,8 @@ class Outbox:
     def add(self, call_id: int) -> pb.MuxEvent:
         """A new event, already in the reply: the caller fills it before its next await."""
         self.ready.set()
+        if self.on_first is not None and not self.reply.events:
+            self.on_first()
         self.pending[call_id] = self.pending.get(call_id, 0) + 1
         return self.reply.events.add(id=call_id)
 
@@ -119,47 +122,83 @@ async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[st
         out.add(start.id).error.CopyFrom(server_error(exc, label).to_mux_error())
 
 
+class MuxSession:
+    """The running calls of one Multiplex stream (or lane connection): requests start, cancel and
+    credit them synchronously, and their events gather in `out` for whoever writes replies."""
+
+    def __init__(self, invoker: Invoker, defaults: Sequence[tuple[str, str | bytes]],
+                 rpc_remaining: Callable[[], float | None], out: Outbox) -> None:
+        self.invoker = invoker
+        self.defaults = tuple(defaults)
+        self.rpc_remaining = rpc_remaining
+        self.out = out
+        self.running: dict[int, asyncio.Task[None]] = {}
+        self.refusing = ""          # set when the server stops: new calls fail with UNAVAILABLE and this reason
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def handle(self, request: pb.MuxRequest) -> None:
+        """Raises BridgeError for a request that is none of start, cancel and credit."""
+        kind = request.WhichOneof("kind")
+        out = self.out
+        if kind == "start":
+            start = request.start
+            if start.id in self.running:
+                self._refuse(start.id, BridgeError.validation(
+                    f"Multiplex: call id {start.id} is still running; ids must be unique among running calls",
+                    parameter="start.id"))
+                return
+            if self.refusing:
+                self._refuse(start.id, BridgeError(grpc.StatusCode.UNAVAILABLE, "worker", self.refusing,
+                                                   reason="worker stopping"))
+                return
+            if start.window:
+                out.credit[start.id] = start.window
+            task = asyncio.create_task(_run(self.invoker, start, self.defaults, self.rpc_remaining, out))
+            self.running[start.id] = task
+            self.idle.clear()
+            task.add_done_callback(functools.partial(self._finished, start.id))
+        elif kind == "cancel":
+            target = self.running.get(request.cancel)
+            if target is not None:
+                target.cancel()
+        elif kind == "credit":
+            out.grant(request.credit.id, request.credit.events)
+        else:
+            raise BridgeError.validation("Multiplex: a request must hold start, cancel or credit", parameter="kind")
+
+    def _refuse(self, call_id: int, err: BridgeError) -> None:
+        self.out.add(call_id).error.CopyFrom(err.to_mux_error())
+
+    def _finished(self, call_id: int, task: asyncio.Task[None]) -> None:
+        if self.running.get(call_id) is task:
+            del self.running[call_id]
+            self.out.credit.pop(call_id, None)
+            if not self.running:
+                self.idle.set()
+        self.out.ready.set()   # a writer may be waiting for everything to end
+
+    async def close(self) -> None:
+        """Cancels every running call (their callers are gone) and waits for them to settle."""
+        tasks = list(self.running.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def multiplex(invoker: Invoker, requests: AsyncIterator[pb.MuxRequest],
-                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxReply]:
-    """Serves one Multiplex stream until the client has half-closed and every call has ended."""
+                    defaults: Sequence[tuple[str, str | bytes]],
+                    rpc_remaining: Callable[[], float | None]) -> AsyncIterator[pb.MuxReply]:
+    """Serves one Multiplex RPC until the client has half-closed and every call has ended.
+    `defaults` are the RPC's metadata, `rpc_remaining` its deadline."""
     out = Outbox()
-    running: dict[int, asyncio.Task[None]] = {}
-    defaults = tuple(context.invocation_metadata() or ())
-
-    def refuse(call_id: int, err: BridgeError) -> None:
-        out.add(call_id).error.CopyFrom(err.to_mux_error())
-
-    def finished(call_id: int, task: asyncio.Task[None]) -> None:
-        if running.get(call_id) is task:
-            del running[call_id]
-            out.credit.pop(call_id, None)
-        out.ready.set()   # the writer checks whether everything has ended
+    session = MuxSession(invoker, defaults, rpc_remaining, out)
+    refs = invoker.refs
 
     async def read() -> None:
         try:
             async for request in requests:
-                kind = request.WhichOneof("kind")
-                if kind == "start":
-                    start = request.start
-                    if start.id in running:
-                        refuse(start.id, BridgeError.validation(
-                            f"Multiplex: call id {start.id} is still running; ids must be unique among "
-                            f"running calls", parameter="start.id"))
-                        continue
-                    if start.window:
-                        out.credit[start.id] = start.window
-                    task = asyncio.create_task(_run(invoker, start, defaults, context.time_remaining, out))
-                    running[start.id] = task
-                    task.add_done_callback(functools.partial(finished, start.id))
-                elif kind == "cancel":
-                    target = running.get(request.cancel)
-                    if target is not None:
-                        target.cancel()
-                elif kind == "credit":
-                    out.grant(request.credit.id, request.credit.events)
-                else:
-                    raise BridgeError.validation("Multiplex: a request must hold start, cancel or credit",
-                                                 parameter="kind")
+                session.handle(request)
         finally:
             out.ready.set()
 
@@ -168,15 +207,16 @@ async def multiplex(invoker: Invoker, requests: AsyncIterator[pb.MuxRequest],
         while True:
             await out.ready.wait()
             if out.reply.events:
-                yield out.take()
+                reply = out.take()
+                reply.worker_refs = len(refs)
+                yield reply
             else:
                 out.ready.clear()
             if reader.done():
                 reader.result()   # a malformed request ends the stream with its error
-                if not running and not out.reply.events:
+                if not session.running and not out.reply.events:
                     return
     finally:
         reader.cancel()
-        for task in list(running.values()):
-            task.cancel()
-        await asyncio.gather(reader, *running.values(), return_exceptions=True)
+        await asyncio.gather(reader, return_exceptions=True)
+        await session.close()

@@ -52,11 +52,12 @@ class Backend:
     index: int = 0                # its slot in the pool (= its rank in a distributed pool)
     channel: Any = None           # grpc.aio.Channel; multicallables are made once, by forward.py
     stubs: dict[str, Any] = field(default_factory=dict)
+    lane: Any = None              # lane.Lane: how Call and Stream reach the worker
     state: str = READY
     in_flight: int = 0
     calls: int = 0
     sessions: int = 0
-    refs: int = -1                # as last reported by the worker in trailing metadata
+    refs: int = -1                # as last reported by the worker (trailing metadata, lane replies)
     flights: set[Flight] = field(default_factory=set)
     died: asyncio.Event = field(default_factory=asyncio.Event)
     exit_reason: str = ""

@@ -30,6 +30,7 @@ from typing import Any
 
 from bridge_server.config import PoolConfig, ServerConfig
 from bridge_server.forward import make_stubs
+from bridge_server.lane import open_lane
 from bridge_server.metrics import Metrics
 from bridge_server.router import DRAINING, READY, Backend, Router
 from bridge_server.workerproc import (EXITED, STARTING, WorkerProc, describe_exit, kill_group, spawn, terminate,
@@ -208,13 +209,21 @@ class PoolSupervisor:
                 await channel.close()
             await wp.exited.wait()
             return wp
+        try:
+            lane = await open_lane(wp.lane_path)
+        except OSError as exc:
+            wp.exit_description = f"its lane ({wp.lane_path}) refused the connection: {exc}"
+            kill_group(wp.pid)
+            await channel.close()
+            await wp.exited.wait()
+            return wp
         wp.state = READY
         slot.state = READY
         if self.regrouping and all(s.state == READY for s in self.slots):
             log.info("pool %s: the group is back (%s)", self.name, self.regrouping)
             self.regrouping = ""
         wp.backend = Backend(wp.id, self.name, wp.address, self.config.max_concurrent, slot.index, channel,
-                             make_stubs(channel))
+                             make_stubs(channel), lane=lane)
         self.router.add_backend(wp.backend)
         log.info("pool %s: worker %s ready (pid %d) in %.1f s", self.name, wp.id, wp.pid, time.monotonic() - wp.started)
         self.on_change()
@@ -236,6 +245,7 @@ class PoolSupervisor:
         if wp.backend is not None:
             reason = "worker stopped" if wp.expected_exit else "worker crashed"
             self.router.remove_backend(wp.backend, reason, f"worker {wp.id} {desc}")
+            wp.backend.lane.close()
             self._task(wp.backend.channel.close())
         if not wp.expected_exit:
             log.error("pool %s: worker %s (pid %d) %s", self.name, wp.id, wp.pid, desc)

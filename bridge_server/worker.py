@@ -2,7 +2,8 @@
 services.
 
 A worker is a complete server on its own (any supervisor, ours or systemd or Elixir's, can start
-one); a pool's router speaks the same protocol to it. The servicer only translates between gRPC and
+one). With `lane` set it also serves the pool router's lane (`lane.py`): the same Multiplex messages
+without HTTP/2, which is how the router sends it `Call` and `Stream`. The servicer only translates between gRPC and
 the invoker: options and deadlines in, values or a rich error status out.
 """
 
@@ -25,6 +26,7 @@ from bridge_server.describe import describe
 from bridge_server.errors import BridgeError, server_error, target_label
 from bridge_server.invoke import Invoker
 from bridge_server.jsonvalue import from_json
+from bridge_server.lane import LaneServer, serve_lane
 from bridge_server.mux import multiplex
 from bridge_server.protocol import GRPC_OPTIONS, MD_WORKER_REFS, parse_metadata, resolve_deadlines
 from bridge_server.refs import RefRegistry
@@ -50,6 +52,7 @@ class WorkerConfig:
     # Objects to build at start and publish by name: {"name", "target", "args", "kwargs"} each.
     objects: list[dict[str, Any]] = field(default_factory=list)
     distributed: DistributedRank | None = None
+    lane: str | None = None                # a unix socket path: also serve the router's lane there
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,8 @@ class BridgeService(pb_grpc.BridgeServicer):
     async def Multiplex(self, request_iterator: AsyncIterator[pb.MuxRequest],  # noqa: N802
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxReply]:
         try:
-            async for reply in multiplex(self.invoker, request_iterator, context):
+            async for reply in multiplex(self.invoker, request_iterator, tuple(context.invocation_metadata() or ()),
+                                         context.time_remaining):
                 yield reply
             context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
         except Exception as exc:
@@ -155,6 +159,7 @@ class Worker:
     invoker: Invoker
     health: health.aio.HealthServicer
     port: int
+    lane: LaneServer | None = None
     _sweeper: asyncio.Task[None] | None = field(default=None, init=False)
 
     async def start(self) -> None:
@@ -162,6 +167,8 @@ class Worker:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        if self.config.lane:
+            self.lane = await serve_lane(self.invoker, self.config.lane)
         if self.config.distributed is not None:
             await self._join_group(self.config.distributed)
         for spec in self.config.objects:
@@ -190,7 +197,8 @@ class Worker:
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops taking calls, lets in-flight ones finish within the grace period, then releases refs."""
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.config.grace_s if grace_s is None else grace_s)
+        grace = self.config.grace_s if grace_s is None else grace_s
+        await asyncio.gather(self.server.stop(grace), *([self.lane.stop(grace)] if self.lane else []))
         if self._sweeper is not None:
             self._sweeper.cancel()
         self.invoker.refs.close()

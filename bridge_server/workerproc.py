@@ -57,6 +57,11 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
         pass
 
 
+def lane_path(socket_path: str) -> str:
+    """Where a supervised worker serves the router's lane: beside its gRPC socket."""
+    return socket_path.removesuffix(".sock") + ".lane"
+
+
 def describe_exit(rc: int) -> str:
     if rc < 0:
         try:
@@ -90,6 +95,10 @@ class WorkerProc:
         return f"unix:{self.socket_path}"
 
     @property
+    def lane_path(self) -> str:
+        return lane_path(self.socket_path)
+
+    @property
     def pid(self) -> int:
         return self.proc.pid if self.proc is not None else 0
 
@@ -99,7 +108,7 @@ def worker_command(wp: WorkerProc, cfg: PoolConfig) -> list[str]:
     `--dist-rank {index}`."""
     cmd = [sys.executable, "-S", "-c", _LAUNCHER, str(os.getpid()),
            "-m", "bridge_server.cli", "worker", "--listen", wp.address, "--worker-id", wp.id,
-           "--grace", str(cfg.worker_grace_s)]
+           "--lane", wp.lane_path, "--grace", str(cfg.worker_grace_s)]
     if cfg.objects:
         cmd += ["--objects", json.dumps([o.to_json() for o in cfg.objects])]
     return cmd + wp.extra_args + [a.replace("{index}", str(wp.index)).replace("{workers}", str(cfg.workers))

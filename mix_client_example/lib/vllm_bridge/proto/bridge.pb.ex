@@ -377,6 +377,7 @@ defmodule VllmBridge.V1.MuxReply do
   use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
 
   field :events, 1, repeated: true, type: VllmBridge.V1.MuxEvent
+  field :worker_refs, 2, type: :uint64, json_name: "workerRefs"
 end
 
 defmodule VllmBridge.V1.MuxEvent do

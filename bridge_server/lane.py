@@ -1,0 +1,343 @@
+"""The router's lane to a worker: Bridge's Multiplex messages over a plain unix socket.
+
+Why not a gRPC call per forwarded call: on our machines a Python gRPC hop costs about as much as
+the trivial call it forwards (C-core wake-ups and per-call set-up on both ends), so a router that
+re-issues each call over gRPC doubles its latency. The router already terminates the caller's gRPC
+call; between it and a worker it only has to move `MuxRequest`s one way and `MuxReply`s the other,
+and a length-prefixed stream of those same messages on one long-lived socket does that for a
+fraction of the cost. The worker serves the lane with the code of its `Multiplex` RPC, so deadlines,
+sessions, refs, windows and errors mean the same on both, and its gRPC service stays a complete
+server on its own for anyone else.
+
+A frame is a 4-byte little-endian length and the message. One connection carries every call the
+router sends that worker. Closing it ends every call on it: the worker cancels them, the router's
+calls raise `LaneClosed` (the forwarder turns that into "worker crashed" when the worker died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import struct
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bridge_server.invoke import Invoker
+from bridge_server.mux import MuxSession, Outbox
+from bridge_server.protocol import MAX_MESSAGE_BYTES
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+__all__ = ["Lane", "LaneCall", "LaneClosed", "LaneServer", "open_lane", "serve_lane"]
+
+log = logging.getLogger("vllm_bridge.lane")
+
+_LEN = struct.Struct("<I")
+_JOIN_BELOW = 64 * 1024     # smaller frames go out as one write (one syscall); larger ones are not copied
+
+
+class LaneClosed(Exception):
+    """The lane's connection ended while a call was running on it."""
+
+
+class _Framed(asyncio.Protocol):
+    """Frames in (to `on_frame`, in order) and out, with the transport's write flow control."""
+
+    def __init__(self, on_frame: Callable[[bytes], None], on_lost: Callable[[str], None]) -> None:
+        self.on_frame = on_frame
+        self.on_lost = on_lost
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._drained: asyncio.Future[None] | None = None
+        self.on_resume: Callable[[], None] | None = None    # called when the peer has caught up
+        self.lost = ""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport    # type: ignore[assignment]  # uvloop's are Transports, not subclasses
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        pos, end = 0, len(buf)
+        while end - pos >= 4:
+            (size,) = _LEN.unpack_from(buf, pos)
+            if size > MAX_MESSAGE_BYTES:
+                self.close(f"a frame of {size} bytes is over the limit of {MAX_MESSAGE_BYTES}")
+                return
+            stop = pos + 4 + size
+            if stop > end:
+                break
+            frame = bytes(buf[pos + 4:stop])
+            pos = stop
+            self.on_frame(frame)
+            if self.lost:
+                return
+        if pos:
+            del buf[:pos]
+
+    def send(self, payload: bytes) -> None:
+        if self.transport is None or self.lost:
+            raise LaneClosed(self.lost or "the lane is not connected")
+        if len(payload) > MAX_MESSAGE_BYTES:
+            raise ValueError(f"a message of {len(payload)} bytes is over the limit of {MAX_MESSAGE_BYTES}")
+        if len(payload) < _JOIN_BELOW:
+            self.transport.write(_LEN.pack(len(payload)) + payload)
+        else:
+            self.transport.writelines((_LEN.pack(len(payload)), payload))
+
+    @property
+    def paused(self) -> bool:
+        return self._drained is not None
+
+    async def drain(self) -> None:
+        """Returns once the peer has taken enough of what was sent (at once when nothing is queued)."""
+        if self._drained is not None:
+            await asyncio.shield(self._drained)
+
+    def pause_writing(self) -> None:
+        if self._drained is None:
+            self._drained = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        waiter, self._drained = self._drained, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        if self.on_resume is not None and not self.lost:
+            self.on_resume()
+
+    def close(self, reason: str) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        self.connection_lost(None, reason)
+
+    def connection_lost(self, exc: Exception | None, reason: str = "") -> None:
+        if self.lost:
+            return
+        self.lost = reason or (f"connection lost: {exc}" if exc else "connection closed")
+        self.resume_writing()
+        self.on_lost(self.lost)
+
+
+# ------------------------------------------------------------------------------------ worker side
+@dataclass(eq=False)
+class _Served:
+    """One router connection to this worker: its calls, and the reply being gathered for it.
+
+    Requests are handled as they are read, and whatever events the calls add during one loop turn
+    leave as one reply at the end of it: no reader or writer task sits between the socket and the
+    calls."""
+
+    framed: _Framed
+    session: MuxSession
+    flushing: bool = False
+
+    def on_frame(self, frame: bytes) -> None:
+        try:
+            self.session.handle(pb.MuxRequest.FromString(frame))
+        except Exception as exc:   # a peer that sends garbage is not a router of ours
+            log.error("lane: closing a connection that sent an unreadable request: %s", exc)
+            self.framed.close(f"unreadable request: {exc}")
+
+    def schedule_flush(self) -> None:
+        if not self.flushing:
+            self.flushing = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self.flushing = False
+        out = self.session.out
+        if self.framed.lost or not out.reply.events:
+            return
+        if self.framed.paused:
+            return     # resume_writing flushes; meanwhile the calls wait for room in the outbox
+        reply = out.take()
+        reply.worker_refs = len(self.session.invoker.refs)
+        self.framed.send(reply.SerializeToString())
+
+
+@dataclass
+class LaneServer:
+    """The worker's end: each connection is served as one Multiplex stream."""
+
+    invoker: Invoker
+    path: str
+    server: asyncio.AbstractServer | None = None
+    served: set[_Served] = field(default_factory=set)
+
+    async def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self.server = await asyncio.get_running_loop().create_unix_server(self._connection, self.path)
+
+    def _connection(self) -> _Framed:
+        out = Outbox()
+        framed = _Framed(lambda frame: conn.on_frame(frame), lambda reason: self._lost(conn))
+        conn = _Served(framed, MuxSession(self.invoker, (), lambda: None, out))
+        out.on_first = conn.schedule_flush
+        framed.on_resume = conn.schedule_flush
+        self.served.add(conn)
+        return framed
+
+    def _lost(self, conn: _Served) -> None:
+        """The router is gone, and with it every caller of these calls."""
+        self.served.discard(conn)
+        asyncio.get_running_loop().create_task(conn.session.close())
+
+    async def stop(self, grace_s: float) -> None:
+        """No new connections or calls; running calls get `grace_s` to finish, then are cancelled."""
+        if self.server is not None:
+            self.server.close()
+        served = list(self.served)
+        for c in served:
+            c.session.refusing = "the worker is stopping"
+        if served:
+            waits = [asyncio.create_task(c.session.idle.wait()) for c in served]
+            _, late = await asyncio.wait(waits, timeout=grace_s)
+            for t in late:
+                t.cancel()
+        for c in served:
+            await c.session.close()
+            c.flush()
+            c.framed.close("the worker stopped")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+async def serve_lane(invoker: Invoker, path: str) -> LaneServer:
+    lane = LaneServer(invoker, path)
+    await lane.start()
+    return lane
+
+
+# ------------------------------------------------------------------------------------ router side
+class LaneCall:
+    """One call on a lane, as the router awaits it: its events in order, then nothing more."""
+
+    __slots__ = ("id", "stream", "_lane", "_events", "_waiter", "_ended", "_cancelled", "_lost")
+
+    def __init__(self, lane: Lane, call_id: int, stream: bool) -> None:
+        self.id = call_id
+        self.stream = stream
+        self._lane = lane
+        self._events: deque[Any] = deque()      # pb.MuxEventView
+        self._waiter: asyncio.Future[None] | None = None
+        self._ended = False                     # the worker sent its last event, or the call was cancelled
+        self._cancelled = False
+        self._lost = ""
+
+    def _push(self, event: Any) -> None:
+        self._events.append(event)
+        self._wake()
+
+    def _wake(self, cancel: bool = False) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            if cancel:
+                waiter.cancel()
+            else:
+                waiter.set_result(None)
+
+    def _close(self, reason: str) -> None:
+        self._lost = reason
+        self._wake()
+
+    async def next(self) -> Any:
+        """The call's next `MuxEventView`; raises `LaneClosed` if the connection ended first, and
+        CancelledError once `cancel` was called."""
+        while not self._events or self._cancelled:
+            if self._cancelled:
+                raise asyncio.CancelledError
+            if self._lost:
+                raise LaneClosed(self._lost)
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._events.popleft()
+
+    def credit(self, events: int) -> None:
+        """The consumer took `events` items of a windowed stream: the worker may send that many more."""
+        if not self._ended and not self._lost:
+            self._lane.send(pb.MuxRequestView(credit=pb.MuxCredit(id=self.id, events=events)))
+
+    def cancel(self) -> None:
+        """Like a grpc.aio call's cancel: a pending `next` raises CancelledError, and the worker
+        cancels the call (vLLM aborts its request)."""
+        if self._ended:
+            return
+        self._ended = self._cancelled = True
+        self._lane.forget(self)
+        if not self._lost:
+            with contextlib.suppress(LaneClosed):
+                self._lane.send(pb.MuxRequestView(cancel=self.id))
+        self._wake(cancel=True)
+
+    def finished(self) -> None:
+        """The router is done with the call (it saw the last event): nothing is sent for it any more."""
+        self._ended = True
+        self._lane.forget(self)
+
+
+class Lane:
+    """The router's end of one worker's lane."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.framed = _Framed(self._on_frame, self._on_lost)
+        self.calls: dict[int, LaneCall] = {}
+        self.refs = -1            # the worker's live refs, as its last reply said
+        self._next_id = 0
+
+    @property
+    def closed(self) -> str:
+        return self.framed.lost
+
+    def start(self, call: bytes, metadata: dict[str, str], stream: bool = False, window: int = 0) -> LaneCall:
+        """Starts a call (a serialized CallRequest) with Call's or Stream's semantics."""
+        self._next_id += 1
+        lc = LaneCall(self, self._next_id, stream)
+        self.send(pb.MuxRequestView(start=pb.MuxStartView(id=lc.id, call=call, stream=stream, metadata=metadata,
+                                                          window=window)))
+        self.calls[lc.id] = lc
+        return lc
+
+    def send(self, request: Any) -> None:
+        self.framed.send(request.SerializeToString())
+
+    async def drain(self) -> None:
+        await self.framed.drain()
+
+    def forget(self, lc: LaneCall) -> None:
+        if self.calls.get(lc.id) is lc:
+            del self.calls[lc.id]
+
+    def _on_frame(self, frame: bytes) -> None:
+        try:
+            reply = pb.MuxReplyView.FromString(frame)
+        except Exception as exc:
+            self.framed.close(f"unreadable reply from the worker: {exc}")
+            return
+        self.refs = reply.worker_refs
+        calls = self.calls
+        for event in reply.events:
+            lc = calls.get(event.id)
+            if lc is None:
+                continue        # cancelled by the router; the worker's last word on it is moot
+            if not lc.stream or event.WhichOneof("kind") != "value":
+                del calls[event.id]
+            lc._push(event)
+
+    def _on_lost(self, reason: str) -> None:
+        calls, self.calls = self.calls, {}
+        for lc in calls.values():
+            lc._close(reason)
+
+    def close(self) -> None:
+        self.framed.close("the lane was closed by the router")
+
+
+async def open_lane(path: str) -> Lane:
+    lane = Lane(path)
+    await asyncio.get_running_loop().create_unix_connection(lambda: lane.framed, path)
+    return lane

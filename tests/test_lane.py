@@ -1,0 +1,126 @@
+"""The worker's lane (`bridge_server/lane.py`) over a real unix socket to a real worker process: it
+answers as the worker's own gRPC service does, and a bad peer loses its connection, not the worker."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_status import rpc_status
+
+from bridge_server.client import BridgeClient
+from bridge_server.lane import LaneClosed, open_lane
+from tests.conftest import WorkerProcess, start_worker
+from tests.pool_harness import Gate
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+D = "vllm.distributed"
+CALL = "/vllm_bridge.v1.Bridge/Call"
+
+
+@pytest.fixture(scope="module")
+def laned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WorkerProcess, str]]:
+    tmp = tmp_path_factory.mktemp("lane")
+    path = str(tmp / "w.lane")
+    w = start_worker(tmp, "--lane", path, name="laned")
+    yield w, path
+    w.stop()
+
+
+def request(target: Any, *args: Any) -> bytes:
+    with BridgeClient("127.0.0.1:1") as c:     # encodes only; never connects
+        req, _ = c.request(target, args)
+    return req.SerializeToString()
+
+
+async def over_lane(path: str, calls: list[bytes], metadata: dict[str, str]) -> list[Any]:
+    lane = await open_lane(path)
+    try:
+        running = [lane.start(call, metadata) for call in calls]     # all at once, on one connection
+        return [await lc.next() for lc in running]
+    finally:
+        lane.close()
+
+
+CASES = [
+    ("a value", (f"{D}.get_pp_indices", 64, 1, 4)),
+    ("unknown name", (f"{D}.devide", 6, 3)),
+    ("too many args", (f"{D}.divide", 6, 3, 1)),
+    ("wrong type", (f"{D}.divide", "six", 3)),
+]
+
+
+def test_the_lane_answers_every_call_as_the_grpc_service_does(laned: tuple[WorkerProcess, str]) -> None:
+    worker, path = laned
+    calls = [request(*case) for _, case in CASES]
+    metadata = {"x-bridge-session": "lane-test"}
+    events = asyncio.run(over_lane(path, calls, metadata))
+    with grpc.insecure_channel(worker.address) as channel:
+        rpc = channel.unary_unary(CALL)
+        for (name, _), call, event in zip(CASES, calls, events):
+            try:
+                reply = rpc(call, metadata=tuple(metadata.items()))
+            except grpc.RpcError as err:
+                assert event.WhichOneof("kind") == "error", name
+                assert event.error.code == err.code().value[0], name
+                assert event.error.message == err.details(), name
+                status = rpc_status.from_call(err)  # type: ignore[arg-type]
+                assert status is not None
+                detail = pb.ErrorDetail()
+                status.details[0].Unpack(detail)
+                assert (event.error.detail.category, event.error.detail.parameter, event.error.detail.target) == \
+                    (detail.category, detail.parameter, detail.target), name
+            else:
+                assert event.WhichOneof("kind") == "value", name
+                assert pb.CallReply.FromString(reply).value == pb.Value.FromString(event.value), name
+
+
+def test_an_unreadable_frame_closes_that_connection_and_the_worker_serves_on(
+        laned: tuple[WorkerProcess, str]) -> None:
+    worker, path = laned
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        garbage = b"\xff\xff\xff not a MuxRequest"
+        s.sendall(struct.pack("<I", len(garbage)) + garbage)
+        s.settimeout(10)
+        assert s.recv(1) == b""            # the worker closed it
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        s.sendall(struct.pack("<I", 0xFFFFFFF0))    # a frame over the size limit
+        s.settimeout(10)
+        assert s.recv(1) == b""
+    (event,) = asyncio.run(over_lane(path, [request(f"{D}.divide", 6, 3)], {}))
+    assert pb.Value.FromString(event.value).int == 2
+    with BridgeClient(worker.address) as c:
+        assert c.call(f"{D}.divide", 6, 3) == 2
+    assert "unreadable request" in worker.log.read_text()
+
+
+def test_a_call_running_when_the_worker_dies_raises_lane_closed(tmp_path: Path) -> None:
+    path = str(tmp_path / "w.lane")
+    worker = start_worker(tmp_path, "--lane", path, name="lane-dies")
+    gate = Gate()     # a call that blocks in the worker until the gate opens (it never does here)
+
+    async def run() -> BaseException | None:
+        lane = await open_lane(path)
+        waiting = asyncio.get_running_loop().create_task(lane.start(request(*gate.args()), {}).next())
+        while not gate.running():
+            await asyncio.sleep(0.05)
+        worker.proc.kill()
+        try:
+            await asyncio.wait_for(waiting, 10)
+        except BaseException as exc:   # noqa: BLE001 - what it raises is the point
+            return exc
+        return None
+
+    try:
+        err = asyncio.run(run())
+    finally:
+        worker.stop()
+    assert isinstance(err, LaneClosed), repr(err)
