@@ -34,7 +34,7 @@ from vllm_bridge.v1 import bridge_pb2 as pb
 log = logging.getLogger("vllm_bridge.router")
 
 SERVICE = "vllm_bridge.v1.Bridge"
-CALL, STREAM, RELEASE, DESCRIBE = (f"/{SERVICE}/{m}" for m in ("Call", "Stream", "Release", "Describe"))
+CALL, RELEASE, DESCRIBE = (f"/{SERVICE}/{m}" for m in ("Call", "Release", "Describe"))
 _DROP_KEYS = ("user-agent",)
 # Transport-level failures: if the worker died, say so instead of passing on gRPC's words for it.
 _TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
@@ -45,10 +45,10 @@ LANE_CREDIT = 16     # given back this many at a time
 
 
 def make_stubs(channel: grpc.aio.Channel) -> dict[str, Any]:
-    """Bytes-in, bytes-out multicallables for one worker, made once per worker."""
+    """Bytes-in, bytes-out multicallables for one worker, made once per worker, for what does not go
+    over its lane (Call and Stream do; Collective's per-rank calls use Call here)."""
     return {CALL: channel.unary_unary(CALL), RELEASE: channel.unary_unary(RELEASE),
-            DESCRIBE: channel.unary_unary(DESCRIBE), STREAM: channel.unary_stream(STREAM),
-            MULTIPLEX: channel.stream_stream(MULTIPLEX)}
+            DESCRIBE: channel.unary_unary(DESCRIBE), MULTIPLEX: channel.stream_stream(MULTIPLEX)}
 
 
 def _forwarded(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[tuple[str, str | bytes]]:

@@ -2,9 +2,9 @@
 services.
 
 A worker is a complete server on its own (any supervisor, ours or systemd or Elixir's, can start
-one). With `lane` set it also serves the pool router's lane (`lane.py`): the same Multiplex messages
-without HTTP/2, which is how the router sends it `Call` and `Stream`. The servicer only translates between gRPC and
-the invoker: options and deadlines in, values or a rich error status out.
+one). With `lane` set it also serves the pool router's lane (`lane.py`): the same Multiplex
+messages without HTTP/2, which is how the router sends it `Call` and `Stream`. The servicer only
+translates between gRPC and the invoker: options and deadlines in, values or a rich error status out.
 """
 
 from __future__ import annotations
