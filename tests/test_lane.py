@@ -124,3 +124,23 @@ def test_a_call_running_when_the_worker_dies_raises_lane_closed(tmp_path: Path) 
     finally:
         worker.stop()
     assert isinstance(err, LaneClosed), repr(err)
+
+
+def test_frames_split_anywhere_by_the_socket_are_put_back_together() -> None:
+    """The unit of the framing alone: a large frame and small ones, cut into chunks at arbitrary
+    points (as a socket delivers them), come out whole and in order."""
+    import random
+
+    from bridge_server.lane import _Framed
+
+    got: list[bytes] = []
+    framed = _Framed(got.append, lambda reason: got.append(b"LOST " + reason.encode()))
+    frames = [bytes(random.Random(1).randbytes(5 * 1024 * 1024)), b"", b"small", b"x" * 70_000]
+    wire = b"".join(struct.pack("<I", len(f)) + f for f in frames)
+    rng = random.Random(7)
+    pos = 0
+    while pos < len(wire):
+        step = rng.choice([1, 3, 4, 5, 1000, 65536, 1 << 20])
+        framed.data_received(wire[pos:pos + step])
+        pos += step
+    assert got == frames
