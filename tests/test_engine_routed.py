@@ -8,8 +8,10 @@ One pool server with one engine worker for the module (an engine costs ~2.7 GB a
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -75,17 +77,51 @@ def test_a_routed_stream_carries_the_same_items_as_the_workers_own_stream(routed
     assert len(tokens[-1]) == 40 and all(type(t) is int for t in tokens[-1])
 
 
-def test_a_slow_reader_through_the_router_gets_merged_items_and_every_token(routed: PoolServer) -> None:
+@pytest.mark.parametrize("way", ["stream", "multiplex"])
+def test_a_slow_reader_through_the_router_gets_merged_items_and_every_token(routed: PoolServer, way: str) -> None:
     """The router lets the worker run at most a window of items ahead of the caller: while the
     reader sleeps, vLLM merges the request's outputs; once it reads again, credit flows and every
     token arrives (a lost credit would stall the stream here)."""
-    with BridgeClient(routed.address, channel_options=[("grpc.http2.bdp_probe", 0)]) as client:
-        stream = client.stream(GENERATE, "slow reader", greedy(LONG), "routed-slow")
+    with BridgeClient(routed.address, channel_options=[("grpc.http2.bdp_probe", 0)]) as client, \
+            client.multiplex() as mux:
+        source = mux if way == "multiplex" else client
+        stream = source.stream(GENERATE, "slow reader", greedy(LONG), f"routed-slow-{way}")
         assert next(stream)["finished"] is False
         assert eventually(lambda: unfinished(client) == 0, timeout=120), "the engine never finished"
         rest = list(stream)
     assert rest[-1]["finished"] is True and len(rest[-1]["outputs"][0]["token_ids"]) == LONG
     assert len(rest) < LONG // 10, len(rest)
+
+
+def test_multiplexed_generations_through_the_router_match_plain_ones(routed: PoolServer) -> None:
+    prompts = [f"routed multiplexed prompt {i}" for i in range(6)]
+    results: dict[str, list[Any]] = {}
+    with BridgeClient(routed.address) as client:
+        plain = {p: list(client.stream(GENERATE, p, greedy(24), f"routed-plain-{i}"))[-1]
+                 for i, p in enumerate(prompts)}
+        with client.multiplex() as mux:
+            def one(i: int, prompt: str) -> None:
+                results[prompt] = list(mux.stream(GENERATE, prompt, greedy(24), f"routed-mux-{i}"))
+            threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert mux.call(Target.method("engine", "check_health")) is None
+    for p in prompts:
+        items = results[p]
+        assert items[-1]["finished"] is True and [i["finished"] for i in items[:-1]] == [False] * (len(items) - 1)
+        assert items[-1]["outputs"][0]["token_ids"] == plain[p]["outputs"][0]["token_ids"]
+
+
+def test_cancelling_a_multiplexed_stream_through_the_router_aborts_it_and_others_go_on(routed: PoolServer) -> None:
+    with BridgeClient(routed.address) as client, client.multiplex() as mux:
+        doomed = mux.stream(GENERATE, "cancel me", greedy(LONG), "routed-mux-cancel")
+        assert next(doomed)["finished"] is False
+        doomed.close()
+        assert_aborted(routed, client, "routed-mux-cancel")
+        ok = list(mux.stream(GENERATE, "still here", greedy(4), "routed-mux-after"))
+        assert ok[-1]["finished"] is True and len(ok[-1]["outputs"][0]["token_ids"]) == 4
 
 
 def test_cancelling_a_routed_stream_aborts_the_request_in_the_engine(routed: PoolServer) -> None:
