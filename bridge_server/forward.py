@@ -2,7 +2,7 @@
 
 The service is registered as a generic handler with identity serializers, so payloads pass through
 as bytes, never decoded (except `Release`, whose ref ids must be split between their workers).
-`Call` and `Stream`, the hot paths, go to the worker over its lane (`lane.py`); the rest over the
+`Call`, `Stream` and `Multiplex` go to the worker over its lane (`lane.py`); the rest over the
 worker's gRPC service. What crosses the hop besides the bytes: the caller's options (x-bridge-*
 metadata), its deadline minus the time it waited in the queue, its cancellation, a stream's flow
 control (as lane credit), and the worker's errors, rebuilt as the status the worker's own RPC gives.
@@ -24,11 +24,10 @@ import grpc
 
 from bridge_server.collective import run_collective
 from bridge_server.errors import BridgeError, mux_error_status, status_code
-from bridge_server.lane import LaneClosed
+from bridge_server.lane import LaneClosed, lane_options
 from bridge_server.metrics import Metrics
-from bridge_server.mux_forward import MULTIPLEX, forward_multiplex
-from bridge_server.protocol import MD_TIMEOUT_MS
-from bridge_server.router import DEADLINE_MARGIN_S, Backend, Flight, Route, Router, pool_error, read_route
+from bridge_server.mux_forward import forward_multiplex
+from bridge_server.router import Backend, Flight, Router, pool_error, read_route, time_left
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 log = logging.getLogger("vllm_bridge.router")
@@ -46,9 +45,9 @@ LANE_CREDIT = 16     # given back this many at a time
 
 def make_stubs(channel: grpc.aio.Channel) -> dict[str, Any]:
     """Bytes-in, bytes-out multicallables for one worker, made once per worker, for what does not go
-    over its lane (Call and Stream do; Collective's per-rank calls use Call here)."""
+    over its lane (Call, Stream and Multiplex do; Collective's per-rank calls use Call here)."""
     return {CALL: channel.unary_unary(CALL), RELEASE: channel.unary_unary(RELEASE),
-            DESCRIBE: channel.unary_unary(DESCRIBE), MULTIPLEX: channel.stream_stream(MULTIPLEX)}
+            DESCRIBE: channel.unary_unary(DESCRIBE)}
 
 
 def _forwarded(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[tuple[str, str | bytes]]:
@@ -67,20 +66,6 @@ def crashed(backend: Backend, reason: str = "") -> BridgeError:
     verb = "was stopped" if reason == "worker stopped" else "died"
     return pool_error(grpc.StatusCode.UNAVAILABLE, f"{reason}: worker {backend.id} {verb} while running this call{why}",
                       reason, "worker")
-
-
-async def _worker_died(backend: Backend, flight: Flight, err: grpc.aio.AioRpcError) -> bool:
-    """gRPC may report the closed socket before the exit watcher has failed the flight."""
-    return bool(flight.failed) or (err.code() in _TRANSPORT_CODES and not _has_details(err) and
-                                   await _died_within(backend, _DEATH_WAIT_S))
-
-
-async def upstream_failure(backend: Backend, flight: Flight, err: grpc.aio.AioRpcError | None) -> BridgeError:
-    """What callers hear when a worker's stream fails under them: "worker crashed" if the worker
-    died, else the worker's own status."""
-    if err is None or await _worker_died(backend, flight, err):
-        return crashed(backend, flight.failed)
-    return BridgeError(err.code(), "worker", f"worker {backend.id}: {err.details()}", reason="worker stream failed")
 
 
 class _Outcome:
@@ -109,15 +94,6 @@ class Forwarder:
         })
 
     # ------------------------------------------------------------------------------------ helpers
-    @staticmethod
-    def _timeout(route: Route) -> float | None:
-        if not route.explicit_deadline or route.deadline is None:
-            return None
-        left = route.deadline - time.monotonic() - DEADLINE_MARGIN_S
-        if left <= 0:
-            raise BridgeError.timeout("deadline exceeded before the call reached a worker")
-        return left
-
     @staticmethod
     async def _abort(context: grpc.aio.ServicerContext, out: _Outcome, exc: BaseException) -> None:
         """Every failure of the router itself leaves as a rich status."""
@@ -162,7 +138,7 @@ class Forwarder:
             lane = backend.lane
             try:
                 try:
-                    lc = lane.start(request, _lane_metadata(md, self._timeout(route)))
+                    lc = lane.start(request, lane_options(md, time_left(route)))
                     flight.call = lc
                     if lane.framed.paused:
                         await lane.drain()
@@ -233,7 +209,7 @@ class Forwarder:
         lc = None
         try:
             try:
-                lc = lane.start(request, _lane_metadata(md, self._timeout(route)), stream=True, window=LANE_WINDOW)
+                lc = lane.start(request, lane_options(md, time_left(route)), stream=True, window=LANE_WINDOW)
                 flight.call = lc
                 index = taken = 0
                 while (event := await lc.next()).WhichOneof("kind") == "value":
@@ -267,8 +243,7 @@ class Forwarder:
                         ) -> AsyncIterator[bytes]:
         t0 = time.perf_counter()
         out = _Outcome()
-        replies = forward_multiplex(self.router, requests, context, _forwarded(context.invocation_metadata()),
-                                    upstream_failure)
+        replies = forward_multiplex(self.router, requests, context, _lane_failure)
         try:
             async for reply in replies:
                 yield reply
@@ -311,7 +286,7 @@ class Forwarder:
                 session_backends.update(p.backends)
             targets.update((b.id, b) for b in session_backends)
         fwd = _forwarded(md)
-        timeout = self._timeout(route)
+        timeout = time_left(route)
 
         async def one(b: Backend) -> int:
             sub = pb.ReleaseRequest(ref_ids=by_worker.get(b.id, []),
@@ -345,7 +320,7 @@ class Forwarder:
             out.pool = backend.pool
             try:
                 reply: bytes = await backend.stubs[DESCRIBE](request, metadata=_forwarded(md),
-                                                             timeout=self._timeout(route))
+                                                             timeout=time_left(route))
             except grpc.aio.AioRpcError as err:
                 out.code = err.code().name
                 await context.abort(err.code(), err.details() or "", tuple(err.trailing_metadata() or ()))
@@ -357,14 +332,6 @@ class Forwarder:
             raise
         finally:
             self.metrics.observe_call(out.pool, "Describe", out.code, time.perf_counter() - t0)
-
-
-def _lane_metadata(metadata: Sequence[tuple[str, str | bytes]] | None, timeout_s: float | None) -> dict[str, str]:
-    """The call's options for the worker; the time left (after any queueing) replaces its own timeout."""
-    options = {k: v for k, v in metadata or () if k.startswith("x-bridge-") and isinstance(v, str)}
-    if timeout_s is not None:
-        options[MD_TIMEOUT_MS] = f"{timeout_s * 1000:.3f}"
-    return options
 
 
 async def _lane_failure(backend: Backend, flight: Flight, reason: str) -> BridgeError:

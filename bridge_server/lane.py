@@ -22,16 +22,16 @@ import logging
 import os
 import struct
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from bridge_server.invoke import Invoker
 from bridge_server.mux import MuxSession, Outbox
-from bridge_server.protocol import MAX_MESSAGE_BYTES
+from bridge_server.protocol import MAX_MESSAGE_BYTES, MD_TIMEOUT_MS
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-__all__ = ["Lane", "LaneCall", "LaneClosed", "LaneServer", "open_lane", "serve_lane"]
+__all__ = ["Lane", "LaneCall", "LaneClosed", "LaneServer", "lane_options", "open_lane", "serve_lane"]
 
 log = logging.getLogger("vllm_bridge.lane")
 
@@ -213,10 +213,21 @@ async def serve_lane(invoker: Invoker, path: str) -> LaneServer:
 
 
 # ------------------------------------------------------------------------------------ router side
-class LaneCall:
-    """One call on a lane, as the router awaits it: its events in order, then nothing more."""
+def lane_options(metadata: Iterable[tuple[str, str | bytes]] | None, timeout_s: float | None) -> dict[str, str]:
+    """A call's options for the worker (its x-bridge-* metadata); the time it has left, after any
+    queueing in the router, replaces its own timeout."""
+    options = {k: v for k, v in metadata or () if k.startswith("x-bridge-") and isinstance(v, str)}
+    if timeout_s is not None:
+        options[MD_TIMEOUT_MS] = f"{timeout_s * 1000:.3f}"
+    return options
 
-    __slots__ = ("id", "stream", "_lane", "_events", "_waiter", "_ended", "_cancelled", "_lost")
+
+class LaneCall:
+    """One call on a lane: the router awaits its events in order (`next`), or has them handed to
+    `on_event` as they arrive (and the connection's end to `on_lost`)."""
+
+    __slots__ = ("id", "stream", "_lane", "_events", "_waiter", "_ended", "_cancelled", "_lost", "on_event",
+                 "on_lost")
 
     def __init__(self, lane: Lane, call_id: int, stream: bool) -> None:
         self.id = call_id
@@ -227,8 +238,13 @@ class LaneCall:
         self._ended = False                     # the worker sent its last event, or the call was cancelled
         self._cancelled = False
         self._lost = ""
+        self.on_event: Callable[[Any], None] | None = None
+        self.on_lost: Callable[[str], None] | None = None
 
     def _push(self, event: Any) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
+            return
         self._events.append(event)
         self._wake()
 
@@ -242,6 +258,8 @@ class LaneCall:
 
     def _close(self, reason: str) -> None:
         self._lost = reason
+        if self.on_lost is not None:
+            self.on_lost(reason)
         self._wake()
 
     async def next(self) -> Any:
@@ -259,19 +277,29 @@ class LaneCall:
     def credit(self, events: int) -> None:
         """The consumer took `events` items of a windowed stream: the worker may send that many more."""
         if not self._ended and not self._lost:
-            self._lane.send(pb.MuxRequestView(credit=pb.MuxCredit(id=self.id, events=events)))
+            with contextlib.suppress(LaneClosed):
+                self._lane.send(pb.MuxRequestView(credit=pb.MuxCredit(id=self.id, events=events)))
 
     def cancel(self) -> None:
         """Like a grpc.aio call's cancel: a pending `next` raises CancelledError, and the worker
-        cancels the call (vLLM aborts its request)."""
+        cancels the call (vLLM aborts its request). Nothing more arrives for it."""
         if self._ended:
             return
         self._ended = self._cancelled = True
         self._lane.forget(self)
+        self._send_cancel()
+        self._wake(cancel=True)
+
+    def ask_to_cancel(self) -> None:
+        """Asks the worker to cancel the call, and goes on listening: its last event (normally a
+        CANCELLED error) still arrives."""
+        if not self._ended:
+            self._send_cancel()
+
+    def _send_cancel(self) -> None:
         if not self._lost:
             with contextlib.suppress(LaneClosed):
                 self._lane.send(pb.MuxRequestView(cancel=self.id))
-        self._wake(cancel=True)
 
     def finished(self) -> None:
         """The router is done with the call (it saw the last event): nothing is sent for it any more."""
@@ -293,10 +321,13 @@ class Lane:
     def closed(self) -> str:
         return self.framed.lost
 
-    def start(self, call: bytes, metadata: dict[str, str], stream: bool = False, window: int = 0) -> LaneCall:
+    def start(self, call: bytes, metadata: dict[str, str], stream: bool = False, window: int = 0,
+              on_event: Callable[[Any], None] | None = None, on_lost: Callable[[str], None] | None = None,
+              ) -> LaneCall:
         """Starts a call (a serialized CallRequest) with Call's or Stream's semantics."""
         self._next_id += 1
         lc = LaneCall(self, self._next_id, stream)
+        lc.on_event, lc.on_lost = on_event, on_lost
         self.send(pb.MuxRequestView(start=pb.MuxStartView(id=lc.id, call=call, stream=stream, metadata=metadata,
                                                           window=window)))
         self.calls[lc.id] = lc
@@ -326,6 +357,7 @@ class Lane:
                 continue        # cancelled by the router; the worker's last word on it is moot
             if not lc.stream or event.WhichOneof("kind") != "value":
                 del calls[event.id]
+                lc._ended = True
             lc._push(event)
 
     def _on_lost(self, reason: str) -> None:

@@ -1,194 +1,255 @@
 """The pool server's side of `Bridge/Multiplex`.
 
 Each call of a client's Multiplex stream is routed on its own, as a plain call would be (its pool,
-session, affinity and refs, read from the RPC's metadata overlaid with the call's), and holds a
-worker slot until it ends. Calls reach their worker over one upstream Multiplex stream per worker
-per client stream. Requests and replies pass through as the bytes they came in; the router parses
-them only to learn which calls they start, cancel or end. A worker that dies ends its calls with
-"worker crashed", as for plain calls, and the client's other calls go on.
+session, affinity and refs, read from the RPC's metadata overlaid with the call's), holds a worker
+slot until it ends, and runs on that worker's lane (`lane.py`) like a plain Call or Stream: the
+client's call ids map to lane calls, and its cancels and credits follow them. Requests are read as
+views (the call stays bytes), events are re-addressed to the client's ids as bytes, and whatever
+arrives during one loop turn leaves as one reply.
+
+Flow control: a stream the client gave a window keeps it, on the lane, with the client's credits; a
+stream without one gets the router's window, credited as its replies are written to the client. So
+a slow client holds at most a window of items per stream in the router, and holds up nobody else on
+the worker's lane. A worker that dies ends its calls with "worker crashed", as for plain calls, and
+the client's other calls go on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from bridge_server.errors import BridgeError
-from bridge_server.poolstate import PoolRouter
-from bridge_server.router import Backend, Flight, Router, read_route
+from bridge_server.lane import LaneCall, LaneClosed, lane_options
+from bridge_server.poolstate import Plan, PoolRouter
+from bridge_server.router import Backend, Flight, Route, Router, read_route, time_left
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["MULTIPLEX", "forward_multiplex"]
 
 MULTIPLEX = "/vllm_bridge.v1.Bridge/Multiplex"
-_REPLY_BACKLOG = 64   # replies read from workers but not yet written to the client
+LANE_WINDOW = 32      # stream items in flight for a stream the client gave no window
+
+Failure = Callable[[Backend, Flight, str], Awaitable[BridgeError]]
 
 
 @dataclass(eq=False)
-class _Upstream:
-    """One worker's Multiplex stream, shared by the calls of one client stream routed to it."""
+class _Running:
+    """One client call placed on a worker."""
 
+    client_id: int
     pool: PoolRouter
     backend: Backend
-    call: Any                     # grpc.aio StreamStreamCall, bytes in and out
     flight: Flight
-    calls: dict[int, bool] = field(default_factory=dict)   # running call id -> is a stream
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one write at a time
-    pump: asyncio.Task[None] | None = None
+    own_window: bool              # the router's window, credited as replies are written
+    lc: LaneCall | None = None
+    ended: bool = False
 
 
-def _error_reply(ids: list[int], err: BridgeError) -> bytes:
-    failure = err.to_mux_error()
-    return pb.MuxReply(events=[pb.MuxEvent(id=i, error=failure) for i in ids]).SerializeToString()
+class _FlightHook:
+    """What `Backend.fail_flights` cancels when the worker dies: the call reports it."""
+
+    __slots__ = ("on_fail",)
+
+    def __init__(self, on_fail: Callable[[], None]) -> None:
+        self.on_fail = on_fail
+
+    def cancel(self) -> None:
+        self.on_fail()
 
 
 async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
-                            forwarded: list[tuple[str, str | bytes]],
-                            failure: Callable[[Backend, Flight, grpc.aio.AioRpcError | None],
-                                              Awaitable[BridgeError]]) -> AsyncGenerator[bytes, None]:
+                            failure: Failure) -> AsyncGenerator[bytes, None]:
     """Yields the replies of one client Multiplex stream until it half-closes and every call ends.
-    `failure` says what the calls of a worker stream that broke must report, as for plain calls."""
-    defaults = tuple(context.invocation_metadata() or ())
-    replies: asyncio.Queue[bytes | None] = asyncio.Queue(_REPLY_BACKLOG)
-    upstreams: dict[str, _Upstream] = {}     # by worker id, while their streams last
-    opened: list[_Upstream] = []              # every one, for the final clean-up
-    failures: list[BaseException] = []
-    where: dict[int, _Upstream] = {}          # running call -> its worker's stream
-    routing: dict[int, asyncio.Task[None]] = {}
-    cancelled_early: set[int] = set()         # cancels that arrived while their call was being routed
+    `failure` says what a call whose worker's lane closed must report, as for plain calls."""
+    loop = asyncio.get_running_loop()
+    defaults = tuple((k, v) for k, v in context.invocation_metadata() or () if k.startswith("x-bridge-"))
+    out: asyncio.Queue[tuple[bytes, list[tuple[_Running, int]]] | None] = asyncio.Queue()
+    batch = pb.MuxReplyView()
+    credit: dict[_Running, int] = {}           # items in `batch` of streams on the router's window
+    flushing = False
+    running: dict[int, _Running] = {}          # by client call id
+    queued: dict[int, asyncio.Task[None]] = {} # calls waiting for a worker slot
+    idle = asyncio.Event()
+    idle.set()
+    tasks: set[asyncio.Task[None]] = set()
 
-    def finish(up: _Upstream, call_id: int) -> None:
-        if up.calls.pop(call_id, None) is not None:
-            where.pop(call_id, None)
-            up.pool.release(up.backend)
+    def flush() -> None:
+        nonlocal batch, credit, flushing
+        flushing = False
+        if batch.events:
+            out.put_nowait((batch.SerializeToString(), list(credit.items())))
+            batch, credit = pb.MuxReplyView(), {}
 
-    async def pump(up: _Upstream) -> None:
-        """Worker replies to the client, as bytes; notes the calls they end."""
-        broke: BridgeError | None = None
+    def add_event(client_id: int) -> Any:
+        nonlocal flushing
+        if not flushing:
+            flushing = True
+            loop.call_soon(flush)
+        return batch.events.add(id=client_id)
+
+    def refuse(client_id: int, err: BridgeError) -> None:
+        add_event(client_id).error.CopyFrom(err.to_mux_error())
+
+    def end(run: _Running) -> None:
+        if run.ended:
+            return
+        run.ended = True
+        if running.get(run.client_id) is run:
+            del running[run.client_id]
+        run.backend.flights.discard(run.flight)
+        run.pool.release(run.backend)
+        if not running and not queued:
+            idle.set()
+
+    def on_event(run: _Running, event: Any) -> None:
+        if run.ended:
+            return
+        ev = add_event(run.client_id)
+        kind = event.WhichOneof("kind")
+        if kind == "value":
+            ev.value = event.value
+            if run.lc is not None and not run.lc.stream:
+                end(run)
+            elif run.own_window:
+                credit[run] = credit.get(run, 0) + 1
+        elif kind == "end":
+            ev.end.SetInParent()
+            end(run)
+        else:
+            ev.error.CopyFrom(event.error)
+            end(run)
+
+    def on_lost(run: _Running, reason: str) -> None:
+        """The worker's lane closed (or the worker died) under the call."""
+        if run.ended:
+            return
+        if run.lc is not None:
+            run.lc.cancel()
+        task = loop.create_task(report_lost(run, reason))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def report_lost(run: _Running, reason: str) -> None:
+        err = await failure(run.backend, run.flight, reason)
+        if not run.ended:
+            refuse(run.client_id, err)
+            end(run)
+
+    def launch(client_id: int, start: Any, route: Route, plan: Plan, backend: Backend) -> None:
+        router.placed(plan, backend)
+        run = _Running(client_id, plan.pool, backend, Flight(), own_window=start.stream and not start.window)
+        running[client_id] = run
+        run.flight.call = _FlightHook(functools.partial(on_lost, run, "the worker died"))
+        backend.flights.add(run.flight)
         try:
-            while (raw := await up.call.read()) is not grpc.aio.EOF:
-                for event in pb.MuxReply.FromString(raw).events:
-                    if event.WhichOneof("kind") != "value" or not up.calls.get(event.id, True):
-                        finish(up, event.id)
-                await replies.put(raw)
-        except asyncio.CancelledError:
-            if not up.flight.failed:
-                raise
-            broke = await failure(up.backend, up.flight, None)
-        except grpc.aio.AioRpcError as err:
-            broke = await failure(up.backend, up.flight, err)
-        finally:
-            if upstreams.get(up.backend.id) is up:
-                del upstreams[up.backend.id]
-            up.backend.flights.discard(up.flight)
-        left = list(up.calls)
-        for call_id in left:
-            finish(up, call_id)
-        if left:
-            await replies.put(_error_reply(left, broke or BridgeError(
-                grpc.StatusCode.UNAVAILABLE, "worker", f"worker {up.backend.id} ended the stream early",
-                reason="worker stream ended")))
+            window = start.window or (LANE_WINDOW if start.stream else 0)
+            run.lc = backend.lane.start(start.call, lane_options((*defaults, *start.metadata.items()), time_left(route)),
+                                        stream=start.stream, window=window,
+                                        on_event=functools.partial(on_event, run),
+                                        on_lost=functools.partial(on_lost, run))
+        except BridgeError as err:       # its deadline passed while it waited for a slot
+            refuse(client_id, err)
+            end(run)
+        except LaneClosed as exc:
+            on_lost(run, str(exc))
 
-    def upstream_for(pool: PoolRouter, backend: Backend) -> _Upstream:
-        up = upstreams.get(backend.id)
-        if up is None:
-            flight = Flight()
-            call = backend.stubs[MULTIPLEX](metadata=forwarded)
-            flight.call = call
-            backend.flights.add(flight)
-            up = upstreams[backend.id] = _Upstream(pool, backend, call, flight)
-            opened.append(up)
-            up.pump = asyncio.create_task(pump(up))
-        return up
+    async def wait_and_launch(client_id: int, start: Any, route: Route, plan: Plan) -> None:
+        def unqueue() -> None:
+            queued.pop(client_id, None)
+            if not running and not queued:
+                idle.set()
 
-    async def route(call_id: int, start: pb.MuxStart, raw: bytes) -> None:
         try:
-            plan = read_route((*defaults, *start.metadata.items()), context.time_remaining())
-            pool, backend = await router.acquire(plan)
+            backend = await plan.pool.wait(plan, route.deadline)
         except BridgeError as err:
-            await replies.put(_error_reply([call_id], err))
+            refuse(client_id, err)
+            unqueue()
             return
-        finally:
-            routing.pop(call_id, None)
-        up = upstream_for(pool, backend)
-        up.calls[call_id] = start.stream
-        where[call_id] = up
-        if call_id in cancelled_early:
-            cancelled_early.discard(call_id)
-            finish(up, call_id)
-            await replies.put(_error_reply([call_id], BridgeError(
-                grpc.StatusCode.CANCELLED, "cancelled", "cancelled by the client", reason="cancelled")))
+        except asyncio.CancelledError:
+            refuse(client_id, BridgeError(grpc.StatusCode.CANCELLED, "cancelled", "cancelled by the client",
+                                          reason="cancelled"))
+            unqueue()
+            raise
+        queued.pop(client_id, None)
+        launch(client_id, start, route, plan, backend)     # it is in `running` before anyone looks
+
+    def handle_start(start: Any) -> None:
+        client_id = start.id
+        if client_id in running or client_id in queued:
+            refuse(client_id, BridgeError.validation(
+                f"Multiplex: call id {client_id} is still running; ids must be unique among running calls",
+                parameter="start.id"))
             return
         try:
-            async with up.lock:
-                await up.call.write(raw)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            pass   # the stream has failed: its pump reports every call on it, this one included
+            route = read_route((*defaults, *start.metadata.items()), context.time_remaining())
+            plan = router.plan(route)
+            backend = plan.pool.take(plan)
+        except BridgeError as err:
+            refuse(client_id, err)
+            return
+        idle.clear()
+        if backend is not None:
+            launch(client_id, start, route, plan, backend)
+        else:
+            queued[client_id] = loop.create_task(wait_and_launch(client_id, start, route, plan))
 
     async def read() -> None:
-        try:
-            await relay()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:   # a malformed request: the stream ends with its error
-            failures.append(exc)
-        await replies.put(None)
-
-    async def relay() -> None:
         async for raw in requests:
-            request = pb.MuxRequest.FromString(raw)
+            request = pb.MuxRequestView.FromString(raw)
             kind = request.WhichOneof("kind")
             if kind == "start":
-                call_id = request.start.id
-                if call_id in where or call_id in routing:
-                    await replies.put(_error_reply([call_id], BridgeError.validation(
-                        f"Multiplex: call id {call_id} is still running; ids must be unique among running "
-                        f"calls", parameter="start.id")))
-                    continue
-                routing[call_id] = asyncio.create_task(route(call_id, request.start, raw))
-            elif kind in ("cancel", "credit"):
-                call_id = request.cancel if kind == "cancel" else request.credit.id
-                up = where.get(call_id)
-                if up is not None:
-                    async with up.lock:
-                        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                            await up.call.write(raw)
-                elif kind == "cancel" and call_id in routing:
-                    cancelled_early.add(call_id)
-                # (credit for a call still being routed: its window was given in its start)
+                handle_start(request.start)
+            elif kind == "cancel":
+                run = running.get(request.cancel)
+                if run is not None and run.lc is not None:
+                    run.lc.ask_to_cancel()      # the worker's CANCELLED event ends it
+                elif (waiting := queued.get(request.cancel)) is not None:
+                    waiting.cancel()
+            elif kind == "credit":
+                run = running.get(request.credit.id)
+                if run is not None and run.lc is not None and not run.own_window:
+                    run.lc.credit(request.credit.events)
             else:
                 raise BridgeError.validation("Multiplex: a request must hold start, cancel or credit",
                                              parameter="kind")
-        # Half-closed: once every call is placed, half-close the workers' streams and drain them.
-        await asyncio.gather(*routing.values(), return_exceptions=True)
-        for up in list(upstreams.values()):
-            async with up.lock:
-                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                    await up.call.done_writing()
-        await asyncio.gather(*(up.pump for up in list(upstreams.values()) if up.pump), return_exceptions=True)
+        await idle.wait()         # half-closed: every call runs to its end
 
-    reader = asyncio.create_task(read())
+    failed: list[BaseException] = []
+
+    async def reader() -> None:
+        try:
+            await read()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:   # a malformed request: the stream ends with its error
+            failed.append(exc)
+        flush()
+        out.put_nowait(None)
+
+    reading = loop.create_task(reader())
     try:
-        while (raw := await replies.get()) is not None:
+        while (item := await out.get()) is not None:
+            raw, credits = item
             yield raw
-        if failures:
-            raise failures[0]
+            for run, n in credits:         # written to the client: the worker may send that many more
+                if not run.ended and run.lc is not None:
+                    run.lc.credit(n)
+        if failed:
+            raise failed[0]
     finally:
-        reader.cancel()
-        for task in list(routing.values()):
+        reading.cancel()
+        for waiting in list(queued.values()):
+            waiting.cancel()
+        for task in list(tasks):
             task.cancel()
-        for up in opened:
-            up.call.cancel()
-            if up.pump is not None:
-                up.pump.cancel()
-        await asyncio.gather(reader, *routing.values(), *(u.pump for u in opened if u.pump),
-                             return_exceptions=True)
-        for up in opened:
-            for call_id in list(up.calls):
-                finish(up, call_id)
-            up.backend.flights.discard(up.flight)
+        await asyncio.gather(reading, *queued.values(), *tasks, return_exceptions=True)
+        for run in list(running.values()):
+            if run.lc is not None:
+                run.lc.cancel()           # the client is gone: so are its calls
+            end(run)

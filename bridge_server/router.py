@@ -32,7 +32,7 @@ from bridge_server.poolstate import (DEAD, DEADLINE_MARGIN_S, DRAINING, READY, B
 from bridge_server.protocol import MD_SESSION, PROFILES, RuntimeOptions, parse_metadata
 
 __all__ = ["DEAD", "DEADLINE_MARGIN_S", "DRAINING", "READY", "Backend", "Flight", "Plan", "PoolRouter", "Route",
-           "Router", "pool_error", "read_route"]
+           "Router", "pool_error", "read_route", "time_left"]
 
 
 @dataclass
@@ -56,6 +56,17 @@ def read_route(metadata: Iterable[tuple[str, str | bytes]] | None, grpc_remainin
     profile = PROFILES[opts.timeout_profile] if opts.timeout_profile else None
     deadline = now + profile.call_s if profile is not None and profile.call_s is not None else None
     return Route(opts, opts.session_id if has_session else None, deadline, False)
+
+
+def time_left(route: Route) -> float | None:
+    """The timeout a call carries to its worker: what is left of the caller's own deadline after
+    routing and queueing (None when the caller set none: the worker applies the profile)."""
+    if not route.explicit_deadline or route.deadline is None:
+        return None
+    left = route.deadline - time.monotonic() - DEADLINE_MARGIN_S
+    if left <= 0:
+        raise BridgeError.timeout("deadline exceeded before the call reached a worker")
+    return left
 
 
 class Router:
