@@ -24,7 +24,7 @@ import grpc
 
 from bridge_server.collective import run_collective
 from bridge_server.errors import BridgeError, mux_error_status, status_code
-from bridge_server.lane import LaneClosed, lane_options
+from bridge_server.lane import STREAM_WINDOW, LaneClosed, lane_options
 from bridge_server.metrics import Metrics
 from bridge_server.mux_forward import forward_multiplex
 from bridge_server.router import Backend, Flight, Router, pool_error, read_route, time_left
@@ -39,8 +39,7 @@ _DROP_KEYS = ("user-agent",)
 _TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
                     grpc.StatusCode.UNKNOWN)
 _DEATH_WAIT_S = 0.5
-LANE_WINDOW = 32     # stream items a worker may send ahead of the caller
-LANE_CREDIT = 16     # given back this many at a time
+_CREDIT_EVERY = STREAM_WINDOW // 2   # stream items given back to the worker at a time
 
 
 def make_stubs(channel: grpc.aio.Channel) -> dict[str, Any]:
@@ -209,7 +208,7 @@ class Forwarder:
         lc = None
         try:
             try:
-                lc = lane.start(request, lane_options(md, time_left(route)), stream=True, window=LANE_WINDOW)
+                lc = lane.start(request, lane_options(md, time_left(route)), stream=True, window=STREAM_WINDOW)
                 flight.call = lc
                 index = taken = 0
                 while (event := await lc.next()).WhichOneof("kind") == "value":
@@ -218,7 +217,7 @@ class Forwarder:
                     yield pb.StreamItemView(index=index, value=event.value).SerializeToString()
                     index += 1
                     taken += 1
-                    if taken == LANE_CREDIT:
+                    if taken == _CREDIT_EVERY:
                         lc.credit(taken)
                         taken = 0
             except asyncio.CancelledError:
@@ -227,7 +226,6 @@ class Forwarder:
                 raise
             except LaneClosed as exc:
                 raise await _lane_failure(backend, flight, str(exc)) from None
-            lc.finished()
             backend.refs = lane.refs
             if event.WhichOneof("kind") == "error":
                 await self._lane_error(event.error, context, out)

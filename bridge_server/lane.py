@@ -31,11 +31,12 @@ from bridge_server.mux import MuxSession, Outbox
 from bridge_server.protocol import MAX_MESSAGE_BYTES, MD_TIMEOUT_MS
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-__all__ = ["Lane", "LaneCall", "LaneClosed", "LaneServer", "lane_options", "open_lane", "serve_lane"]
+__all__ = ["Lane", "LaneCall", "LaneClosed", "LaneServer", "STREAM_WINDOW", "lane_options", "open_lane", "serve_lane"]
 
 log = logging.getLogger("vllm_bridge.lane")
 
 _LEN = struct.Struct("<I")
+STREAM_WINDOW = 32         # stream items a worker may send ahead of the router's caller (when it gave none)
 _JOIN_BELOW = 64 * 1024     # smaller frames go out as one write (one syscall); larger ones are not copied
 
 
@@ -300,11 +301,6 @@ class LaneCall:
         if not self._lost:
             with contextlib.suppress(LaneClosed):
                 self._lane.send(pb.MuxRequestView(cancel=self.id))
-
-    def finished(self) -> None:
-        """The router is done with the call (it saw the last event): nothing is sent for it any more."""
-        self._ended = True
-        self._lane.forget(self)
 
 
 class Lane:

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from bridge_server.errors import BridgeError
-from bridge_server.lane import LaneCall, LaneClosed, lane_options
+from bridge_server.lane import STREAM_WINDOW, LaneCall, LaneClosed, lane_options
 from bridge_server.poolstate import Plan, PoolRouter
 from bridge_server.router import Backend, Flight, Route, Router, read_route, time_left
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -33,7 +33,6 @@ from vllm_bridge.v1 import bridge_pb2 as pb
 __all__ = ["MULTIPLEX", "forward_multiplex"]
 
 MULTIPLEX = "/vllm_bridge.v1.Bridge/Multiplex"
-LANE_WINDOW = 32      # stream items in flight for a stream the client gave no window
 
 Failure = Callable[[Backend, Flight, str], Awaitable[BridgeError]]
 
@@ -148,7 +147,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         run.flight.call = _FlightHook(functools.partial(on_lost, run, "the worker died"))
         backend.flights.add(run.flight)
         try:
-            window = start.window or (LANE_WINDOW if start.stream else 0)
+            window = start.window or (STREAM_WINDOW if start.stream else 0)
             run.lc = backend.lane.start(start.call, lane_options((*defaults, *start.metadata.items()), time_left(route)),
                                         stream=start.stream, window=window,
                                         on_event=functools.partial(on_event, run),

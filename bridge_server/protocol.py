@@ -25,8 +25,8 @@ MD_POOL = "x-bridge-pool"
 MD_AFFINITY = "x-bridge-affinity"
 MD_REFS = "x-bridge-refs"
 MD_RANK = "x-bridge-rank"
-# Sent back by a worker in the trailing metadata of every successful call: the live refs it holds
-# (a router reports it in its status without decoding replies).
+# Sent back by a worker in the trailing metadata of every successful gRPC call: the live refs it
+# holds (the pool router reads the same count from its lanes' `MuxReply.worker_refs`).
 MD_WORKER_REFS = "x-bridge-worker-refs"
 
 DEFAULT_SESSION = "default"
