@@ -8,6 +8,7 @@ for unary and streaming calls.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Iterable, Mapping
@@ -77,6 +78,7 @@ class RuntimeOptions:
     affinity: str | None = None
     refs: tuple[str, ...] = ()
     rank: int | None = None
+    session_sent: bool = False               # the caller named a session (else it is DEFAULT_SESSION)
 
 
 def _ms(key: str, raw: str) -> float | None:
@@ -92,8 +94,21 @@ def _ms(key: str, raw: str) -> float | None:
 
 
 def parse_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> RuntimeOptions:
-    """Reads the runtime options; unknown keys are ignored, malformed known ones are refused."""
-    md: Mapping[str, str | bytes] = dict(metadata or ())
+    """Reads the runtime options; unknown keys are ignored, malformed known ones are refused.
+
+    Callers send the same few option sets over and over (a router forwards each call's options to
+    its worker, a client repeats its session's), so parsed sets are remembered: a hit costs a hash
+    of the pairs instead of a parse, on every hop of every call."""
+    return _parse_cached(metadata if isinstance(metadata, tuple) else tuple(metadata or ()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_cached(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
+    return _parse(metadata)       # errors are raised each time, never remembered
+
+
+def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
+    md: Mapping[str, str | bytes] = dict(metadata)
     get = lambda k: (v.decode() if isinstance(v := md.get(k), bytes) else v)  # noqa: E731
     profile = get(MD_TIMEOUT_PROFILE)
     if profile is not None and profile not in PROFILES:
@@ -126,6 +141,7 @@ def parse_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> Runtim
         affinity=affinity,
         refs=tuple(r for r in (refs or "").split(",") if r),
         rank=rank,
+        session_sent=MD_SESSION in md,
     )
 
 

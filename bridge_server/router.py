@@ -29,7 +29,7 @@ from bridge_server.config import PoolConfig
 from bridge_server.errors import BridgeError
 from bridge_server.poolstate import (DEAD, DEADLINE_MARGIN_S, DRAINING, READY, Backend, Flight, Plan, PoolRouter,
                                      pool_error)
-from bridge_server.protocol import MD_SESSION, PROFILES, RuntimeOptions, parse_metadata
+from bridge_server.protocol import PROFILES, RuntimeOptions, parse_metadata
 
 __all__ = ["DEAD", "DEADLINE_MARGIN_S", "DRAINING", "READY", "Backend", "Flight", "Plan", "PoolRouter", "Route",
            "Router", "pool_error", "read_route", "time_left"]
@@ -46,16 +46,15 @@ class Route:
 
 
 def read_route(metadata: Iterable[tuple[str, str | bytes]] | None, grpc_remaining_s: float | None) -> Route:
-    md = tuple(metadata or ())
-    opts = parse_metadata(md)
-    has_session = any(k == MD_SESSION for k, _ in md)
+    opts = parse_metadata(metadata)
+    session = opts.session_id if opts.session_sent else None
     now = time.monotonic()
     explicit = grpc_remaining_s if grpc_remaining_s is not None else opts.timeout_s
     if explicit is not None:
-        return Route(opts, opts.session_id if has_session else None, now + explicit, True)
+        return Route(opts, session, now + explicit, True)
     profile = PROFILES[opts.timeout_profile] if opts.timeout_profile else None
     deadline = now + profile.call_s if profile is not None and profile.call_s is not None else None
-    return Route(opts, opts.session_id if has_session else None, deadline, False)
+    return Route(opts, session, deadline, False)
 
 
 def time_left(route: Route) -> float | None:

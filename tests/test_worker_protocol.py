@@ -17,7 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from bridge_server.client import BridgeClient, CallError, Target
-from bridge_server.protocol import MD_TIMEOUT_PROFILE
+from bridge_server.errors import BridgeError
+from bridge_server.protocol import MD_TIMEOUT_PROFILE, parse_metadata
 from tests.conftest import WorkerProcess, free_port, start_worker
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
@@ -172,6 +173,21 @@ def test_bad_input_gets_a_clear_error_and_the_worker_keeps_its_state(client: Bri
     assert err.value.code == code, err.value.details
     assert needle in err.value.details, err.value.details
     assert client.call(Target.get(kept, "data_parallel_size")) == 3
+
+
+def test_parsed_options_are_remembered_but_a_refusal_is_given_every_time() -> None:
+    """The unit of option parsing alone: the same pairs give the same options (remembered), a
+    malformed value is refused on each call that sends it, never remembered as anything."""
+    md = (("x-bridge-session", "s"), ("x-bridge-timeout-ms", "2500"), ("user-agent", "test"))
+    first = parse_metadata(md)
+    assert (first.session_id, first.timeout_s, first.session_sent) == ("s", 2.5, True)
+    assert parse_metadata(list(md)) is first
+    assert parse_metadata((("x-bridge-pool", "p"),)).session_sent is False
+    bad = (("x-bridge-timeout-ms", "soon"),)
+    for _ in range(2):
+        with pytest.raises(BridgeError) as err:
+            parse_metadata(bad)
+        assert err.value.parameter == "x-bridge-timeout-ms" and "'soon'" in err.value.message
 
 
 def test_malformed_values_on_the_wire_are_refused_by_path(worker: WorkerProcess) -> None:
