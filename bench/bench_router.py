@@ -83,8 +83,7 @@ async def _bare_proxy(listen: str, upstream: str) -> None:
         lane = await open_lane(upstream.removeprefix("lane:"))
 
         async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            md = {k: v for k, v in context.invocation_metadata() or () if k.startswith("x-bridge-")}
-            event = await lane.start(request, md).next()
+            event = await lane.start(request, context.invocation_metadata() or ()).next()
             reply: bytes = pb.CallReplyView(value=event.value).SerializeToString()
             return reply
     else:

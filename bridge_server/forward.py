@@ -24,7 +24,7 @@ import grpc
 
 from bridge_server.collective import run_collective
 from bridge_server.errors import BridgeError, mux_error_status, status_code
-from bridge_server.lane import STREAM_WINDOW, LaneClosed, lane_options
+from bridge_server.lane import STREAM_WINDOW, LaneClosed
 from bridge_server.metrics import Metrics
 from bridge_server.mux_forward import forward_multiplex
 from bridge_server.router import Backend, Flight, Router, pool_error, read_route, time_left
@@ -137,7 +137,7 @@ class Forwarder:
             lane = backend.lane
             try:
                 try:
-                    lc = lane.start(request, lane_options(md, time_left(route)))
+                    lc = lane.start(request, md, timeout_s=time_left(route))
                     flight.call = lc
                     if lane.framed.paused:
                         await lane.drain()
@@ -164,7 +164,9 @@ class Forwarder:
             await self._abort(context, out, exc)
             raise
         finally:
-            self.metrics.observe_call(out.pool, "Call", out.code, time.perf_counter() - t0)
+            # Counted just after the reply has gone out, not before: the caller need not wait for it.
+            asyncio.get_running_loop().call_soon(self.metrics.observe_call, out.pool, "Call", out.code,
+                                                 time.perf_counter() - t0)
 
     # ------------------------------------------------------------------------------------ Collective
     async def collective(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -208,7 +210,7 @@ class Forwarder:
         lc = None
         try:
             try:
-                lc = lane.start(request, lane_options(md, time_left(route)), stream=True, window=STREAM_WINDOW)
+                lc = lane.start(request, md, stream=True, window=STREAM_WINDOW, timeout_s=time_left(route))
                 flight.call = lc
                 index = taken = 0
                 while (event := await lc.next()).WhichOneof("kind") == "value":

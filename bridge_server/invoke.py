@@ -258,6 +258,32 @@ class Invoker:
             result = None
         return self.encode_result(plan, result, session_id)
 
+    @staticmethod
+    def immediate(plan: Plan) -> bool:
+        """Whether a call of this plan can finish without the event loop: a trivial pure helper
+        (inline), with no exclusive lane to wait for and no guard to await."""
+        return plan.inline and not plan.is_async and not plan.exclusive and plan.fn is not None and (
+            plan.entry is None or plan.entry.guard is None)
+
+    def call_now(self, request: pb.CallRequest, session_id: str, plan: Plan) -> pb.Value:
+        """`call` for an `immediate` plan, synchronously: a Multiplex or lane request for a trivial
+        helper is answered where it is read, with no task and no loop turn, which would cost more
+        than the helper. Deadlines do not apply: an inline helper is never pre-empted anyway."""
+        args, kwargs = self.bind(plan, *self.decode(request))
+        assert plan.fn is not None
+        try:
+            result = plan.fn(*args, **kwargs)
+        except BridgeError:
+            raise
+        except Exception as exc:
+            raise BridgeError.from_exception(exc, plan.label) from exc
+        if inspect.isawaitable(result):
+            if inspect.iscoroutine(result):
+                result.close()
+            raise BridgeError(grpc.StatusCode.INTERNAL, "python", f"{plan.label} is declared inline (a trivial "
+                              f"pure helper) but returned an awaitable", target=plan.label)
+        return self.encode_result(plan, result, session_id)
+
     async def call_python(self, target: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
         """Runs a catalog entry for the worker itself (start-up work), with Python values in and out."""
         plan = self._plan_entry(self.catalog.lookup(target))

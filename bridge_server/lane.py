@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import struct
@@ -31,7 +32,7 @@ from bridge_server.mux import MuxSession, Outbox
 from bridge_server.protocol import MAX_MESSAGE_BYTES, MD_TIMEOUT_MS
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-__all__ = ["Lane", "LaneCall", "LaneClosed", "LaneServer", "STREAM_WINDOW", "lane_options", "open_lane", "serve_lane"]
+__all__ = ["Lane", "LaneCall", "LaneClosed", "LaneServer", "STREAM_WINDOW", "open_lane", "serve_lane"]
 
 log = logging.getLogger("vllm_bridge.lane")
 
@@ -54,6 +55,7 @@ class _Framed(asyncio.Protocol):
         self._buf = bytearray()
         self._drained: asyncio.Future[None] | None = None
         self.on_resume: Callable[[], None] | None = None    # called when the peer has caught up
+        self.on_batch: Callable[[], None] | None = None     # called after the frames of one read
         self.lost = ""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -78,16 +80,20 @@ class _Framed(asyncio.Protocol):
                 return
         if pos:
             del buf[:pos]
+            if self.on_batch is not None:
+                self.on_batch()
 
-    def send(self, payload: bytes) -> None:
+    def send(self, *parts: bytes) -> None:
+        """Sends one frame: the concatenation of `parts`."""
         if self.transport is None or self.lost:
             raise LaneClosed(self.lost or "the lane is not connected")
-        if len(payload) > MAX_MESSAGE_BYTES:
-            raise ValueError(f"a message of {len(payload)} bytes is over the limit of {MAX_MESSAGE_BYTES}")
-        if len(payload) < _JOIN_BELOW:
-            self.transport.write(_LEN.pack(len(payload)) + payload)
+        size = sum(map(len, parts)) if len(parts) > 1 else len(parts[0])
+        if size > MAX_MESSAGE_BYTES:
+            raise ValueError(f"a message of {size} bytes is over the limit of {MAX_MESSAGE_BYTES}")
+        if size < _JOIN_BELOW:
+            self.transport.write(b"".join((_LEN.pack(size), *parts)))
         else:
-            self.transport.writelines((_LEN.pack(len(payload)), payload))
+            self.transport.writelines((_LEN.pack(size), *parts))
 
     @property
     def paused(self) -> bool:
@@ -129,21 +135,28 @@ class _Served:
 
     Requests are handled as they are read, and whatever events the calls add during one loop turn
     leave as one reply at the end of it: no reader or writer task sits between the socket and the
-    calls."""
+    calls. Calls answered on the spot (trivial helpers) leave at the end of the read that brought
+    them, without waiting for the loop turn."""
 
     framed: _Framed
     session: MuxSession
     flushing: bool = False
+    reading: bool = False       # between a read's first frame and its end, which flushes
 
     def on_frame(self, frame: bytes) -> None:
+        self.reading = True
         try:
             self.session.handle(pb.MuxRequest.FromString(frame))
         except Exception as exc:   # a peer that sends garbage is not a router of ours
             log.error("lane: closing a connection that sent an unreadable request: %s", exc)
             self.framed.close(f"unreadable request: {exc}")
 
+    def end_read(self) -> None:
+        self.reading = False
+        self.flush()
+
     def schedule_flush(self) -> None:
-        if not self.flushing:
+        if not self.flushing and not self.reading:
             self.flushing = True
             asyncio.get_running_loop().call_soon(self.flush)
 
@@ -179,6 +192,7 @@ class LaneServer:
         conn = _Served(framed, MuxSession(self.invoker, (), lambda: None, out))
         out.on_first = conn.schedule_flush
         framed.on_resume = conn.schedule_flush
+        framed.on_batch = conn.end_read
         self.served.add(conn)
         return framed
 
@@ -214,13 +228,23 @@ async def serve_lane(invoker: Invoker, path: str) -> LaneServer:
 
 
 # ------------------------------------------------------------------------------------ router side
-def lane_options(metadata: Iterable[tuple[str, str | bytes]] | None, timeout_s: float | None) -> dict[str, str]:
-    """A call's options for the worker (its x-bridge-* metadata); the time it has left, after any
-    queueing in the router, replaces its own timeout."""
-    options = {k: v for k, v in metadata or () if k.startswith("x-bridge-") and isinstance(v, str)}
-    if timeout_s is not None:
-        options[MD_TIMEOUT_MS] = f"{timeout_s * 1000:.3f}"
-    return options
+# A `start` goes out in up to three encoded parts: the call itself, its options, the time it has
+# left. A parser merges repeated occurrences of a message field (and map entries, the last one
+# winning), so the parts concatenated read as one `MuxRequest`, and the options part, which callers
+# repeat call after call, is encoded once per distinct set instead of once per call.
+@functools.lru_cache(maxsize=4096)
+def _options_part(metadata: tuple[tuple[str, str | bytes], ...]) -> bytes:
+    """A call's options for the worker: its x-bridge-* metadata."""
+    options = {k: v for k, v in metadata if k.startswith("x-bridge-") and isinstance(v, str)}
+    part: bytes = pb.MuxRequestView(start=pb.MuxStartView(metadata=options)).SerializeToString()
+    return part
+
+
+def _timeout_part(timeout_s: float) -> bytes:
+    """What is left of the call's deadline after any queueing in the router: replaces its own timeout."""
+    part: bytes = pb.MuxRequestView(start=pb.MuxStartView(metadata={MD_TIMEOUT_MS: f"{timeout_s * 1000:.3f}"})
+                                     ).SerializeToString()
+    return part
 
 
 class LaneCall:
@@ -317,15 +341,20 @@ class Lane:
     def closed(self) -> str:
         return self.framed.lost
 
-    def start(self, call: bytes, metadata: dict[str, str], stream: bool = False, window: int = 0,
-              on_event: Callable[[Any], None] | None = None, on_lost: Callable[[str], None] | None = None,
-              ) -> LaneCall:
-        """Starts a call (a serialized CallRequest) with Call's or Stream's semantics."""
+    def start(self, call: bytes, metadata: Iterable[tuple[str, str | bytes]], stream: bool = False, window: int = 0,
+              timeout_s: float | None = None, on_event: Callable[[Any], None] | None = None,
+              on_lost: Callable[[str], None] | None = None) -> LaneCall:
+        """Starts a call (a serialized CallRequest) with Call's or Stream's semantics. `metadata` is
+        the caller's (only its x-bridge-* options go on); `timeout_s` the time the call has left."""
         self._next_id += 1
         lc = LaneCall(self, self._next_id, stream)
         lc.on_event, lc.on_lost = on_event, on_lost
-        self.send(pb.MuxRequestView(start=pb.MuxStartView(id=lc.id, call=call, stream=stream, metadata=metadata,
-                                                          window=window)))
+        head = pb.MuxRequestView(start=pb.MuxStartView(id=lc.id, call=call, stream=stream, window=window))
+        options = _options_part(metadata if isinstance(metadata, tuple) else tuple(metadata or ()))
+        if timeout_s is None:
+            self.framed.send(head.SerializeToString(), options)
+        else:
+            self.framed.send(head.SerializeToString(), options, _timeout_part(timeout_s))
         self.calls[lc.id] = lc
         return lc
 

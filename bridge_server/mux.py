@@ -7,7 +7,8 @@ calls start and cancel by message, and whatever is ready at the same moment (one
 output for every running request) leaves as a single reply.
 
 Each call runs as its own task with Call's or Stream's semantics (deadlines, sessions, refs, guards,
-errors), so a failure ends that call only. Events are encoded straight into the reply being
+errors), so a failure ends that call only; a call of a trivial helper (an inline plan) is answered
+as its request is read, since a task would cost more than the call. Events are encoded straight into the reply being
 gathered. A call with `per_call` events waiting (or any call, once the reply holds `max_pending`)
 waits for the writer, which waits for gRPC's flow control: a slow reader slows the calls instead of
 growing a buffer, and meanwhile vLLM merges a waiting request's outputs into one, as it does for a
@@ -94,7 +95,7 @@ async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[st
     """One call, start to last event. Never raises: every outcome becomes an event for its id."""
     label = target_label(start.call.target)
     try:
-        opts = parse_metadata([*defaults, *start.metadata.items()])
+        opts = parse_metadata((*defaults, *start.metadata.items()))
         plan = invoker.plan(start.call.target)
         limits = [t for t in (opts.timeout_s, rpc_remaining()) if t is not None]
         deadlines = resolve_deadlines(opts, min(limits) if limits else None, plan.profile)
@@ -152,6 +153,8 @@ class MuxSession:
                 self._refuse(start.id, BridgeError(grpc.StatusCode.UNAVAILABLE, "worker", self.refusing,
                                                    reason="worker stopping"))
                 return
+            if not start.stream and self._answer_now(start):
+                return
             if start.window:
                 out.credit[start.id] = start.window
             task = asyncio.create_task(_run(self.invoker, start, self.defaults, self.rpc_remaining, out))
@@ -166,6 +169,26 @@ class MuxSession:
             out.grant(request.credit.id, request.credit.events)
         else:
             raise BridgeError.validation("Multiplex: a request must hold start, cancel or credit", parameter="kind")
+
+    def _answer_now(self, start: pb.MuxStart) -> bool:
+        """Answers a call of a trivial helper (an inline plan) on the spot, as `_run` would, and says
+        whether it did. A task and the loop turn before it runs cost more than such a call itself;
+        anything else (or a full outbox, which only a task can wait on) goes to `_run`."""
+        out = self.out
+        target = start.call.target
+        if target.kind != pb.Target.FUNCTION or len(out.reply.events) >= out.max_pending:
+            return False
+        try:
+            opts = parse_metadata((*self.defaults, *start.metadata.items()))
+            plan = self.invoker.plan(target)
+            if not self.invoker.immediate(plan):
+                return False
+            value = self.invoker.call_now(start.call, opts.session_id, plan)
+        except Exception as exc:
+            out.add(start.id).error.CopyFrom(server_error(exc, target_label(target)).to_mux_error())
+            return True
+        out.add(start.id).value.CopyFrom(value)
+        return True
 
     def _refuse(self, call_id: int, err: BridgeError) -> None:
         self.out.add(call_id).error.CopyFrom(err.to_mux_error())

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from bridge_server.errors import BridgeError
-from bridge_server.lane import STREAM_WINDOW, LaneCall, LaneClosed, lane_options
+from bridge_server.lane import STREAM_WINDOW, LaneCall, LaneClosed
 from bridge_server.poolstate import Plan, PoolRouter
 from bridge_server.router import Backend, Flight, Route, Router, read_route, time_left
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -148,8 +148,8 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         backend.flights.add(run.flight)
         try:
             window = start.window or (STREAM_WINDOW if start.stream else 0)
-            run.lc = backend.lane.start(start.call, lane_options((*defaults, *start.metadata.items()), time_left(route)),
-                                        stream=start.stream, window=window,
+            run.lc = backend.lane.start(start.call, (*defaults, *start.metadata.items()), stream=start.stream,
+                                        window=window, timeout_s=time_left(route),
                                         on_event=functools.partial(on_event, run),
                                         on_lost=functools.partial(on_lost, run))
         except BridgeError as err:       # its deadline passed while it waited for a slot

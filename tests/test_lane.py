@@ -39,7 +39,7 @@ def request(target: Any, *args: Any) -> bytes:
     return req.SerializeToString()
 
 
-async def over_lane(path: str, calls: list[bytes], metadata: dict[str, str]) -> list[Any]:
+async def over_lane(path: str, calls: list[bytes], metadata: tuple[tuple[str, str], ...]) -> list[Any]:
     lane = await open_lane(path)
     try:
         running = [lane.start(call, metadata) for call in calls]     # all at once, on one connection
@@ -59,13 +59,13 @@ CASES = [
 def test_the_lane_answers_every_call_as_the_grpc_service_does(laned: tuple[WorkerProcess, str]) -> None:
     worker, path = laned
     calls = [request(*case) for _, case in CASES]
-    metadata = {"x-bridge-session": "lane-test"}
+    metadata = (("x-bridge-session", "lane-test"),)
     events = asyncio.run(over_lane(path, calls, metadata))
     with grpc.insecure_channel(worker.address) as channel:
         rpc = channel.unary_unary(CALL)
         for (name, _), call, event in zip(CASES, calls, events):
             try:
-                reply = rpc(call, metadata=tuple(metadata.items()))
+                reply = rpc(call, metadata=metadata)
             except grpc.RpcError as err:
                 assert event.WhichOneof("kind") == "error", name
                 assert event.error.code == err.code().value[0], name
@@ -109,7 +109,7 @@ def test_a_call_running_when_the_worker_dies_raises_lane_closed(tmp_path: Path) 
 
     async def run() -> BaseException | None:
         lane = await open_lane(path)
-        waiting = asyncio.get_running_loop().create_task(lane.start(request(*gate.args()), {}).next())
+        waiting = asyncio.get_running_loop().create_task(lane.start(request(*gate.args()), ()).next())
         while not gate.running():
             await asyncio.sleep(0.05)
         worker.proc.kill()
@@ -144,3 +144,34 @@ def test_frames_split_anywhere_by_the_socket_are_put_back_together() -> None:
         framed.data_received(wire[pos:pos + step])
         pos += step
     assert got == frames
+
+
+def test_a_start_is_sent_in_parts_that_read_as_one_request() -> None:
+    """The unit of the router's start message alone: the call, its options (encoded once per set)
+    and the time it has left are concatenated, and the worker reads them as one `MuxRequest` with
+    the caller's x-bridge-* options only, the time left replacing the caller's own timeout."""
+    from bridge_server.lane import Lane
+
+    class Wire:
+        def __init__(self) -> None:
+            self.frames: list[bytes] = []
+
+        def write(self, data: bytes) -> None:
+            (size,) = struct.unpack_from("<I", data)
+            assert size == len(data) - 4
+            self.frames.append(data[4:])
+
+    wire = Wire()
+    lane = Lane("unused")
+    lane.framed.connection_made(wire)   # type: ignore[arg-type]
+    call = request(f"{D}.divide", 6, 3)
+    md = (("x-bridge-session", "s1"), ("x-bridge-timeout-ms", "60000"), ("user-agent", "grpc-python"))
+    lane.start(call, md, timeout_s=1.5)
+    lane.start(call, md, stream=True, window=8, timeout_s=0.25)    # the same options, another time left
+    lane.start(call, md)                                            # no deadline of the router's own
+    first, second, third = (pb.MuxRequest.FromString(f).start for f in wire.frames)
+    assert (first.id, first.stream, first.window, first.call.SerializeToString()) == (1, False, 0, call)
+    assert dict(first.metadata) == {"x-bridge-session": "s1", "x-bridge-timeout-ms": "1500.000"}
+    assert (second.id, second.stream, second.window) == (2, True, 8)
+    assert dict(second.metadata) == {"x-bridge-session": "s1", "x-bridge-timeout-ms": "250.000"}
+    assert dict(third.metadata) == {"x-bridge-session": "s1", "x-bridge-timeout-ms": "60000"}
