@@ -8,11 +8,11 @@ output for every running request) leaves as a single reply.
 
 Each call runs as its own task with Call's or Stream's semantics (deadlines, sessions, refs, guards,
 errors), so a failure ends that call only; a call of a trivial helper (an inline plan) is answered
-as its request is read, since a task would cost more than the call. Events are encoded straight into the reply being
-gathered. A call with `per_call` events waiting (or any call, once the reply holds `max_pending`)
-waits for the writer, which waits for gRPC's flow control: a slow reader slows the calls instead of
-growing a buffer, and meanwhile vLLM merges a waiting request's outputs into one, as it does for a
-slow `Stream`.
+as its request is read, since a task would cost more than the call. Events are encoded straight
+into the reply being gathered. A call with `per_call` events waiting (or any call, once the reply
+holds `max_pending`) waits for the writer, which waits for gRPC's flow control: a slow reader slows
+the calls instead of growing a buffer, and meanwhile vLLM merges a waiting request's outputs into
+one, as it does for a slow `Stream`.
 """
 
 from __future__ import annotations
