@@ -18,7 +18,7 @@ import grpc
 import psutil
 import pytest
 
-from bridge_server.client import BridgeClient, CallError, Target
+from bridge_server.client import BridgeClient, CallError, Multiplexer, Target
 from bridge_server.tiny_model import ensure_tiny_model
 from tests.conftest import WorkerProcess, start_worker
 
@@ -53,6 +53,27 @@ def bridge(engine_worker: WorkerProcess) -> Iterator[BridgeClient]:
 
 def greedy(n: int, **extra: Any) -> dict[str, Any]:
     return {"temperature": 0.0, "max_tokens": n, "ignore_eos": True, **extra}
+
+
+def generate_together(mux: Multiplexer, prompts: list[str], tag: str) -> dict[str, list[dict[str, Any]]]:
+    """Each prompt's items, all generated at once over one Multiplex stream (a thread per prompt)."""
+    results: dict[str, list[dict[str, Any]]] = {}
+
+    def one(i: int, prompt: str) -> None:
+        results[prompt] = list(mux.stream(Target.method("engine", "generate"), prompt, greedy(24), f"{tag}-{i}"))
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def assert_same_generations(results: dict[str, list[dict[str, Any]]], plain: dict[str, dict[str, Any]]) -> None:
+    """Every stream ended once, with the tokens of the same prompt generated on its own."""
+    for p, items in results.items():
+        assert items[-1]["finished"] is True and [i["finished"] for i in items[:-1]] == [False] * (len(items) - 1)
+        assert items[-1]["outputs"][0]["token_ids"] == plain[p]["outputs"][0]["token_ids"]
 
 
 def engine_processes(worker: WorkerProcess) -> set[int]:
@@ -269,23 +290,15 @@ def test_multiplexed_generations_match_plain_streams_and_share_replies(bridge: B
     prompts = [f"multiplexed prompt {i}" for i in range(8)]
     plain = {p: list(bridge.stream(Target.method("engine", "generate"), p, greedy(24), f"plain-{i}"))[-1]
              for i, p in enumerate(prompts)}
-    results: dict[str, list[dict[str, Any]]] = {}
     with bridge.multiplex() as mux:
-        def one(i: int, prompt: str) -> None:
-            results[prompt] = list(mux.stream(Target.method("engine", "generate"), prompt, greedy(24), f"mux-{i}"))
-        threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        results = generate_together(mux, prompts, "mux")
         # A plain call over the same stream, between and after the streams.
         assert mux.call(Target.method("engine", "check_health")) is None
         events = sum(len(items) for items in results.values())
         replies = mux.replies
-    for p in prompts:
-        items = results[p]
-        assert items[-1]["finished"] is True and [i["finished"] for i in items[:-1]] == [False] * (len(items) - 1)
-        assert items[-1]["outputs"][0]["token_ids"] == plain[p]["outputs"][0]["token_ids"]
+    assert sorted(results) == sorted(prompts)
+    assert_same_generations(results, plain)
+    for items in results.values():
         assert all(type(t) is int for t in items[-1]["outputs"][0]["token_ids"])
     # Items that the engine produced in the same step went out together.
     assert replies < events

@@ -8,10 +8,8 @@ One pool server with one engine worker for the module (an engine costs ~2.7 GB a
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -19,7 +17,8 @@ import pytest
 from bridge_server.client import BridgeClient, CallError, Target
 from bridge_server.tiny_model import ensure_tiny_model
 from tests.pool_harness import PoolServer, start_pool_server, wait_until
-from tests.test_engine import LONG, engine_args, greedy, unfinished
+from tests.test_engine import (LONG, assert_same_generations, engine_args, generate_together, greedy,
+                               unfinished)
 from tests.test_engine import wait_until as eventually
 
 GENERATE = Target.method("engine", "generate")
@@ -102,23 +101,14 @@ def test_a_slow_reader_through_the_router_gets_merged_items_and_every_token(rout
 
 def test_multiplexed_generations_through_the_router_match_plain_ones(routed: PoolServer) -> None:
     prompts = [f"routed multiplexed prompt {i}" for i in range(6)]
-    results: dict[str, list[Any]] = {}
     with BridgeClient(routed.address) as client:
         plain = {p: list(client.stream(GENERATE, p, greedy(24), f"routed-plain-{i}"))[-1]
                  for i, p in enumerate(prompts)}
         with client.multiplex() as mux:
-            def one(i: int, prompt: str) -> None:
-                results[prompt] = list(mux.stream(GENERATE, prompt, greedy(24), f"routed-mux-{i}"))
-            threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(60)
+            results = generate_together(mux, prompts, "routed-mux")
             assert mux.call(Target.method("engine", "check_health")) is None
-    for p in prompts:
-        items = results[p]
-        assert items[-1]["finished"] is True and [i["finished"] for i in items[:-1]] == [False] * (len(items) - 1)
-        assert items[-1]["outputs"][0]["token_ids"] == plain[p]["outputs"][0]["token_ids"]
+    assert sorted(results) == sorted(prompts)
+    assert_same_generations(results, plain)
 
 
 def test_cancelling_a_multiplexed_stream_through_the_router_aborts_it_and_others_go_on(routed: PoolServer) -> None:
