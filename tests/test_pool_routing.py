@@ -236,14 +236,20 @@ def test_status_rpc_and_cli(server: PoolServer) -> None:
 def test_prometheus_metrics_are_served(server: PoolServer) -> None:
     with server.client(pool="b") as c:
         c.call(DIVIDE, 6, 3)
-    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-    for needle in ('vllm_bridge_calls_total{code="OK",method="Call",pool="b"}',
-                   'vllm_bridge_call_seconds_bucket{le="0.005",method="Call",pool="b"}',
-                   'vllm_bridge_queue_depth{pool="a"}', 'vllm_bridge_in_flight{pool="b"}',
-                   'vllm_bridge_worker_restarts_total{pool="a"} 0.0',
-                   'vllm_bridge_workers{pool="b",state="ready"} 2.0',
-                   'vllm_bridge_queue_wait_seconds_count{pool="a"}'):
-        assert needle in body, needle
+    needles = ('vllm_bridge_calls_total{code="OK",method="Call",pool="b"}',
+               'vllm_bridge_call_seconds_bucket{le="0.005",method="Call",pool="b"}',
+               'vllm_bridge_queue_depth{pool="a"}', 'vllm_bridge_in_flight{pool="b"}',
+               'vllm_bridge_worker_restarts_total{pool="a"} 0.0',
+               'vllm_bridge_workers{pool="b",state="ready"} 2.0',
+               'vllm_bridge_queue_wait_seconds_count{pool="a"}')
+    deadline = time.monotonic() + 5     # a call is counted just after its reply has gone: maybe not yet
+    while True:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+        missing = [n for n in needles if n not in body]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not missing, missing
 
 
 def test_release_routes_refs_to_their_workers_and_sessions_to_every_worker(server: PoolServer) -> None:
