@@ -29,7 +29,7 @@ from typing import Any
 
 from bridge_server.invoke import Invoker
 from bridge_server.mux import MuxSession, Outbox
-from bridge_server.protocol import MAX_MESSAGE_BYTES, MD_TIMEOUT_MS
+from bridge_server.protocol import MAX_MESSAGE_BYTES
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["Lane", "LaneCall", "LaneClosed", "LaneServer", "STREAM_WINDOW", "open_lane", "serve_lane"]
@@ -228,10 +228,10 @@ async def serve_lane(invoker: Invoker, path: str) -> LaneServer:
 
 
 # ------------------------------------------------------------------------------------ router side
-# A `start` goes out in up to three encoded parts: the call itself, its options, the time it has
-# left. A parser merges repeated occurrences of a message field (and map entries, the last one
-# winning), so the parts concatenated read as one `MuxRequest`, and the options part, which callers
-# repeat call after call, is encoded once per distinct set instead of once per call.
+# A `start` goes out in two encoded parts: the call itself (with the time it has left), then its
+# options. A parser merges repeated occurrences of a message field, so the parts concatenated read
+# as one `MuxRequest`, and the options part, which callers repeat call after call, is encoded once
+# per distinct set instead of once per call.
 @functools.lru_cache(maxsize=4096)
 def _options_part(metadata: tuple[tuple[str, str | bytes], ...]) -> bytes:
     """A call's options for the worker: its x-bridge-* metadata."""
@@ -239,12 +239,6 @@ def _options_part(metadata: tuple[tuple[str, str | bytes], ...]) -> bytes:
     part: bytes = pb.MuxRequestView(start=pb.MuxStartView(metadata=options)).SerializeToString()
     return part
 
-
-def _timeout_part(timeout_s: float) -> bytes:
-    """What is left of the call's deadline after any queueing in the router: replaces its own timeout."""
-    part: bytes = pb.MuxRequestView(start=pb.MuxStartView(metadata={MD_TIMEOUT_MS: f"{timeout_s * 1000:.3f}"})
-                                     ).SerializeToString()
-    return part
 
 
 class LaneCall:
@@ -349,12 +343,10 @@ class Lane:
         self._next_id += 1
         lc = LaneCall(self, self._next_id, stream)
         lc.on_event, lc.on_lost = on_event, on_lost
-        head = pb.MuxRequestView(start=pb.MuxStartView(id=lc.id, call=call, stream=stream, window=window))
-        options = _options_part(metadata if isinstance(metadata, tuple) else tuple(metadata or ()))
-        if timeout_s is None:
-            self.framed.send(head.SerializeToString(), options)
-        else:
-            self.framed.send(head.SerializeToString(), options, _timeout_part(timeout_s))
+        head = pb.MuxRequestView(start=pb.MuxStartView(id=lc.id, call=call, stream=stream, window=window,
+                                                       time_left_ms=0 if timeout_s is None else timeout_s * 1000))
+        self.framed.send(head.SerializeToString(),
+                         _options_part(metadata if isinstance(metadata, tuple) else tuple(metadata or ())))
         self.calls[lc.id] = lc
         return lc
 

@@ -27,7 +27,7 @@ import grpc
 
 from bridge_server.errors import BridgeError, server_error, target_label
 from bridge_server.invoke import Invoker
-from bridge_server.protocol import parse_metadata, resolve_deadlines
+from bridge_server.protocol import parse_metadata, resolve_deadlines, time_left_s
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["MuxSession", "Outbox", "multiplex"]
@@ -97,7 +97,7 @@ async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[st
     try:
         opts = parse_metadata((*defaults, *start.metadata.items()))
         plan = invoker.plan(start.call.target)
-        limits = [t for t in (opts.timeout_s, rpc_remaining()) if t is not None]
+        limits = [t for t in (opts.timeout_s, rpc_remaining(), time_left_s(start.time_left_ms)) if t is not None]
         deadlines = resolve_deadlines(opts, min(limits) if limits else None, plan.profile)
         if not start.stream:
             value = await invoker.call(start.call, opts.session_id, deadlines, plan)
@@ -180,6 +180,7 @@ class MuxSession:
             return False
         try:
             opts = parse_metadata((*self.defaults, *start.metadata.items()))
+            time_left_s(start.time_left_ms)   # checked as `_run` does; a trivial helper is never pre-empted
             plan = self.invoker.plan(target)
             if not self.invoker.immediate(plan):
                 return False

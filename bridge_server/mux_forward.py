@@ -27,6 +27,7 @@ import grpc
 from bridge_server.errors import BridgeError
 from bridge_server.lane import STREAM_WINDOW, LaneCall, LaneClosed
 from bridge_server.poolstate import Plan, PoolRouter
+from bridge_server.protocol import time_left_s
 from bridge_server.router import Backend, Flight, Route, Router, read_route, time_left
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -186,7 +187,8 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                 parameter="start.id"))
             return
         try:
-            route = read_route((*defaults, *start.metadata.items()), context.time_remaining())
+            limits = [t for t in (context.time_remaining(), time_left_s(start.time_left_ms)) if t is not None]
+            route = read_route((*defaults, *start.metadata.items()), min(limits) if limits else None)
             plan = router.plan(route)
             backend = plan.pool.take(plan)
         except BridgeError as err:

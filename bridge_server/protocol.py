@@ -145,6 +145,16 @@ def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
     )
 
 
+def time_left_s(time_left_ms: float) -> float | None:
+    """A Multiplex call's `time_left_ms` in seconds (None for 0: not set); refuses a negative one."""
+    if time_left_ms == 0 or time_left_ms == math.inf:
+        return None
+    if not time_left_ms > 0:
+        raise BridgeError.validation(f"Multiplex: start.time_left_ms: expected milliseconds > 0 (or 0 for none), "
+                                     f"got {time_left_ms}", parameter="start.time_left_ms")
+    return float(time_left_ms) / 1000.0
+
+
 def to_metadata(opts: RuntimeOptions) -> list[tuple[str, str]]:
     """The inverse of parse_metadata, for clients and for the router's forwarded calls."""
     md = [(MD_SESSION, opts.session_id)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from grpc_status import rpc_status
 from bridge_server.client import BridgeClient
 from bridge_server.lane import LaneClosed, open_lane
 from tests.conftest import WorkerProcess, start_worker
-from tests.pool_harness import Gate
+from tests.pool_harness import Gate, open_gates
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 D = "vllm.distributed"
@@ -95,11 +96,43 @@ def test_an_unreadable_frame_closes_that_connection_and_the_worker_serves_on(
         s.sendall(struct.pack("<I", 0xFFFFFFF0))    # a frame over the size limit
         s.settimeout(10)
         assert s.recv(1) == b""
-    (event,) = asyncio.run(over_lane(path, [request(f"{D}.divide", 6, 3)], {}))
+    (event,) = asyncio.run(over_lane(path, [request(f"{D}.divide", 6, 3)], ()))
     assert pb.Value.FromString(event.value).int == 2
     with BridgeClient(worker.address) as c:
         assert c.call(f"{D}.divide", 6, 3) == 2
     assert "unreadable request" in worker.log.read_text()
+
+
+def test_the_time_a_call_has_left_ends_it_in_the_worker(laned: tuple[WorkerProcess, str]) -> None:
+    """`time_left_ms` (what a router sends for a caller's deadline) is enforced by the worker: a
+    blocked call ends with its DEADLINE_EXCEEDED error at that time. A negative one is refused."""
+    worker, path = laned
+    gate = Gate()
+
+    async def run() -> tuple[Any, float]:
+        lane = await open_lane(path)
+        try:
+            t0 = time.monotonic()
+            event = await asyncio.wait_for(lane.start(request(*gate.args()), (), timeout_s=0.5).next(), 10)
+            return event, time.monotonic() - t0
+        finally:
+            lane.close()
+
+    try:
+        event, took = asyncio.run(run())
+    finally:
+        open_gates([gate])      # the worker's thread, abandoned in C code, may finish now
+    assert event.WhichOneof("kind") == "error", event
+    assert event.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], event.error
+    assert 0.4 < took < 3, took
+    call = pb.CallRequest.FromString(request(f"{D}.divide", 6, 3))
+    with grpc.insecure_channel(worker.address) as channel:
+        replies = list(channel.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
+                                             pb.MuxReply.FromString)(
+            iter([pb.MuxRequest(start=pb.MuxStart(id=1, call=call, time_left_ms=-5))])))
+    (refused,) = [e for r in replies for e in r.events]
+    assert refused.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "start.time_left_ms" in refused.error.message and "-5" in refused.error.message, refused.error
 
 
 def test_a_call_running_when_the_worker_dies_raises_lane_closed(tmp_path: Path) -> None:
@@ -147,9 +180,9 @@ def test_frames_split_anywhere_by_the_socket_are_put_back_together() -> None:
 
 
 def test_a_start_is_sent_in_parts_that_read_as_one_request() -> None:
-    """The unit of the router's start message alone: the call, its options (encoded once per set)
-    and the time it has left are concatenated, and the worker reads them as one `MuxRequest` with
-    the caller's x-bridge-* options only, the time left replacing the caller's own timeout."""
+    """The unit of the router's start message alone: the call (with the time it has left) and its
+    options (encoded once per set) are concatenated, and the worker reads them as one `MuxRequest`
+    with the caller's x-bridge-* options only, and each call's own time left."""
     from bridge_server.lane import Lane
 
     class Wire:
@@ -171,7 +204,7 @@ def test_a_start_is_sent_in_parts_that_read_as_one_request() -> None:
     lane.start(call, md)                                            # no deadline of the router's own
     first, second, third = (pb.MuxRequest.FromString(f).start for f in wire.frames)
     assert (first.id, first.stream, first.window, first.call.SerializeToString()) == (1, False, 0, call)
-    assert dict(first.metadata) == {"x-bridge-session": "s1", "x-bridge-timeout-ms": "1500.000"}
     assert (second.id, second.stream, second.window) == (2, True, 8)
-    assert dict(second.metadata) == {"x-bridge-session": "s1", "x-bridge-timeout-ms": "250.000"}
-    assert dict(third.metadata) == {"x-bridge-session": "s1", "x-bridge-timeout-ms": "60000"}
+    assert [s.time_left_ms for s in (first, second, third)] == [1500.0, 250.0, 0.0]
+    for start in (first, second, third):
+        assert dict(start.metadata) == {"x-bridge-session": "s1", "x-bridge-timeout-ms": "60000"}

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bridge_server.client import CallError, Target
 from tests.conftest import ROOT
 from tests.pool_harness import Gate, PoolServer, in_thread, open_gates, start_pool_server, wait_until
+from vllm_bridge.v1 import bridge_pb2 as pb
 
 CONFIG = """
 grace_s = 10
@@ -279,6 +280,27 @@ def test_multiplex_through_the_pool_routes_each_call_like_a_plain_call(server: P
         assert err.value.category == "pool" and "nope" in err.value.details
         with ThreadPoolExecutor(16) as ex:
             assert list(ex.map(lambda i: mux.call(DIVIDE, 4 * i, 4), range(64))) == list(range(64))
+    idle(server, "b")
+
+
+def test_multiplex_through_the_pool_keeps_a_calls_own_time_left(server: PoolServer) -> None:
+    """A Multiplex call's `time_left_ms` is its deadline through the router too, not just the RPC's."""
+    gate = Gate()
+    with server.client(pool="b") as c:
+        request, _ = c.request(gate.args()[0], gate.args()[1:])
+    start = pb.MuxStart(id=7, call=request, time_left_ms=500, metadata={"x-bridge-pool": "b"})
+    with grpc.insecure_channel(server.address) as ch:
+        mux = ch.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
+                               pb.MuxReply.FromString)
+        t0 = time.monotonic()
+        try:
+            replies = list(mux(iter([pb.MuxRequest(start=start)]), timeout=20))
+        finally:
+            took = time.monotonic() - t0
+            open_gates([gate])
+    (event,) = [e for r in replies for e in r.events]
+    assert event.id == 7 and event.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], event
+    assert took < 5, took
     idle(server, "b")
 
 

@@ -369,6 +369,7 @@ defmodule VllmBridge.V1.MuxStart do
   field :stream, 3, type: :bool
   field :metadata, 4, repeated: true, type: VllmBridge.V1.MuxStart.MetadataEntry, map: true
   field :window, 5, type: :uint32
+  field :time_left_ms, 6, type: :double, json_name: "timeLeftMs"
 end
 
 defmodule VllmBridge.V1.MuxReply do
