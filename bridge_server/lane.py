@@ -240,7 +240,6 @@ def _options_part(metadata: tuple[tuple[str, str | bytes], ...]) -> bytes:
     return part
 
 
-
 class LaneCall:
     """One call on a lane: the router awaits its events in order (`next`), or has them handed to
     `on_event` as they arrive (and the connection's end to `on_lost`)."""
