@@ -35,7 +35,7 @@ log = logging.getLogger("vllm_bridge.router")
 SERVICE = "vllm_bridge.v1.Bridge"
 CALL, RELEASE, DESCRIBE = (f"/{SERVICE}/{m}" for m in ("Call", "Release", "Describe"))
 _DROP_KEYS = ("user-agent",)
-# Transport-level failures: if the worker died, say so instead of passing on gRPC's words for it.
+# Transport-level failures of a worker's gRPC service (Release): the worker is going away.
 _TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
                     grpc.StatusCode.UNKNOWN)
 _DEATH_WAIT_S = 0.5

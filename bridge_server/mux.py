@@ -179,11 +179,14 @@ class MuxSession:
         if target.kind != pb.Target.FUNCTION or len(out.reply.events) >= out.max_pending:
             return False
         try:
+            plan = self.invoker.plan(target)
+        except Exception:          # noqa: BLE001 - `_run` reports it, after any error in the options, as always
+            return False
+        if not self.invoker.immediate(plan):
+            return False
+        try:
             opts = parse_metadata((*self.defaults, *start.metadata.items()))
             time_left_s(start.time_left_ms)   # checked as `_run` does; a trivial helper is never pre-empted
-            plan = self.invoker.plan(target)
-            if not self.invoker.immediate(plan):
-                return False
             value = self.invoker.call_now(start.call, opts.session_id, plan)
         except Exception as exc:
             out.add(start.id).error.CopyFrom(server_error(exc, target_label(target)).to_mux_error())

@@ -31,11 +31,10 @@ from bridge_server.protocol import time_left_s
 from bridge_server.router import Backend, Flight, Route, Router, read_route, time_left
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-__all__ = ["MULTIPLEX", "forward_multiplex"]
-
-MULTIPLEX = "/vllm_bridge.v1.Bridge/Multiplex"
+__all__ = ["forward_multiplex"]
 
 Failure = Callable[[Backend, Flight, str], Awaitable[BridgeError]]
+Metadata = tuple[tuple[str, str | bytes], ...]
 
 
 @dataclass(eq=False)
@@ -141,7 +140,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             refuse(run.client_id, err)
             end(run)
 
-    def launch(client_id: int, start: Any, route: Route, plan: Plan, backend: Backend) -> None:
+    def launch(client_id: int, start: Any, md: Metadata, route: Route, plan: Plan, backend: Backend) -> None:
         router.placed(plan, backend)
         run = _Running(client_id, plan.pool, backend, Flight(), own_window=start.stream and not start.window)
         running[client_id] = run
@@ -149,8 +148,8 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         backend.flights.add(run.flight)
         try:
             window = start.window or (STREAM_WINDOW if start.stream else 0)
-            run.lc = backend.lane.start(start.call, (*defaults, *start.metadata.items()), stream=start.stream,
-                                        window=window, timeout_s=time_left(route),
+            run.lc = backend.lane.start(start.call, md, stream=start.stream, window=window,
+                                        timeout_s=time_left(route),
                                         on_event=functools.partial(on_event, run),
                                         on_lost=functools.partial(on_lost, run))
         except BridgeError as err:       # its deadline passed while it waited for a slot
@@ -159,7 +158,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         except LaneClosed as exc:
             on_lost(run, str(exc))
 
-    async def wait_and_launch(client_id: int, start: Any, route: Route, plan: Plan) -> None:
+    async def wait_and_launch(client_id: int, start: Any, md: Metadata, route: Route, plan: Plan) -> None:
         def unqueue() -> None:
             queued.pop(client_id, None)
             if not running and not queued:
@@ -177,7 +176,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             unqueue()
             raise
         queued.pop(client_id, None)
-        launch(client_id, start, route, plan, backend)     # it is in `running` before anyone looks
+        launch(client_id, start, md, route, plan, backend)     # it is in `running` before anyone looks
 
     def handle_start(start: Any) -> None:
         client_id = start.id
@@ -186,9 +185,10 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                 f"Multiplex: call id {client_id} is still running; ids must be unique among running calls",
                 parameter="start.id"))
             return
+        md = (*defaults, *start.metadata.items())     # the RPC's options, overlaid with the call's
         try:
             limits = [t for t in (context.time_remaining(), time_left_s(start.time_left_ms)) if t is not None]
-            route = read_route((*defaults, *start.metadata.items()), min(limits) if limits else None)
+            route = read_route(md, min(limits) if limits else None)
             plan = router.plan(route)
             backend = plan.pool.take(plan)
         except BridgeError as err:
@@ -196,9 +196,9 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             return
         idle.clear()
         if backend is not None:
-            launch(client_id, start, route, plan, backend)
+            launch(client_id, start, md, route, plan, backend)
         else:
-            queued[client_id] = loop.create_task(wait_and_launch(client_id, start, route, plan))
+            queued[client_id] = loop.create_task(wait_and_launch(client_id, start, md, route, plan))
 
     async def read() -> None:
         async for raw in requests:
