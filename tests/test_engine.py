@@ -77,8 +77,15 @@ def assert_same_generations(results: dict[str, list[dict[str, Any]]], plain: dic
 
 
 def engine_processes(worker: WorkerProcess) -> set[int]:
-    return {p.pid for p in psutil.Process(worker.proc.pid).children(recursive=True)
-            if "EngineCore" in " ".join(p.cmdline() + [p.name()])}
+    """The worker's live engine-core processes (one that exits while being looked at is not)."""
+    live = set()
+    for p in psutil.Process(worker.proc.pid).children(recursive=True):
+        try:
+            if "EngineCore" in " ".join(p.cmdline() + [p.name()]):
+                live.add(p.pid)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            pass
+    return live
 
 
 def unfinished(client: BridgeClient, engine: Any = "engine") -> int:
