@@ -11,24 +11,27 @@ from sync gRPC channels, as raw bytes (no client-side encode/decode to blur the 
 - router  to the pool server, listening on a unix socket too, so that both sides use the same
           transport and the difference is the router hop (metadata routing, slot accounting,
           forwarding, metrics);
+- router on asyncio's loop: a second pool server, the same but with `--loop asyncio` instead of
+          the default uvloop (what the choice of loop is worth, bridge_server/eventloop.py);
 - two floors (latency only), each a forwarder with no logic at all, run as its own process on
-  the router's event loop (asyncio's) (`--bare-proxy LISTEN UPSTREAM`):
+  the router's event loop (`--bare-proxy LISTEN UPSTREAM`):
   - bare gRPC proxy: bytes in, the same gRPC call to the same worker, bytes out: what a router that
     re-issues each call over gRPC pays for the hop (why the router does not);
   - bare lane proxy: bytes in, the call over the worker's lane (`bridge_server/lane.py`, as the
-    router sends it), bytes out: the floor of the router's own design, which splits its cost into
-    "the hop" and "our logic" (routing, slots, deadlines, metrics).
+    router sends it), bytes out: the floor of the
+    router's own design, which splits its cost into "the hop" and "our logic" (routing, slots,
+    deadlines, metrics).
 
 Latency: sequential calls in interleaved rounds (direct, router, direct, ...) after a warm-up; p50
-and p99 over all rounds. Throughput: a closed loop of 64 concurrent callers (threads) for each side:
-through the router each caller has its own session (so sessions spread over the 2 workers); direct,
+and p99 over all rounds. CPU per call: the CPU time of the process in the middle (pool server,
+proxy) over the latency phase, divided by the calls it served. Throughput: a closed loop of 64
+concurrent callers (threads) for each side: through the router each caller has its own session (so sessions spread over the 2 workers); direct,
 callers alternate between the 2 workers. Goal: the router adds at most 30 % to p50.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import subprocess
@@ -41,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import psutil
 
 from bench.common import (
     ROOT,
@@ -51,7 +55,9 @@ from bench.common import (
     print_table,
     write_json,
 )
+from bridge_server import eventloop
 from bridge_server.client import BridgeClient
+from bridge_server.config import ServerConfig
 from bridge_server.lane import open_lane
 from bridge_server.workerproc import lane_path
 from bridge_server.protocol import GRPC_OPTIONS, MD_POOL, MD_SESSION
@@ -103,8 +109,9 @@ async def _bare_proxy(listen: str, upstream: str) -> None:
     await server.wait_for_termination()
 
 
-def start_bare_proxy(listen: str, upstream: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-m", "bench.bench_router", "--bare-proxy", listen, upstream], cwd=ROOT,
+def start_bare_proxy(listen: str, upstream: str, loop: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-m", "bench.bench_router", "--bare-proxy", listen, upstream,
+                             "--loop", loop], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     path = listen.removeprefix("unix:")
     deadline = time.monotonic() + 60
@@ -123,6 +130,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=64, help="callers in the throughput loop")
     p.add_argument("--duration", type=float, default=2.0, help="seconds per side per throughput round")
     p.add_argument("--tp-rounds", type=int, default=3, help="throughput rounds per side")
+    p.add_argument("--loop", choices=eventloop.LOOPS, default=ServerConfig().loop,
+                   help="the router's event loop (default %(default)s, the server's default); the comparison "
+                        "server runs on the other one")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here as JSON")
     p.add_argument("--bare-proxy", nargs=2, metavar=("LISTEN", "UPSTREAM"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -131,7 +141,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 class PoolServerProcess:
     """`vllm-bridge serve` on a unix socket, in its own process group; stop() is SIGTERM."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, loop: str) -> None:
+        tmp.mkdir()
         cfg = tmp / "pools.toml"
         cfg.write_text(CONFIG)
         self.address = f"unix:{tmp / 'router.sock'}"
@@ -139,8 +150,8 @@ class PoolServerProcess:
         self.log = tmp / "server.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bridge_server.cli", "serve", "--config", str(cfg), "--listen", self.address,
-             "--ready-file", str(ready)], cwd=ROOT, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
-            start_new_session=True)
+             "--loop", loop, "--ready-file", str(ready)],
+            cwd=ROOT, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 180
         while not ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -165,7 +176,10 @@ class PoolServerProcess:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="vllm-bridge-bench-router-"))
-    server = PoolServerProcess(tmp)
+    other_loop = next(name for name in eventloop.LOOPS if name != args.loop)
+    other_side = f"router, {other_loop} loop"
+    server = PoolServerProcess(tmp / "router", args.loop)
+    servers = [server]
     bares: list[subprocess.Popen[bytes]] = []
     bare_channels: dict[str, grpc.Channel] = {}
     try:
@@ -177,6 +191,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         router_rpc = routed.unary_unary(CALL)
         if pb.CallReply.FromString(router_rpc(payload, metadata=metadata)).value.int != ARGS[0] // ARGS[1]:
             raise AssertionError(f"{TARGET}{ARGS} returned a wrong value through the router")
+        other = PoolServerProcess(tmp / "router-other-loop", other_loop)
+        servers.append(other)
+        routed_other = grpc.insecure_channel(other.address, options=GRPC_OPTIONS)
+        other_rpc = routed_other.unary_unary(CALL)
+        if pb.CallReply.FromString(other_rpc(payload, metadata=metadata)).value.int != ARGS[0] // ARGS[1]:
+            raise AssertionError(f"{TARGET}{ARGS} returned a wrong value through the router ({other_loop})")
         workers = server.status().pools[0].workers
         pinned = next(w for w in workers if w.sessions)      # the worker the "bench" session went to
         channels = {w.id: grpc.insecure_channel(w.address, options=GRPC_OPTIONS) for w in workers}
@@ -186,13 +206,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, upstream in ((BARE_GRPC, pinned.address),
                                (BARE_LANE, "lane:" + lane_path(pinned.address.removeprefix("unix:")))):
             address = f"unix:{tmp / ('bare-lane.sock' if name == BARE_LANE else 'bare-grpc.sock')}"
-            bares.append(start_bare_proxy(address, upstream))
+            bares.append(start_bare_proxy(address, upstream, args.loop))
             bare_channels[name] = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         sides = {DIRECT: lambda: direct_rpc(payload, metadata=metadata),
-                 ROUTER: lambda: router_rpc(payload, metadata=metadata)}
+                 ROUTER: lambda: router_rpc(payload, metadata=metadata),
+                 other_side: lambda: other_rpc(payload, metadata=metadata)}
         for name, ch in bare_channels.items():
             sides[name] = (lambda rpc: lambda: rpc(payload, metadata=metadata))(ch.unary_unary(CALL))
+        # The process in the middle of each side, whose CPU time per call is reported.
+        middles = {ROUTER: psutil.Process(server.proc.pid), other_side: psutil.Process(other.proc.pid),
+                   BARE_GRPC: psutil.Process(bares[0].pid), BARE_LANE: psutil.Process(bares[1].pid)}
+        cpu_before = {name: sum(proc.cpu_times()[:2]) for name, proc in middles.items()}
         lat = interleaved_latencies(sides, rounds=args.rounds, per_round=args.per_round, warmup=args.warmup)
+        served = args.warmup + args.rounds * args.per_round
+        cpu_us = {name: (sum(proc.cpu_times()[:2]) - cpu_before[name]) / served * 1e6
+                  for name, proc in middles.items()}
         for ch in bare_channels.values():
             ch.close()
         for proc in bares:
@@ -218,6 +246,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             caller_index()
             return router_rpc(payload, metadata=local.md)
 
+        def other_many() -> object:
+            caller_index()
+            return other_rpc(payload, metadata=local.md)
+
         # The same calls over one Multiplex stream through the router (each caller its own session):
         # what a client that multiplexes gets, from the Python client (which encodes and decodes).
         mux_client = BridgeClient(server.address)
@@ -227,22 +259,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             i = caller_index()
             return mux.call(TARGET, *ARGS, session_id=f"bench-{i}", pool="bench")
 
-        tput = interleaved_throughput({DIRECT: direct_many, ROUTER: router_many, ROUTER_MUX: router_mux_many},
+        tput = interleaved_throughput({DIRECT: direct_many, ROUTER: router_many, other_side: other_many,
+                                       ROUTER_MUX: router_mux_many},
                                       rounds=args.tp_rounds, concurrency=args.concurrency,
                                       duration_s=args.duration)
         mux.close()
         mux_client.close()
         per_worker = {w.id: w.calls for w in server.status().pools[0].workers}
         routed.close()
+        routed_other.close()
         for ch in channels.values():
             ch.close()
     finally:
         for proc in bares:
             if proc.poll() is None:
                 proc.kill()
-        server.stop()
+        for srv in servers:
+            srv.stop()
 
     stats, tput_median, ratio = compare(lat, tput, ROUTER, DIRECT)
+    _, _, ratio_other = compare(lat, tput, other_side, DIRECT)
     ratio_p50 = ratio["p50"]
     return {
         "benchmark": "router",
@@ -254,12 +290,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             **ratio,
             "throughput": tput_median[ROUTER] / tput_median[DIRECT],
             "throughput_multiplex": tput_median[ROUTER_MUX] / tput_median[DIRECT],
+            "p50_other_loop": ratio_other["p50"],
+            "p99_other_loop": ratio_other["p99"],
+            "throughput_other_loop": tput_median[other_side] / tput_median[DIRECT],
             "p50_bare_grpc_proxy": stats[BARE_GRPC].p50_us / stats[DIRECT].p50_us,
             "p50_bare_lane_proxy": stats[BARE_LANE].p50_us / stats[DIRECT].p50_us,
         },
+        "other_loop": other_loop,
+        "other_side": other_side,
         "router_added_p50_us": stats[ROUTER].p50_us - stats[DIRECT].p50_us,
         "hop_floor_p50_us": stats[BARE_LANE].p50_us - stats[DIRECT].p50_us,
         "router_logic_p50_us": stats[ROUTER].p50_us - stats[BARE_LANE].p50_us,
+        "cpu_us_per_call": cpu_us,
         "throughput_ops_s": {name: {"median": tput_median[name], "rounds": v} for name, v in tput.items()},
         "router_calls_per_worker": per_worker,
         "goal": {"p50_overhead_max": GOAL_P50_OVERHEAD, "met": ratio_p50 <= 1 + GOAL_P50_OVERHEAD},
@@ -272,10 +314,11 @@ def report(res: dict[str, Any]) -> None:
     print(f"\n{TARGET}{ARGS}, {res['payload_bytes']} bytes, through the router vs straight to the worker "
           f"({p['rounds']} interleaved rounds x {p['per_round']} calls per side; throughput: {p['concurrency']} "
           f"callers over 2 workers, median of {p['tp_rounds']} x {p['duration']:g} s)")
+    cpu = res["cpu_us_per_call"]
     rows = [[name, lat[name]["p50_us"], lat[name]["p99_us"], lat[name]["mean_us"],
-             tput[name]["median"] if name in tput else "-"] for name in lat]
-    rows += [[name, "-", "-", "-", tput[name]["median"]] for name in tput if name not in lat]
-    print_table(["side", "p50 us", "p99 us", "mean us", f"ops/s @{p['concurrency']}"], rows)
+             tput[name]["median"] if name in tput else "-", cpu[name] if name in cpu else "-"] for name in lat]
+    rows += [[name, "-", "-", "-", tput[name]["median"], "-"] for name in tput if name not in lat]
+    print_table(["side", "p50 us", "p99 us", "mean us", f"ops/s @{p['concurrency']}", "middle CPU us/call"], rows)
     rr = ratio["p50_per_round"]
     print(f"\nrouter/direct: p50 {ratio['p50']:.2f}x (+{res['router_added_p50_us']:.0f} us; per round: median "
           f"{ratio['p50_per_round_median']:.2f}x, range {min(rr):.2f}-{max(rr):.2f}x), p99 {ratio['p99']:.2f}x, "
@@ -284,6 +327,9 @@ def report(res: dict[str, Any]) -> None:
           f"+{res['hop_floor_p50_us']:.0f} us ({ratio['p50_bare_lane_proxy']:.2f}x direct), the router's own work "
           f"{res['router_logic_p50_us']:+.0f} us; a bare gRPC hop instead of the lane: "
           f"{ratio['p50_bare_grpc_proxy']:.2f}x direct")
+    print(f"the router on {res['other_loop']}'s loop instead of {p['loop']}'s: p50 {ratio['p50_other_loop']:.2f}x direct, "
+          f"p99 {ratio['p99_other_loop']:.2f}x, throughput {ratio['throughput_other_loop']:.2f}x; router CPU per call "
+          f"{cpu[res['other_side']] - cpu[ROUTER]:+.0f} us")
     print(f"throughput over one Multiplex stream through the router: {ratio['throughput_multiplex']:.2f}x direct")
     print(f"calls per worker through the router: {res['router_calls_per_worker']}")
     goal = res["goal"]
@@ -293,7 +339,7 @@ def report(res: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.bare_proxy:
-        asyncio.run(_bare_proxy(*args.bare_proxy))
+        eventloop.run(_bare_proxy(*args.bare_proxy), args.loop)
         return 0
     res = run(args)
     report(res)

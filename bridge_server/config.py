@@ -9,6 +9,7 @@ File layout (every key optional except a pool's `name`)::
     listen = "127.0.0.1:50051"
     metrics_port = 9464          # 0: no metrics endpoint
     grace_s = 30                 # SIGTERM/SIGINT: time in-flight calls get to finish
+    loop = "uvloop"              # the server's event loop: "uvloop" or "asyncio" (see eventloop.py)
     default_pool = "default"     # calls that name no pool
 
     [[pools]]
@@ -25,7 +26,7 @@ File layout (every key optional except a pool's `name`)::
     target = "vllm.AsyncLLMEngine.from_engine_args"
     kwargs = { engine_args = { model = "/models/tiny", dtype = "float32" } }
 
-Command-line overrides: `--listen`, `--metrics-port`, `--grace`, `--default-pool`, the pool shorthands
+Command-line overrides: `--listen`, `--metrics-port`, `--grace`, `--loop`, `--default-pool`, the pool shorthands
 (`--workers`, `--max-concurrent`, `--queue-size`, `--affinity`: every pool) and the general
 `--set POOL.KEY=VALUE` (VALUE in TOML syntax; a bare word is a string; POOL `*` means every pool).
 """
@@ -39,6 +40,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bridge_server.eventloop import DEFAULT_LOOP, LOOPS
 
 AFFINITY_MODES = ("hint", "strict_queue", "strict_fail_fast")
 POOL_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -121,6 +124,7 @@ class ServerConfig:
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
     grace_s: float = 30.0
+    loop: str = DEFAULT_LOOP
     default_pool: str = ""               # empty: the first pool
     pools: list[PoolConfig] = field(default_factory=list)
 
@@ -274,6 +278,8 @@ def validate(cfg: ServerConfig) -> ServerConfig:
         raise ConfigError(f"default_pool {cfg.default_pool!r} is not a pool; pools: {', '.join(seen)}")
     if cfg.metrics_port < 0:
         raise ConfigError("metrics_port must be >= 0")
+    if cfg.loop not in LOOPS:
+        raise ConfigError(f"loop: expected one of {', '.join(LOOPS)}, got {cfg.loop!r}")
     return cfg
 
 
@@ -286,6 +292,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port (0: off)")
     p.add_argument("--metrics-host", default=None)
     p.add_argument("--grace", type=float, default=None, help="seconds in-flight calls get on SIGTERM/SIGINT")
+    p.add_argument("--loop", choices=LOOPS, default=None, help=f"the server's event loop (default {DEFAULT_LOOP})")
     p.add_argument("--default-pool", default=None, help="the pool of calls that name none")
     p.add_argument("--workers", type=int, default=None, help="workers per pool (every pool)")
     p.add_argument("--max-concurrent", type=int, default=None, help="calls per worker at once (every pool)")
@@ -305,7 +312,7 @@ def _toml_value(text: str) -> Any:
 
 def apply_overrides(cfg: ServerConfig, args: argparse.Namespace) -> ServerConfig:
     for attr, key in (("listen", "listen"), ("metrics_port", "metrics_port"), ("metrics_host", "metrics_host"),
-                      ("grace", "grace_s"), ("default_pool", "default_pool")):
+                      ("grace", "grace_s"), ("loop", "loop"), ("default_pool", "default_pool")):
         value = getattr(args, attr, None)
         if value is not None:
             setattr(cfg, key, _coerce(f"--{attr.replace('_', '-')}", value, getattr(ServerConfig(), key)))

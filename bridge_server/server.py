@@ -1,7 +1,8 @@
 """The pool server process: the one address Elixir apps talk to.
 
 It serves `Bridge` (forwarded to the workers by the router), `Pool.Status`, grpc.health.v1 (overall,
-and one service per pool, "pool/<name>") and server reflection, plus Prometheus metrics over HTTP.
+and one service per pool, "pool/<name>") and server reflection, plus Prometheus metrics over HTTP,
+on the configured event loop (uvloop by default, see eventloop.py).
 It owns the order of things: listen first (health NOT_SERVING), start every worker, report SERVING;
 on SIGTERM/SIGINT stop taking calls, give in-flight ones the grace period, then stop every worker.
 """
@@ -19,7 +20,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from bridge_server import eventloop
 from bridge_server.config import ServerConfig
+from bridge_server.eventloop import loop_name
 from bridge_server.forward import SERVICE, Forwarder
 from bridge_server.metrics import Metrics, PoolSnapshot
 from bridge_server.protocol import GRPC_OPTIONS
@@ -105,8 +108,8 @@ class PoolServer:
         await self.server.start()
         if self.config.metrics_port:
             self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
-        log.info("listening on %s (port %d); starting %d pool(s)", self.config.listen, self.port,
-                 len(self.config.pools))
+        log.info("listening on %s (port %d, %s loop); starting %d pool(s)", self.config.listen, self.port,
+                 loop_name(asyncio.get_running_loop()), len(self.config.pools))
         await self.supervisor.start()
         self.state = "serving"
         self._changed()
@@ -194,7 +197,7 @@ async def serve(config: ServerConfig, ready_file: str | None = None) -> None:
 
 
 def run(config: ServerConfig, ready_file: str | None = None) -> int:
-    asyncio.run(serve(config, ready_file))
+    eventloop.run(serve(config, ready_file), config.loop)
     return 0
 
 

@@ -25,6 +25,7 @@ FULL = """
 listen = "127.0.0.1:6000"
 metrics_port = 9464
 grace_s = 12
+loop = "asyncio"
 default_pool = "gen"
 
 [[pools]]
@@ -55,6 +56,7 @@ def test_a_full_file_is_read(tmp_path: Path) -> None:
     (tmp_path / "p.toml").write_text(FULL)
     cfg = load_config(tmp_path / "p.toml")
     assert (cfg.listen, cfg.metrics_port, cfg.grace_s, cfg.default_pool_name) == ("127.0.0.1:6000", 9464, 12.0, "gen")
+    assert cfg.loop == "asyncio"
     gen, tools = cfg.pools
     assert (gen.workers, gen.max_concurrent, gen.queue_size, gen.affinity) == (2, 32, 100, "strict_queue")
     assert gen.env == {"VLLM_CPU_KVCACHE_SPACE": "2"} and gen.recycle_after_calls == 1000
@@ -73,12 +75,13 @@ def test_a_full_file_is_read(tmp_path: Path) -> None:
 def test_every_option_can_be_overridden_on_the_command_line(tmp_path: Path) -> None:
     (tmp_path / "p.toml").write_text(FULL)
     cfg = config_from_args(serve_args("--config", str(tmp_path / "p.toml"), "--listen", "unix:/tmp/r.sock",
-                                      "--metrics-port", "0", "--grace", "3", "--max-concurrent", "8",
+                                      "--metrics-port", "0", "--grace", "3", "--max-concurrent", "8", "--loop", "uvloop",
                                       "--set", "gen.workers=3", "--set", "tools_2.affinity=strict_fail_fast",
                                       "--set", 'gen.worker_args=["--ref-ttl", "5"]', "--set", "*.queue_size=7",
                                       "--set", "gen.env={A = \"1\"}", "--default-pool", "tools_2"))
     gen, tools = cfg.pools
     assert (cfg.listen, cfg.metrics_port, cfg.grace_s, cfg.default_pool_name) == ("unix:/tmp/r.sock", 0, 3.0, "tools_2")
+    assert cfg.loop == "uvloop"
     assert (gen.workers, gen.max_concurrent, gen.queue_size, gen.worker_args, gen.env) == \
         (3, 8, 7, ["--ref-ttl", "5"], {"A": "1"})
     assert (tools.max_concurrent, tools.queue_size, tools.affinity) == (8, 7, "strict_fail_fast")
@@ -93,7 +96,7 @@ def test_the_built_in_default_serves_the_tiny_model() -> None:
     args = engine.kwargs["engine_args"]
     assert Path(args["model"]).is_dir() and args["dtype"] == "float32" and args["max_model_len"] == 256
     assert args["enforce_eager"] is True and args["max_num_seqs"] == 16
-    assert cfg.listen == "127.0.0.1:50051"
+    assert cfg.listen == "127.0.0.1:50051" and cfg.loop == "uvloop"
 
 
 @pytest.mark.parametrize("text,needle", [
@@ -108,6 +111,7 @@ def test_the_built_in_default_serves_the_tiny_model() -> None:
     ('lissen = "x"\n[[pools]]\nname = "a"', "lissen: unknown key"),
     ('default_pool = "b"\n[[pools]]\nname = "a"', "default_pool 'b' is not a pool"),
     ('grace_s = 1', "no pools configured"),
+    ('loop = "trio"\n[[pools]]\nname = "a"', "loop: expected one of uvloop, asyncio, got 'trio'"),
     ('[[pools]\nname = "a"', "p.toml"),
 ])
 def test_a_bad_config_is_refused_naming_the_key(tmp_path: Path, text: str, needle: str) -> None:

@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bridge_server.client import CallError, Target
+from bridge_server.eventloop import LOOPS
 from bridge_server.workerproc import kill_group
 from tests.pool_harness import Gate, PoolServer, group_members, in_thread, open_gates, start_pool_server, wait_until
 
@@ -158,9 +159,12 @@ max_concurrent = 4
 """
 
 
-def test_sigterm_lets_in_flight_calls_finish_then_every_process_is_gone(tmp_path: Path) -> None:
-    server = start_pool_server(tmp_path, CONFIG_SIGTERM)
+@pytest.mark.parametrize("loop", LOOPS)
+def test_sigterm_lets_in_flight_calls_finish_then_every_process_is_gone(tmp_path: Path, loop: str) -> None:
+    """On either event loop the server can run on: routing, signals and the graceful stop."""
+    server = start_pool_server(tmp_path, CONFIG_SIGTERM, "--loop", loop)
     try:
+        assert f"{loop} loop" in server.log_text()
         worker = server.pool("d").workers[0]
         sockets_dir = Path(worker.address.removeprefix("unix:")).parent
         assert sockets_dir.is_dir()
