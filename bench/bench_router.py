@@ -11,22 +11,21 @@ from sync gRPC channels, as raw bytes (no client-side encode/decode to blur the 
 - router  to the pool server, listening on a unix socket too, so that both sides use the same
           transport and the difference is the router hop (metadata routing, slot accounting,
           forwarding, metrics);
-- router on asyncio's loop: a second pool server, the same but with `--loop asyncio` instead of
-          the default uvloop (what the choice of loop is worth, bridge_server/eventloop.py);
+- router, asyncio loop: a second pool server, the same but with `--loop asyncio` instead of the
+          default uvloop (what the choice of loop is worth, bridge_server/eventloop.py);
 - two floors (latency only), each a forwarder with no logic at all, run as its own process on
   the router's event loop (`--bare-proxy LISTEN UPSTREAM`):
   - bare gRPC proxy: bytes in, the same gRPC call to the same worker, bytes out: what a router that
     re-issues each call over gRPC pays for the hop (why the router does not);
   - bare lane proxy: bytes in, the call over the worker's lane (`bridge_server/lane.py`, as the
-    router sends it), bytes out: the floor of the
-    router's own design, which splits its cost into "the hop" and "our logic" (routing, slots,
-    deadlines, metrics).
+    router sends it), bytes out: the floor of the router's own design, which splits its cost into
+    "the hop" and "our logic" (routing, slots, deadlines, metrics).
 
 Latency: sequential calls in interleaved rounds (direct, router, direct, ...) after a warm-up; p50
 and p99 over all rounds. CPU per call: the CPU time of the process in the middle (pool server,
 proxy) over the latency phase, divided by the calls it served. Throughput: a closed loop of 64
-concurrent callers (threads) for each side: through the router each caller has its own session (so sessions spread over the 2 workers); direct,
-callers alternate between the 2 workers. Goal: the router adds at most 30 % to p50.
+concurrent callers (threads) for each side: through the router each caller has its own session (so
+sessions spread over the 2 workers); direct, callers alternate between the 2 workers. Goal: the router adds at most 30 % to p50.
 """
 
 from __future__ import annotations
@@ -57,7 +56,6 @@ from bench.common import (
 )
 from bridge_server import eventloop
 from bridge_server.client import BridgeClient
-from bridge_server.config import ServerConfig
 from bridge_server.lane import open_lane
 from bridge_server.workerproc import lane_path
 from bridge_server.protocol import GRPC_OPTIONS, MD_POOL, MD_SESSION
@@ -130,7 +128,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=64, help="callers in the throughput loop")
     p.add_argument("--duration", type=float, default=2.0, help="seconds per side per throughput round")
     p.add_argument("--tp-rounds", type=int, default=3, help="throughput rounds per side")
-    p.add_argument("--loop", choices=eventloop.LOOPS, default=ServerConfig().loop,
+    p.add_argument("--loop", choices=eventloop.LOOPS, default=eventloop.DEFAULT_LOOP,
                    help="the router's event loop (default %(default)s, the server's default); the comparison "
                         "server runs on the other one")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here as JSON")
