@@ -30,7 +30,7 @@ from bridge_server.catalog import Catalog, Entry, Kind
 from bridge_server.codec import Encoder
 from bridge_server.decoder import Decoder
 from bridge_server.errors import BridgeError
-from bridge_server.protocol import Deadlines
+from bridge_server.protocol import Deadlines, with_deadline
 from bridge_server.refs import RefRegistry
 from bridge_server.watchdog import Watchdog
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -185,7 +185,7 @@ class Invoker:
         else:
             thunk = functools.partial(plan.fn, *args, **kwargs) if args or kwargs else plan.fn
         if plan.exclusive:
-            await _with_deadline(self._exclusive_lock.acquire(), deadline, plan.label, "waiting for the exclusive lane")
+            await with_deadline(self._exclusive_lock.acquire(), deadline, plan.label, "waiting for the exclusive lane")
             try:
                 return await self._run_unlocked(plan, thunk, deadline, self._exclusive_lane)
             finally:
@@ -199,14 +199,14 @@ class Invoker:
         else:
             result = await self._in_thread(lane, thunk, deadline, plan.label)
         if inspect.isawaitable(result):
-            result = await _with_deadline(result, deadline, plan.label)
+            result = await with_deadline(result, deadline, plan.label)
         return result
 
     async def _in_thread(self, lane: ThreadPoolExecutor, thunk: Callable[[], Any], deadline: float | None,
                          label: str) -> Any:
         job = lane.submit(thunk)
         try:
-            return await _with_deadline(asyncio.wrap_future(job), deadline, label)
+            return await with_deadline(asyncio.wrap_future(job), deadline, label)
         except BaseException:
             if not job.done() and not job.cancel():   # already running: cannot be pre-empted
                 loop = asyncio.get_running_loop()
@@ -395,15 +395,3 @@ def _short_repr(obj: object) -> str:
     except Exception:
         text = f"<{type(obj).__qualname__}>"
     return text if len(text) <= 200 else text[:197] + "..."
-
-
-async def _with_deadline(aw: Any, at: float | None, label: str, doing: str = "running") -> Any:
-    """Awaits within a deadline. asyncio.timeout, not wait_for: no extra task per await, which
-    matters once per streamed item."""
-    if at is None:
-        return await aw
-    try:
-        async with asyncio.timeout_at(asyncio.get_running_loop().time() + (at - time.monotonic())):
-            return await aw
-    except TimeoutError:
-        raise BridgeError.timeout(f"{label}: deadline exceeded while {doing}", target=label) from None

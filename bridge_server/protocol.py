@@ -1,5 +1,5 @@
-"""The parts of the wire contract that live outside the .proto: metadata keys, runtime options and
-timeout profiles.
+"""The parts of the wire contract that live outside the .proto: metadata keys, runtime options,
+timeout profiles, and the await that keeps a call's deadline.
 
 Runtime options travel as gRPC metadata rather than inside the payload so that a router can route a
 call (by session, pool, affinity, refs) without decoding it, and so that they mean the same thing
@@ -8,11 +8,13 @@ for unary and streaming calls.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from bridge_server.errors import BridgeError
 
@@ -199,3 +201,16 @@ def resolve_deadlines(opts: RuntimeOptions, grpc_remaining_s: float | None, targ
         return Deadlines(call=now + explicit, total=now + explicit, stream_idle_s=idle)
     call = None if profile.call_s is None else now + profile.call_s
     return Deadlines(call=call, total=None, stream_idle_s=idle)
+
+
+async def with_deadline(aw: Any, at: float | None, label: str, doing: str = "running") -> Any:
+    """Awaits within a deadline (monotonic `at`), failing with the bridge's own timeout error that
+    names `label`. asyncio.timeout, not wait_for: no extra task per await, which matters once per
+    streamed item."""
+    if at is None:
+        return await aw
+    try:
+        async with asyncio.timeout_at(asyncio.get_running_loop().time() + (at - time.monotonic())):
+            return await aw
+    except TimeoutError:
+        raise BridgeError.timeout(f"{label}: deadline exceeded while {doing}", target=label) from None
