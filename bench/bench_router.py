@@ -25,7 +25,8 @@ Latency: sequential calls in interleaved rounds (direct, router, direct, ...) af
 and p99 over all rounds. CPU per call: the CPU time of the process in the middle (pool server,
 proxy) over the latency phase, divided by the calls it served. Throughput: a closed loop of 64
 concurrent callers (threads) for each side: through the router each caller has its own session (so
-sessions spread over the 2 workers); direct, callers alternate between the 2 workers. Goal: the router adds at most 30 % to p50.
+sessions spread over the 2 workers); direct, callers alternate between the 2 workers. Goal: the
+router adds at most 30 % to p50.
 """
 
 from __future__ import annotations
@@ -325,8 +326,9 @@ def report(res: dict[str, Any]) -> None:
           f"+{res['hop_floor_p50_us']:.0f} us ({ratio['p50_bare_lane_proxy']:.2f}x direct), the router's own work "
           f"{res['router_logic_p50_us']:+.0f} us; a bare gRPC hop instead of the lane: "
           f"{ratio['p50_bare_grpc_proxy']:.2f}x direct")
-    print(f"the router on {res['other_loop']}'s loop instead of {p['loop']}'s: p50 {ratio['p50_other_loop']:.2f}x direct, "
-          f"p99 {ratio['p99_other_loop']:.2f}x, throughput {ratio['throughput_other_loop']:.2f}x; router CPU per call "
+    print(f"the router on {res['other_loop']}'s loop instead of {p['loop']}'s: "
+          f"p50 {ratio['p50_other_loop']:.2f}x direct, p99 {ratio['p99_other_loop']:.2f}x, "
+          f"throughput {ratio['throughput_other_loop']:.2f}x; router CPU per call "
           f"{cpu[res['other_side']] - cpu[ROUTER]:+.0f} us")
     print(f"throughput over one Multiplex stream through the router: {ratio['throughput_multiplex']:.2f}x direct")
     print(f"calls per worker through the router: {res['router_calls_per_worker']}")

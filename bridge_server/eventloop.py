@@ -4,8 +4,8 @@ Why it is a choice at all, and why uvloop by default: a call through the pool se
 loop turns and socket reads in the server (the caller's gRPC call, the lane write, the lane reply,
 the gRPC reply), and on our machines asyncio's pure-Python loop spends ~0.1 ms more CPU per
 forwarded call than libuv's, which shows as ~8 points of router overhead at p50 and ~12 points of
-throughput (`bench_router` runs both in the same run). asyncio's loop stays available for debugging (its debug mode, its tooling) and for
-platforms without uvloop.
+throughput (`bench_router` runs both in the same run). asyncio's loop stays available for debugging
+(its debug mode, its tooling) and for platforms without uvloop.
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ from grpc_reflection.v1alpha import reflection
 
 from bridge_server import eventloop
 from bridge_server.config import ServerConfig
-from bridge_server.eventloop import loop_name
 from bridge_server.forward import SERVICE, Forwarder
 from bridge_server.metrics import Metrics, PoolSnapshot
 from bridge_server.protocol import GRPC_OPTIONS
@@ -109,7 +108,7 @@ class PoolServer:
         if self.config.metrics_port:
             self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
         log.info("listening on %s (port %d, %s loop); starting %d pool(s)", self.config.listen, self.port,
-                 loop_name(asyncio.get_running_loop()), len(self.config.pools))
+                 eventloop.loop_name(asyncio.get_running_loop()), len(self.config.pools))
         await self.supervisor.start()
         self.state = "serving"
         self._changed()
