@@ -20,6 +20,9 @@ from vllm_bridge.v1 import bridge_pb2 as pb
 
 log = logging.getLogger("vllm_bridge.worker")
 
+# The trailer of the standard rich error model.
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
 # Python exception types whose meaning maps onto a more specific status than UNKNOWN.
 _PY_STATUS: dict[str, grpc.StatusCode] = {
     "ValueError": grpc.StatusCode.INVALID_ARGUMENT,
@@ -136,10 +139,18 @@ def server_error(exc: BaseException, label: str) -> BridgeError:
 
 
 def detail_from_rpc_error(err: grpc.RpcError) -> pb.ErrorDetail | None:
-    """The ErrorDetail a bridge server attached to a failed call, if any (client side)."""
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    if status is None:
+    """The ErrorDetail a bridge server attached to a failed call, if any (client side).
+
+    The trailer is read directly rather than through `rpc_status.from_call`, which raises when the
+    status line differs from the rich status: that happens when the caller's own deadline fires
+    while the server's named deadline error is already on its way, and the call must still end in
+    a clean `CallError` carrying the server's detail.
+    """
+    raw = next((value for key, value in err.trailing_metadata() or ()  # type: ignore[attr-defined]
+                if key == STATUS_DETAILS_KEY), None)
+    if raw is None:
         return None
+    status = status_pb2.Status.FromString(raw)
     for any_msg in status.details:
         if any_msg.Is(pb.ErrorDetail.DESCRIPTOR):
             detail = pb.ErrorDetail()

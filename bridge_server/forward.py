@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from bridge_server.collective import run_collective
-from bridge_server.errors import BridgeError, mux_error_status, status_code
+from bridge_server.errors import STATUS_DETAILS_KEY, BridgeError, mux_error_status, status_code
 from bridge_server.lane import STREAM_WINDOW, LaneClosed
 from bridge_server.metrics import Metrics
 from bridge_server.mux_forward import forward_multiplex
@@ -54,7 +54,7 @@ def _forwarded(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[tuple
 
 
 def _has_details(err: grpc.aio.AioRpcError) -> bool:
-    return any(k == "grpc-status-details-bin" for k, _ in err.trailing_metadata() or ())
+    return any(k == STATUS_DETAILS_KEY for k, _ in err.trailing_metadata() or ())
 
 
 def crashed(backend: Backend, reason: str = "") -> BridgeError:
