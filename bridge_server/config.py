@@ -112,7 +112,7 @@ class PoolConfig:
     restart_window_s: float = 60.0
     recycle_after_calls: int = 0         # 0: never
     recycle_after_s: float = 0.0         # 0: never
-    drain_timeout_s: float = 60.0        # a recycled worker's in-flight calls get this long
+    drain_timeout_s: float = 60.0        # a recycled worker's calls finish and refs are released within this
     worker_grace_s: float = 10.0         # the worker's own grace on SIGTERM
     log_dir: str = ""                    # per-worker log files here; empty: inherit the server's
     distributed: DistributedConfig | None = None   # the workers are the ranks of one group

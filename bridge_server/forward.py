@@ -27,6 +27,7 @@ from bridge_server.errors import STATUS_DETAILS_KEY, BridgeError, mux_error_stat
 from bridge_server.lane import STREAM_WINDOW, LaneClosed
 from bridge_server.metrics import Metrics
 from bridge_server.mux_forward import forward_multiplex
+from bridge_server.protocol import MD_WORKER_REFS
 from bridge_server.router import Backend, Flight, Router, pool_error, read_route, time_left
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -47,6 +48,18 @@ def make_stubs(channel: grpc.aio.Channel) -> dict[str, Any]:
     over its lane (Call, Stream and Multiplex do; Collective's per-rank calls use Call here)."""
     return {CALL: channel.unary_unary(CALL), RELEASE: channel.unary_unary(RELEASE),
             DESCRIBE: channel.unary_unary(DESCRIBE)}
+
+
+async def release_on(backend: Backend, request: pb.ReleaseRequest, metadata: Sequence[tuple[str, str | bytes]],
+                     timeout: float | None) -> int:
+    """Releases refs on one worker and notes how many it still holds, which is what a recycled
+    worker's drain waits on. An empty request releases nothing and only asks for the count."""
+    call = backend.stubs[RELEASE](request.SerializeToString(), metadata=metadata, timeout=timeout)
+    raw = await call
+    held = (await call.trailing_metadata() or grpc.aio.Metadata()).get(MD_WORKER_REFS)
+    if held is not None:
+        backend.refs = int(held)
+    return int(pb.ReleaseReply.FromString(raw).released)
 
 
 def _forwarded(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[tuple[str, str | bytes]]:
@@ -292,12 +305,11 @@ class Forwarder:
             sub = pb.ReleaseRequest(ref_ids=by_worker.get(b.id, []),
                                     session_id=req.session_id if b in session_backends else "")
             try:
-                raw = await b.stubs[RELEASE](sub.SerializeToString(), metadata=fwd, timeout=timeout)
+                return await release_on(b, sub, fwd, timeout)
             except grpc.aio.AioRpcError as err:
                 if err.code() in _TRANSPORT_CODES and not _has_details(err):
                     return 0      # a worker that is going away takes its refs with it
                 raise
-            return int(pb.ReleaseReply.FromString(raw).released)
 
         try:
             counts = await asyncio.gather(*(one(b) for b in targets.values()))

@@ -37,6 +37,13 @@ max_concurrent = 8
 recycle_after_calls = 40
 
 [[pools]]
+name = "rt"
+workers = 1
+max_concurrent = 4
+recycle_after_calls = 3
+drain_timeout_s = 1
+
+[[pools]]
 name = "broken"
 workers = 1
 worker_args = ["--no-such-option"]
@@ -124,6 +131,7 @@ def test_a_worker_is_recycled_after_its_calls_and_drained_first(server: PoolServ
     assert first.id == "r-0-g1"
     gate = Gate()
     with server.client(pool="r", session_id="recycle") as c:
+        ref = c.call(PC)
         slow = in_thread(lambda: c.call(*gate.args(), affinity="strict_queue"))
         wait_until(lambda: server.pool("r").in_flight == 1, what="a slow call on the first worker")
         # Calls keep succeeding while the replacement starts and the first worker drains.
@@ -144,10 +152,35 @@ def test_a_worker_is_recycled_after_its_calls_and_drained_first(server: PoolServ
         assert c.call(PC, affinity="hint").worker_id == "r-0-g2"
         open_gates([gate])
         assert slow.done.wait(30) and slow.error is None, slow.error
+        # Its calls are done, but a client still holds refs there (the config, and the group the slow
+        # call returned): it stays, and calls on them keep reaching it until they are released.
+        wait_until(lambda: server.pool("r").in_flight == 0, what="the slow call done")
+        time.sleep(1.5)     # three of the drain's looks at the worker's refs
+        workers = {w.id: w for w in server.pool("r").workers}
+        assert workers["r-0-g1"].state == "draining" and workers["r-0-g1"].refs == 2
+        assert c.call(Target.get(ref, "world_size")) == 1
+        assert c.release(ref) == 1      # the router notes what the worker still holds
+        assert {w.id: w.refs for w in server.pool("r").workers}["r-0-g1"] == 1
+        assert c.release(slow.value) == 1
         wait_until(lambda: "r-0-g1" not in {w.id for w in server.pool("r").workers}, timeout=30,
                    what="the recycled worker gone")
         wait_until(lambda: not group_members(first.pid), timeout=5, what="its process group gone")
         assert server.pool("r").restarts == 0     # a recycle is not a crash
+
+
+def test_a_recycled_worker_whose_refs_are_kept_past_the_drain_timeout_stops_and_they_are_lost(
+        server: PoolServer) -> None:
+    with server.client(pool="rt") as c:
+        ref = c.call(PC)
+        assert ref.worker_id == "rt-0-g1"
+        assert [c.call(DIVIDE, 8, 2) for _ in range(2)] == [4, 4]      # its 3rd call: due for recycling
+        wait_until(lambda: "rt-0-g1" not in {w.id for w in server.pool("rt").workers}, timeout=120,
+                   what="the recycled worker gone after its 1 s drain")
+        with pytest.raises(CallError) as err:
+            c.call(Target.get(ref, "world_size"))
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.reason == "worker lost"
+        assert ref.id in err.value.details and "recycled with 1 live ref" in err.value.details
+        assert c.call(DIVIDE, 8, 2) == 4 and server.pool("rt").restarts == 0
 
 
 CONFIG_SIGTERM = """
