@@ -110,6 +110,7 @@ class PoolConfig:
     restart_backoff_max_s: float = 30.0
     max_restarts: int = 5                # more crashes than this within the window: degraded
     restart_window_s: float = 60.0
+    degraded_retry_s: float = 300.0      # a degraded pool tries its failed workers again this often; 0: never
     recycle_after_calls: int = 0         # 0: never
     recycle_after_s: float = 0.0         # 0: never
     drain_timeout_s: float = 60.0        # a recycled worker's calls finish and refs are released within this
@@ -258,6 +259,9 @@ def validate(cfg: ServerConfig) -> ServerConfig:
         seen.add(p.name)
         if p.workers < 1 or p.max_concurrent < 1 or p.queue_size < 0:
             raise ConfigError(f"pool {p.name!r}: workers and max_concurrent must be >= 1, queue_size >= 0")
+        for key, value in vars(p).items():
+            if key.endswith("_s") and isinstance(value, (int, float)) and value < 0:
+                raise ConfigError(f"pool {p.name!r}: {key} must be >= 0, got {value:g}")
         if p.affinity not in AFFINITY_MODES:
             raise ConfigError(f"pool {p.name!r}: affinity {p.affinity!r}; expected one of {', '.join(AFFINITY_MODES)}")
         d = p.distributed

@@ -8,7 +8,7 @@ An exit watcher per process reacts the moment the process ends: it kills the res
 group (vLLM's engine-core children), fails its in-flight calls ("worker crashed") through the router,
 and records the crash. Each pool slot then restarts its worker with exponential backoff; more than
 `max_restarts` crashes of a pool within `restart_window_s` mark it degraded, and it stops restarting
-rather than loop.
+rather than loop, but for one fresh try of its failed workers every `degraded_retry_s`.
 
 Recycling (after a number of calls or a lifetime) starts the replacement first, then drains the old
 worker (no new calls except those bound to it by refs or strict sessions) until its calls are done
@@ -80,6 +80,7 @@ class PoolSupervisor:
         self.procs: list[WorkerProc] = []
         self.crashes: deque[float] = deque()
         self.degraded = ""
+        self.degraded_at = 0.0       # when it was degraded, or last tried again
         self.stopping = False
         self._stopping = asyncio.Event()
         self._seq = 0
@@ -132,6 +133,8 @@ class PoolSupervisor:
             slot.task = asyncio.get_running_loop().create_task(self._run_slot(slot))
         if self.config.recycle_after_calls or self.config.recycle_after_s:
             self._task(self._recycle_check())
+        if self.config.degraded_retry_s:
+            self._task(self._retry_when_degraded())
 
     async def wait_settled(self) -> None:
         await asyncio.gather(*(s.settled.wait() for s in self.slots))
@@ -231,6 +234,12 @@ class PoolSupervisor:
                              make_stubs(channel), lane=lane)
         self.router.add_backend(wp.backend)
         log.info("pool %s: worker %s ready (pid %d) in %.1f s", self.name, wp.id, wp.pid, time.monotonic() - wp.started)
+        if self.degraded and (self.config.distributed is None or all(s.state == READY for s in self.slots)):
+            log.warning("pool %s recovered: %s started again after the pool was degraded (%s)", self.name, wp.id,
+                        self.degraded)
+            self.degraded = ""
+            self.crashes.clear()
+            self.router.pools[self.name].set_unavailable("")
         self.on_change()
         return wp
 
@@ -269,8 +278,34 @@ class PoolSupervisor:
         if len(self.crashes) > self.config.max_restarts and not self.degraded and not self.stopping:
             self.degraded = (f"{len(self.crashes)} worker crashes within {window:g} s (max_restarts "
                              f"{self.config.max_restarts}); last: {wp.id} {wp.exit_description}")
-            log.error("pool %s degraded: %s", self.name, self.degraded)
+            self.degraded_at = now
+            retry = self.config.degraded_retry_s
+            log.error("pool %s degraded: %s; %s", self.name, self.degraded,
+                      f"its failed workers are tried again every {retry:g} s" if retry else "it stays so")
             self.router.pools[self.name].set_unavailable(f"the pool is degraded: {self.degraded}")
+
+    async def _retry_when_degraded(self) -> None:
+        """A degraded pool tries its failed workers again every `degraded_retry_s`: what made them
+        crash (a full disk, a port or a device held by another job, a model being replaced) may be
+        gone, and healing a pool should not need a restart of the server and all its other pools.
+        A try is one start per failed worker; a crash in it leaves the pool degraded until the next."""
+        retry = self.config.degraded_retry_s
+        while not self.stopping:
+            await asyncio.sleep(min(1.0, retry))
+            if not self.degraded or self.stopping or time.monotonic() - self.degraded_at < retry:
+                continue
+            failed = [s for s in self.slots if s.state == FAILED and (s.task is None or s.task.done())]
+            if not failed:
+                continue
+            self.degraded_at = time.monotonic()
+            log.warning("pool %s: degraded for %g s; starting %d failed worker(s) again", self.name, retry, len(failed))
+            if self.config.distributed is not None:
+                self.group_port = _free_port()
+            for slot in failed:
+                slot.crashes.clear()
+                slot.restarts += 1
+                self.metrics.restarts.labels(self.name).inc()
+                slot.task = asyncio.get_running_loop().create_task(self._run_slot(slot))
 
     async def _recycle_check(self) -> None:
         cfg = self.config

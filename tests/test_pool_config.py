@@ -112,6 +112,7 @@ def test_the_built_in_default_serves_the_tiny_model() -> None:
     ('default_pool = "b"\n[[pools]]\nname = "a"', "default_pool 'b' is not a pool"),
     ('grace_s = 1', "no pools configured"),
     ('loop = "trio"\n[[pools]]\nname = "a"', "loop: expected one of uvloop, asyncio, got 'trio'"),
+    ('[[pools]]\nname = "a"\ndegraded_retry_s = -1', "pool 'a': degraded_retry_s must be >= 0, got -1"),
     ('[[pools]\nname = "a"', "p.toml"),
 ])
 def test_a_bad_config_is_refused_naming_the_key(tmp_path: Path, text: str, needle: str) -> None:

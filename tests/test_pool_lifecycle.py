@@ -126,6 +126,43 @@ def test_a_pool_that_keeps_crashing_is_degraded_instead_of_restarting_forever(se
         assert err.value.code == grpc.StatusCode.UNAVAILABLE and "degraded" in err.value.details
 
 
+CONFIG_HEAL = """
+[[pools]]
+name = "heal"
+workers = 1
+restart_backoff_s = 0.05
+max_restarts = 1
+degraded_retry_s = 1
+log_dir = "{logs}"
+"""
+
+
+def test_a_degraded_pool_tries_again_and_serves_once_its_workers_start(tmp_path: Path) -> None:
+    # Its worker cannot start while a file stands where its log folder should be.
+    logs = tmp_path / "logs"
+    logs.touch()
+    server = start_pool_server(tmp_path, CONFIG_HEAL.replace("{logs}", str(logs)))
+    try:
+        pool = server.pool("heal")
+        assert pool.state == "degraded" and "could not start" in pool.workers[0].last_exit, pool
+        wait_until(lambda: server.pool("heal").restarts >= 3, timeout=120, what="two more tries, a second apart")
+        assert server.pool("heal").state == "degraded"
+        with server.client(pool="heal") as c:
+            with pytest.raises(CallError) as err:
+                c.call(DIVIDE, 4, 2)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE and "degraded" in err.value.details
+            logs.unlink()
+            wait_until(lambda: server.pool("heal").state == "serving", timeout=120, what="the pool serving again")
+            assert c.call(DIVIDE, 4, 2) == 2
+        assert "pool heal recovered" in server.log_text()
+        assert (logs / f"{server.pool('heal').workers[0].id}.log").is_file()
+        with grpc.insecure_channel(server.address) as ch:
+            check = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="pool/heal"), timeout=5)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop()
+
+
 def test_a_worker_is_recycled_after_its_calls_and_drained_first(server: PoolServer) -> None:
     first = server.pool("r").workers[0]
     assert first.id == "r-0-g1"
