@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.common import ROOT
+from bench.common import ROOT, exit_on_sigterm
 
 BENCH_DIR = Path(__file__).resolve().parent
 
@@ -54,13 +54,20 @@ def resolve(name: str, available: Sequence[str]) -> str:
 def run_one(module: str, args: Sequence[str]) -> int:
     print(f"=== {module} ===", flush=True)
     t0 = time.monotonic()
-    rc = subprocess.call([sys.executable, "-c", _RUNNER, module, *args], cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", _RUNNER, module, *args], cwd=ROOT)
+    try:
+        rc = proc.wait()
+    except BaseException:        # SIGTERM or Ctrl-C here: the benchmark stops its servers, then we go
+        proc.terminate()
+        proc.wait(60)
+        raise
     status = "ok" if rc == 0 else f"FAILED (exit {rc})"
     print(f"=== {module}: {status} in {time.monotonic() - t0:.1f} s ===\n", flush=True)
     return rc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_on_sigterm()
     available = discover()
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("name", nargs="?", help=f"one benchmark ({', '.join(available) or 'none found'})")

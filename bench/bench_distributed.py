@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bench.common import ROOT, free_port, machine_info, print_table, wait_healthy, write_json
+from bench.common import ROOT, exit_on_sigterm, free_port, machine_info, print_table, wait_healthy, write_json
 
 SIZES = {"1 MiB": 1 << 20, "64 MiB": 64 << 20}
 
@@ -149,6 +149,7 @@ def report(res: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(prog="python -m bench.bench_distributed", description=__doc__)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--json", default=None)

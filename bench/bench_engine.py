@@ -77,7 +77,8 @@ from typing import Any
 
 import psutil
 
-from bench.common import ROOT, free_port, machine_info, percentile, print_table, start_worker, write_json
+from bench.common import (ROOT, exit_on_sigterm, free_port, machine_info, percentile, print_table, start_worker,
+                          write_json)
 
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
        "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -726,6 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_on_sigterm()
     args = build_parser().parse_args(argv)
     if args.phase == "in-process":
         spec = json.loads(args.phase_workload)

@@ -48,6 +48,7 @@ import psutil
 
 from bench.common import (
     ROOT,
+    exit_on_sigterm,
     compare,
     interleaved_latencies,
     interleaved_throughput,
@@ -337,6 +338,7 @@ def report(res: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_on_sigterm()
     args = parse_args(argv)
     if args.bare_proxy:
         eventloop.run(_bare_proxy(*args.bare_proxy), args.loop)

@@ -28,6 +28,7 @@ import grpc
 
 from bench.common import (
     echo_call,
+    exit_on_sigterm,
     compare,
     interleaved_latencies,
     interleaved_throughput,
@@ -137,6 +138,7 @@ def report(res: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_on_sigterm()
     args = parse_args(argv)
     res = run(args)
     report(res)

@@ -51,6 +51,15 @@ Call = Callable[[], object]
 
 # ------------------------------------------------------------------------------------- processes
 
+def exit_on_sigterm() -> None:
+    """SIGTERM ends a benchmark as Ctrl-C does: by an exception in the main thread, so its `finally`
+    blocks stop the servers it started. Python's own SIGTERM ends the process on the spot, and those
+    servers, each in a session of its own, would outlive it (a worker and its engine core)."""
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, _exit)
+
+
 def free_port() -> int:
     """A port that was free a moment ago (the server binds it with so_reuseport off, so a clash fails
     loudly instead of two servers silently sharing it)."""
