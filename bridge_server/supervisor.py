@@ -29,21 +29,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from bridge_server.config import PoolConfig, ServerConfig
-from bridge_server.forward import make_stubs, release_on
+from bridge_server.drain import drain
+from bridge_server.forward import make_stubs
 from bridge_server.lane import open_lane
 from bridge_server.metrics import Metrics
 from bridge_server.router import DRAINING, READY, Backend, Router
 from bridge_server.workerproc import (EXITED, STARTING, WorkerProc, describe_exit, kill_group, spawn, terminate,
                                       wait_ready)
-from vllm_bridge.v1 import bridge_pb2 as pb
 
 log = logging.getLogger("vllm_bridge.supervisor")
 
 BACKOFF, FAILED = "backoff", "failed"
-REF_POLL_S = 0.5     # how often a draining worker with no calls left is asked for its live refs
 
 
 def _free_port() -> int:
@@ -322,38 +319,17 @@ class PoolSupervisor:
                     wp.recycle.set()
 
     async def _retire(self, wp: WorkerProc) -> None:
-        """Drains a recycled worker, then stops it.
-
-        Draining waits for its in-flight calls and for its live refs: a ref is state a client still
-        means to use (the router keeps sending calls on it here), and stopping the worker would turn
-        it into "worker lost". `drain_timeout_s` bounds the wait, since a client may never release.
-        """
+        """Drains a recycled worker (its calls done, its refs released: `drain.py`), then stops it."""
         b = wp.backend
         if b is not None:
             b.state = DRAINING
             wp.state = DRAINING
             self.on_change()
-            deadline = time.monotonic() + self.config.drain_timeout_s
-            while time.monotonic() < deadline and not wp.exited.is_set():
-                if not b.in_flight and await self._refs_held(b) == 0:
-                    break
-                await asyncio.sleep(0.05 if b.in_flight else REF_POLL_S)
-            wp.exit_description = "recycled"
+            wp.exit_description = await drain(b, wp.exited, self.config.drain_timeout_s)
             if b.refs > 0 and not wp.exited.is_set():
-                wp.exit_description = (f"recycled with {b.refs} live ref{'s' if b.refs > 1 else ''} "
-                                       f"after drain_timeout_s {self.config.drain_timeout_s:g} s")
                 log.warning("pool %s: worker %s %s; calls that use them will fail with 'worker lost'",
                             self.name, wp.id, wp.exit_description)
         await self.stop_proc(wp)
-
-    async def _refs_held(self, b: Backend) -> int | None:
-        """The refs the worker holds now, asked of the worker (refs also go by idle TTL, unseen by
-        the router); None when it does not answer."""
-        try:
-            await release_on(b, pb.ReleaseRequest(), (), REF_POLL_S * 4)
-        except grpc.aio.AioRpcError:
-            return None
-        return b.refs
 
     async def stop_proc(self, wp: WorkerProc) -> None:
         if wp.backend is not None:
