@@ -48,8 +48,8 @@ import psutil
 
 from bench.common import (
     ROOT,
-    exit_on_sigterm,
     compare,
+    exit_on_sigterm,
     interleaved_latencies,
     interleaved_throughput,
     machine_info,

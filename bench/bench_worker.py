@@ -28,8 +28,8 @@ import grpc
 
 from bench.common import (
     echo_call,
-    exit_on_sigterm,
     compare,
+    exit_on_sigterm,
     interleaved_latencies,
     interleaved_throughput,
     machine_info,

@@ -10,6 +10,7 @@ lost" errors quote.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
@@ -17,6 +18,8 @@ import grpc
 from bridge_server.forward import release_on
 from bridge_server.router import Backend
 from vllm_bridge.v1 import bridge_pb2 as pb
+
+log = logging.getLogger("vllm_bridge.supervisor")
 
 REF_POLL_S = 0.5     # how often a worker with no calls left is asked for its live refs
 
@@ -40,6 +43,9 @@ async def drain(backend: Backend, exited: asyncio.Event, timeout_s: float) -> st
             break
         await asyncio.sleep(0.05 if backend.in_flight else REF_POLL_S)
     if backend.refs > 0 and not exited.is_set():
-        return (f"recycled with {backend.refs} live ref{'s' if backend.refs > 1 else ''} "
-                f"after drain_timeout_s {timeout_s:g} s")
+        why = (f"recycled with {backend.refs} live ref{'s' if backend.refs > 1 else ''} "
+               f"after drain_timeout_s {timeout_s:g} s")
+        log.warning("pool %s: worker %s %s; calls that use them will fail with 'worker lost'", backend.pool,
+                    backend.id, why)
+        return why
     return "recycled"

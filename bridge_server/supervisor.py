@@ -326,9 +326,6 @@ class PoolSupervisor:
             wp.state = DRAINING
             self.on_change()
             wp.exit_description = await drain(b, wp.exited, self.config.drain_timeout_s)
-            if b.refs > 0 and not wp.exited.is_set():
-                log.warning("pool %s: worker %s %s; calls that use them will fail with 'worker lost'",
-                            self.name, wp.id, wp.exit_description)
         await self.stop_proc(wp)
 
     async def stop_proc(self, wp: WorkerProc) -> None:
