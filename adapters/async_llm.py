@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from adapters.spec import AdapterSpec, Constructor, RecordType
-from bridge_server.errors import BridgeError
+from bridge_server.wire.errors import BridgeError
 
 log = logging.getLogger("vllm_bridge.engine")
 PREFIX = "vllm.AsyncLLMEngine"

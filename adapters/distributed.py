@@ -8,7 +8,7 @@ arithmetic helpers are pure; the cheapest of them run inline on the event loop.
 from collections.abc import Mapping
 
 from adapters.spec import AdapterSpec
-from bridge_server.errors import BridgeError
+from bridge_server.wire.errors import BridgeError
 
 
 def _vllm_names_only(receiver: object, args: Mapping[str, object]) -> None:

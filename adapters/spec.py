@@ -9,8 +9,8 @@ invoker never needs to know which surface an entry came from.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 # A guard runs before the call with the receiver and the bound arguments, and raises BridgeError to
 # refuse it; it may be a coroutine function (to ask the engine something first).

@@ -77,8 +77,16 @@ from typing import Any
 
 import psutil
 
-from bench.common import (ROOT, exit_on_sigterm, free_port, machine_info, percentile, print_table, start_worker,
-                          write_json)
+from bench.common import (
+    ROOT,
+    exit_on_sigterm,
+    free_port,
+    machine_info,
+    percentile,
+    print_table,
+    start_worker,
+    write_json,
+)
 
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
        "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -331,9 +339,9 @@ def _inspect_value(value: Any) -> tuple[int, float | None]:
 def _bridge_request(work: Workload, kind: str) -> tuple[Callable[[str, str], Any], tuple[tuple[str, str], ...]]:
     """What both bridge transports send: a builder of `generate`'s CallRequest for (request id, prompt),
     with the sampling params encoded once, and the call's metadata."""
-    from bridge_server.client import Target
-    from bridge_server.codec import Encoder
-    from bridge_server.protocol import RuntimeOptions, to_metadata
+    from bridge_server.client.client import Target
+    from bridge_server.wire.codec import Encoder
+    from bridge_server.wire.protocol import RuntimeOptions, to_metadata
     from vllm_bridge.v1 import bridge_pb2 as pb
 
     def no_refs(obj: object) -> pb.Ref:
@@ -354,7 +362,7 @@ def _bridge_request(work: Workload, kind: str) -> tuple[Callable[[str, str], Any
 async def bridge_measure(work: Workload, address: str, kind: str, roles: Roles) -> dict[str, Any]:
     import grpc
 
-    from bridge_server.protocol import GRPC_OPTIONS
+    from bridge_server.wire.protocol import GRPC_OPTIONS
 
     make_request, metadata = _bridge_request(work, kind)
     delta = kind == "delta"
@@ -384,7 +392,7 @@ async def bridge_mux_measure(work: Workload, address: str, kind: str, roles: Rol
     """The same requests over one `Multiplex` stream, as a client that runs many at once would send them."""
     import grpc
 
-    from bridge_server.protocol import GRPC_OPTIONS
+    from bridge_server.wire.protocol import GRPC_OPTIONS
     from vllm_bridge.v1 import bridge_pb2 as pb
 
     make_request, metadata = _bridge_request(work, kind)
@@ -737,7 +745,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     if args.model is None:
-        from bridge_server.tiny_model import ensure_tiny_model
+        from bridge_server.tools.tiny_model import ensure_tiny_model
         args.model = str(ensure_tiny_model())
     cores = len(os.sched_getaffinity(0))
     reserved = args.reserved_cpus if args.reserved_cpus is not None else (1 if cores >= 2 else 0)

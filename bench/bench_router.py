@@ -12,12 +12,12 @@ from sync gRPC channels, as raw bytes (no client-side encode/decode to blur the 
           transport and the difference is the router hop (metadata routing, slot accounting,
           forwarding, metrics);
 - router, asyncio loop: a second pool server, the same but with `--loop asyncio` instead of the
-          default uvloop (what the choice of loop is worth, bridge_server/eventloop.py);
+          default uvloop (what the choice of loop is worth, bridge_server/wire/eventloop.py);
 - two floors (latency only), each a forwarder with no logic at all, run as its own process on
   the router's event loop (`--bare-proxy LISTEN UPSTREAM`):
   - bare gRPC proxy: bytes in, the same gRPC call to the same worker, bytes out: what a router that
     re-issues each call over gRPC pays for the hop (why the router does not);
-  - bare lane proxy: bytes in, the call over the worker's lane (`bridge_server/lane.py`, as the
+  - bare lane proxy: bytes in, the call over the worker's lane (`bridge_server/pool/lane.py`, as the
     router sends it), bytes out: the floor of the router's own design, which splits its cost into
     "the hop" and "our logic" (routing, slots, deadlines, metrics).
 
@@ -56,11 +56,11 @@ from bench.common import (
     print_table,
     write_json,
 )
-from bridge_server import eventloop
-from bridge_server.client import BridgeClient
-from bridge_server.lane import open_lane
-from bridge_server.workerproc import lane_path
-from bridge_server.protocol import GRPC_OPTIONS, MD_POOL, MD_SESSION
+from bridge_server.client.client import BridgeClient
+from bridge_server.pool.lane import open_lane
+from bridge_server.pool.workerproc import lane_path
+from bridge_server.wire import eventloop
+from bridge_server.wire.protocol import GRPC_OPTIONS, MD_POOL, MD_SESSION
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import pool_pb2 as ppb
 from vllm_bridge.v1 import pool_pb2_grpc as ppb_grpc

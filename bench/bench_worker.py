@@ -27,8 +27,8 @@ from typing import Any
 import grpc
 
 from bench.common import (
-    echo_call,
     compare,
+    echo_call,
     exit_on_sigterm,
     interleaved_latencies,
     interleaved_throughput,
@@ -38,8 +38,8 @@ from bench.common import (
     start_worker,
     write_json,
 )
-from bridge_server.client import BridgeClient
-from bridge_server.protocol import GRPC_OPTIONS
+from bridge_server.client.client import BridgeClient
+from bridge_server.wire.protocol import GRPC_OPTIONS
 
 TARGET = "vllm.distributed.divide"
 ARGS = (6, 3)

@@ -152,7 +152,7 @@ async def serve_echo(listen: str) -> None:
     """Runs the echo server (with the standard health service, so `wait_healthy` works) until SIGTERM."""
     from grpc_health.v1 import health
 
-    from bridge_server.protocol import GRPC_OPTIONS
+    from bridge_server.wire.protocol import GRPC_OPTIONS
 
     async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return request

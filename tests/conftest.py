@@ -91,6 +91,6 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
 
 @pytest.fixture()
 def client(worker: WorkerProcess) -> Iterator[object]:
-    from bridge_server.client import BridgeClient
+    from bridge_server.client.client import BridgeClient
     with BridgeClient(worker.address) as c:
         yield c

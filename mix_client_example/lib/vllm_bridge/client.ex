@@ -13,7 +13,7 @@ defmodule VllmBridge.Client do
   alias VllmBridge.V1, as: PB
   alias VllmBridge.V1.Bridge.Stub
 
-  # `__runtime__` option -> metadata key (bridge_server/protocol.py). `timeout` is the gRPC deadline.
+  # `__runtime__` option -> metadata key (bridge_server/wire/protocol.py). `timeout` is the gRPC deadline.
   @metadata %{
     session_id: "x-bridge-session",
     timeout_profile: "x-bridge-timeout-profile",

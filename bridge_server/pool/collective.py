@@ -1,0 +1,177 @@
+"""Collectives: one call run on every rank of a pool at once, the results returned in rank order.
+
+A torch.distributed collective blocks until every rank of the group has entered it, so the router
+sends the call to all ranks together, and two collectives on one pool never overlap: each takes the
+pool's collective lock, so every rank sees collectives in the same order.
+
+How a collective fails matters more than how it succeeds. When every rank fails the same way (a bad
+argument, say), nothing is left behind and the first rank's error is returned. When some ranks fail
+or die while others are still inside the collective, those others are stuck waiting for peers that
+will never come: the caller gets an error naming the failed rank at once, and the pool restarts the
+whole group, since a group cannot continue with a missing rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+
+from bridge_server.pool.poolstate import Backend, Flight, PoolRouter, pool_error
+from bridge_server.pool.router import Route, Router, read_route
+from bridge_server.wire.errors import BridgeError, detail_from_rpc_error
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+CALL = "/vllm_bridge.v1.Bridge/Call"
+# After a first rank fails, how long the others get to fail too before they count as stuck.
+SETTLE_S = 0.5
+
+
+class _RankFailed(Exception):
+    """One rank's failure, kept raw until every rank has settled and the cause can be told apart."""
+
+    def __init__(self, rank: int, backend: Backend, flight: Flight, err: grpc.aio.AioRpcError | None) -> None:
+        super().__init__(f"rank {rank} failed")
+        self.rank, self.backend, self.flight, self.err = rank, backend, flight, err
+
+    @property
+    def died(self) -> bool:
+        return bool(self.flight.failed) or self.err is None or (
+            self.err.code() == grpc.StatusCode.UNAVAILABLE and detail_from_rpc_error(self.err) is None)
+
+    def priority(self) -> int:
+        """Which failure explains the others: a rank that died on its own, then a rank's Python
+        error, then ranks stopped because the group is restarting."""
+        if self.died:
+            return 2 if _GROUP_STOP in self.backend.exit_reason else 0
+        return 1
+
+    def error(self) -> BridgeError:
+        return _rank_error(self.rank, self.backend, self.flight, self.err)
+
+
+_GROUP_STOP = "stopped to restart the group"
+
+
+def _rank_error(rank: int, backend: Backend, flight: Flight, err: grpc.aio.AioRpcError | None) -> BridgeError:
+    """The failure of one rank, named: the worker's own error (its detail kept), or its death."""
+    if flight.failed or err is None or (err.code() == grpc.StatusCode.UNAVAILABLE
+                                        and detail_from_rpc_error(err) is None):
+        why = f" ({backend.exit_reason})" if backend.exit_reason else ""
+        return pool_error(grpc.StatusCode.UNAVAILABLE, f"rank {rank} (worker {backend.id}) died during the "
+                          f"collective: {flight.failed or 'worker crashed'}{why}", "rank failed", "worker")
+    detail = detail_from_rpc_error(err)
+    out = BridgeError(err.code(), detail.category if detail else "grpc_error",
+                      f"rank {rank} (worker {backend.id}): {err.details()}", reason="rank failed")
+    if detail is not None:
+        out.python_type, out.traceback, out.target, out.parameter = (detail.python_type, detail.traceback,
+                                                                     detail.target, detail.parameter)
+    return out
+
+
+async def _on_rank(rank: int, backend: Backend, payload: bytes, metadata: list[tuple[str, Any]],
+                   timeout: float | None) -> bytes:
+    flight = Flight()
+    backend.flights.add(flight)      # a worker's death fails this at once (supervisor's exit watcher)
+    backend.in_flight += 1
+    try:
+        upstream = backend.stubs[CALL](payload, metadata=metadata, timeout=timeout)
+        flight.call = upstream
+        try:
+            reply: bytes = await upstream
+            return reply
+        except asyncio.CancelledError:
+            if flight.failed:
+                raise _RankFailed(rank, backend, flight, None) from None
+            raise
+        except grpc.aio.AioRpcError as err:
+            raise _RankFailed(rank, backend, flight, err) from None
+    finally:
+        backend.flights.discard(flight)
+        backend.in_flight -= 1
+
+
+def _payloads(request: pb.CollectiveRequestView, pool: PoolRouter) -> tuple[list[bytes], str]:
+    """The per-rank CallRequest payloads, as bytes; only the target (for messages) is decoded."""
+    ranks = pool.config.workers
+    if request.per_rank:
+        if len(request.per_rank) != ranks:
+            raise BridgeError.validation(f"Collective: per_rank has {len(request.per_rank)} calls, but pool "
+                                         f"{pool.name!r} has {ranks} ranks", parameter="per_rank")
+        payloads = list(request.per_rank)
+    elif request.call:
+        payloads = [request.call] * ranks
+    else:
+        raise BridgeError.validation("Collective: give `call` (the same call on every rank) or `per_rank`",
+                                     parameter="call")
+    return payloads, _target_name(payloads[0])
+
+
+def _target_name(payload: bytes) -> str:
+    """For messages: the target of a serialized CallRequest, without parsing its arguments' values
+    (the unknown argument fields are skipped, not decoded)."""
+    return pb.CallTargetView.FromString(payload).target.name or "call"
+
+
+def _remaining(route: Route) -> float | None:
+    return None if route.deadline is None else max(0.0, route.deadline - time.monotonic())
+
+
+async def run_collective(router: Router, request: bytes, context: grpc.aio.ServicerContext,
+                         forwarded: list[tuple[str, Any]]) -> tuple[str, bytes]:
+    """Returns (pool name, CollectiveReply bytes); raises BridgeError."""
+    route = read_route(context.invocation_metadata(), context.time_remaining())
+    pool = router.pool(route.opts.pool)
+    payloads, label = _payloads(pb.CollectiveRequestView.FromString(request), pool)
+    try:
+        await asyncio.wait_for(pool.collective_lock.acquire(), _remaining(route))
+    except TimeoutError:
+        raise BridgeError.timeout(f"collective {label}: deadline exceeded waiting for pool {pool.name!r}'s "
+                                  f"previous collective", target=label) from None
+    try:
+        backends = pool.group()
+        upstream_timeout = _remaining(route) if route.explicit_deadline else None
+        tasks = [asyncio.create_task(_on_rank(r, b, payloads[r], forwarded, upstream_timeout))
+                 for r, b in enumerate(backends)]
+        try:
+            return pool.name, await _gather(tasks, route, label, pool)
+        finally:
+            for t in tasks:
+                t.cancel()
+    finally:
+        pool.collective_lock.release()
+
+
+async def _gather(tasks: list[asyncio.Task[bytes]], route: Route, label: str, pool: PoolRouter) -> bytes:
+    done, pending = await asyncio.wait(tasks, timeout=_remaining(route), return_when=asyncio.FIRST_EXCEPTION)
+    failed = [t for t in done if t.exception() is not None]
+    if failed and pending:        # the others may only be waiting for the failed rank: give them a moment
+        more, pending = await asyncio.wait(pending, timeout=SETTLE_S)
+        done |= more
+        failed = [t for t in done if t.exception() is not None]
+    if failed:
+        errors = [t.exception() for t in failed]
+        for e in errors:
+            if not isinstance(e, _RankFailed):
+                raise e  # type: ignore[misc]
+        ranked: list[_RankFailed] = [e for e in errors if isinstance(e, _RankFailed)]
+        dead = [e.backend.died.wait() for e in ranked if e.died]
+        if dead:    # let the supervisor record why they died before choosing the cause
+            await asyncio.wait([asyncio.ensure_future(d) for d in dead], timeout=SETTLE_S)
+        first = min(ranked, key=lambda e: (e.priority(), e.rank))
+        error = first.error()
+        restarting = bool(pending) or any(e.priority() == 2 for e in ranked) or any(e.died for e in ranked)
+        if pending:
+            stuck = sorted(tasks.index(t) for t in pending)
+            pool.restart_group(f"collective {label} failed on rank {first.rank} while rank(s) "
+                               f"{', '.join(map(str, stuck))} were still in it")
+        error.message = f"collective {label}: {error.message}" + ("; the group is restarting" if restarting else "")
+        error.target = error.target or label
+        raise error
+    if pending:
+        stuck = sorted(tasks.index(t) for t in pending)
+        raise BridgeError.timeout(f"collective {label}: deadline exceeded with rank(s) {', '.join(map(str, stuck))} "
+                                  f"still running", target=label)
+    return pb.CollectiveReplyView(results=[t.result() for t in tasks]).SerializeToString()

@@ -1,0 +1,365 @@
+"""Forwarding: the router's `Bridge` service, moving request and reply bytes between caller and worker.
+
+The service is registered as a generic handler with identity serializers, so payloads pass through
+as bytes, never decoded (except `Release`, whose ref ids must be split between their workers).
+`Call`, `Stream` and `Multiplex` go to the worker over its lane (`lane.py`); the rest over the
+worker's gRPC service. What crosses the hop besides the bytes: the caller's options (x-bridge-*
+metadata), its deadline minus the time it waited in the queue, its cancellation, a stream's flow
+control (as lane credit), and the worker's errors, rebuilt as the status the worker's own RPC gives.
+
+A worker that dies mid-call must not leave its callers hanging: its lane closes, or the
+supervisor's exit watcher fails every tracked `Flight` of that worker, and the handler turns either
+into UNAVAILABLE "worker crashed".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from bridge_server.pool.collective import run_collective
+from bridge_server.pool.lane import STREAM_WINDOW, LaneClosed
+from bridge_server.pool.metrics import Metrics
+from bridge_server.pool.multiplex import forward_multiplex
+from bridge_server.pool.poolstate import Backend, Flight, pool_error
+from bridge_server.pool.router import Router, read_route, time_left
+from bridge_server.wire.errors import STATUS_DETAILS_KEY, BridgeError, mux_error_status, status_code
+from bridge_server.wire.protocol import MD_WORKER_REFS
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+log = logging.getLogger("vllm_bridge.router")
+
+SERVICE = "vllm_bridge.v1.Bridge"
+CALL, RELEASE, DESCRIBE = (f"/{SERVICE}/{m}" for m in ("Call", "Release", "Describe"))
+_DROP_KEYS = ("user-agent",)
+# Transport-level failures of a worker's gRPC service (Release): the worker is going away.
+_TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+                    grpc.StatusCode.UNKNOWN)
+_DEATH_WAIT_S = 0.5
+_CREDIT_EVERY = STREAM_WINDOW // 2   # stream items given back to the worker at a time
+
+
+def make_stubs(channel: grpc.aio.Channel) -> dict[str, Any]:
+    """Bytes-in, bytes-out multicallables for one worker, made once per worker, for what does not go
+    over its lane (Call, Stream and Multiplex do; Collective's per-rank calls use Call here)."""
+    return {CALL: channel.unary_unary(CALL), RELEASE: channel.unary_unary(RELEASE),
+            DESCRIBE: channel.unary_unary(DESCRIBE)}
+
+
+async def release_on(backend: Backend, request: pb.ReleaseRequest, metadata: Sequence[tuple[str, str | bytes]],
+                     timeout: float | None) -> int:
+    """Releases refs on one worker and notes how many it still holds, which is what a recycled
+    worker's drain waits on. An empty request releases nothing and only asks for the count."""
+    call = backend.stubs[RELEASE](request.SerializeToString(), metadata=metadata, timeout=timeout)
+    raw = await call
+    held = (await call.trailing_metadata() or grpc.aio.Metadata()).get(MD_WORKER_REFS)
+    if held is not None:
+        backend.refs = int(held)
+    return int(pb.ReleaseReply.FromString(raw).released)
+
+
+def _forwarded(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[tuple[str, str | bytes]]:
+    return [(k, v) for k, v in metadata or () if k not in _DROP_KEYS and not k.startswith(("grpc-", ":"))]
+
+
+def _has_details(err: grpc.aio.AioRpcError) -> bool:
+    return any(k == STATUS_DETAILS_KEY for k, _ in err.trailing_metadata() or ())
+
+
+def crashed(backend: Backend, reason: str = "") -> BridgeError:
+    """The error of a call whose worker ended under it: "worker crashed", or "worker stopped" when
+    the supervisor stopped it (a recycled worker that outlived its drain timeout)."""
+    reason = reason or "worker crashed"
+    why = f" ({backend.exit_reason})" if backend.exit_reason else ""
+    verb = "was stopped" if reason == "worker stopped" else "died"
+    return pool_error(grpc.StatusCode.UNAVAILABLE, f"{reason}: worker {backend.id} {verb} while running this call{why}",
+                      reason, "worker")
+
+
+class _Outcome:
+    """What a handler records for metrics: the pool that served the call and its status code."""
+
+    __slots__ = ("pool", "code")
+
+    def __init__(self) -> None:
+        self.pool = "-"
+        self.code = "CANCELLED"      # unless the handler gets further
+
+
+class Forwarder:
+    def __init__(self, router: Router, metrics: Metrics) -> None:
+        self.router = router
+        self.metrics = metrics
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Call": grpc.unary_unary_rpc_method_handler(self.call),
+            "Stream": grpc.unary_stream_rpc_method_handler(self.stream),
+            "Release": grpc.unary_unary_rpc_method_handler(self.release),
+            "Describe": grpc.unary_unary_rpc_method_handler(self.describe),
+            "Collective": grpc.unary_unary_rpc_method_handler(self.collective),
+            "Multiplex": grpc.stream_stream_rpc_method_handler(self.multiplex),
+        })
+
+    # ------------------------------------------------------------------------------------ helpers
+    @staticmethod
+    async def _abort(context: grpc.aio.ServicerContext, out: _Outcome, exc: BaseException) -> None:
+        """Every failure of the router itself leaves as a rich status."""
+        if isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError)):
+            return
+        if context.cancelled():
+            # The caller went away (a stream its consumer stopped early): a write that fails now is
+            # the cancellation, not a router failure, and there is nobody left to tell.
+            out.code = "CANCELLED"
+            return
+        if isinstance(exc, BridgeError):
+            err = exc
+        else:
+            log.error("router failure", exc_info=exc)
+            err = BridgeError(grpc.StatusCode.INTERNAL, "pool", f"router failure: {type(exc).__name__}: {exc}",
+                              reason="router failure")
+        out.code = err.code.name
+        await context.abort_with_status(err.to_status())
+
+    @staticmethod
+    async def _lane_error(err: pb.MuxError, context: grpc.aio.ServicerContext, out: _Outcome) -> None:
+        """The worker's error, as its own Call or Stream RPC would have ended."""
+        out.code = status_code(err.code).name
+        await context.abort_with_status(mux_error_status(err))
+
+    # ------------------------------------------------------------------------------------ Call
+    async def call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        # One coroutine, and no await before the call reaches the worker's lane unless it must queue:
+        # this is the hot path, and every extra step shows in the router's share of the latency.
+        t0 = time.perf_counter()
+        out = _Outcome()
+        try:
+            md = context.invocation_metadata()
+            route = read_route(md, context.time_remaining())
+            plan = self.router.plan(route)
+            pool = plan.pool
+            backend = pool.take(plan) or await pool.wait(plan, route.deadline)
+            self.router.placed(plan, backend)
+            out.pool = pool.name
+            flight = Flight()
+            backend.flights.add(flight)
+            lane = backend.lane
+            try:
+                try:
+                    lc = lane.start(request, md, timeout_s=time_left(route))
+                    flight.call = lc
+                    if lane.framed.paused:
+                        await lane.drain()
+                    event = await lc.next()
+                except asyncio.CancelledError:
+                    if flight.failed:
+                        raise crashed(backend, flight.failed) from None
+                    if flight.call is not None:
+                        flight.call.cancel()
+                    raise
+                except LaneClosed as exc:
+                    raise await _lane_failure(backend, flight, str(exc)) from None
+                backend.refs = lane.refs
+                if event.WhichOneof("kind") == "value":
+                    out.code = "OK"
+                    reply: bytes = pb.CallReplyView(value=event.value).SerializeToString()
+                    return reply
+                await self._lane_error(event.error, context, out)
+                raise AssertionError("unreachable: abort raises")
+            finally:
+                backend.flights.discard(flight)
+                pool.release(backend)
+        except BaseException as exc:
+            await self._abort(context, out, exc)
+            raise
+        finally:
+            # Counted just after the reply has gone out, not before: the caller need not wait for it.
+            asyncio.get_running_loop().call_soon(self.metrics.observe_call, out.pool, "Call", out.code,
+                                                 time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------------------------ Collective
+    async def collective(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        t0 = time.perf_counter()
+        out = _Outcome()
+        try:
+            out.pool, reply = await run_collective(self.router, request, context,
+                                                   _forwarded(context.invocation_metadata()))
+            out.code = "OK"
+            return reply
+        except BaseException as exc:
+            await self._abort(context, out, exc)
+            raise
+        finally:
+            self.metrics.observe_call(out.pool, "Collective", out.code, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------------------------ Stream
+    async def stream(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        t0 = time.perf_counter()
+        out = _Outcome()
+        items = self._stream(request, context, out)
+        try:
+            async for item in items:
+                yield item
+        except BaseException as exc:
+            await self._abort(context, out, exc)
+            raise
+        finally:
+            await items.aclose()       # now, not at garbage collection: it frees the worker slot
+            self.metrics.observe_call(out.pool, "Stream", out.code, time.perf_counter() - t0)
+
+    async def _stream(self, request: bytes, context: grpc.aio.ServicerContext,
+                      out: _Outcome) -> AsyncGenerator[bytes, None]:
+        md = context.invocation_metadata()
+        route = read_route(md, context.time_remaining())
+        pool, backend = await self.router.acquire(route)
+        out.pool = pool.name
+        flight = Flight()
+        backend.flights.add(flight)
+        lane = backend.lane
+        lc = None
+        try:
+            try:
+                lc = lane.start(request, md, stream=True, window=STREAM_WINDOW, timeout_s=time_left(route))
+                flight.call = lc
+                index = taken = 0
+                while (event := await lc.next()).WhichOneof("kind") == "value":
+                    # Written to the caller once the generator resumes: gRPC's flow control, passed on
+                    # to the worker as credit.
+                    yield pb.StreamItemView(index=index, value=event.value).SerializeToString()
+                    index += 1
+                    taken += 1
+                    if taken == _CREDIT_EVERY:
+                        lc.credit(taken)
+                        taken = 0
+            except asyncio.CancelledError:
+                if flight.failed:
+                    raise crashed(backend, flight.failed) from None
+                raise
+            except LaneClosed as exc:
+                raise await _lane_failure(backend, flight, str(exc)) from None
+            backend.refs = lane.refs
+            if event.WhichOneof("kind") == "error":
+                await self._lane_error(event.error, context, out)
+            out.code = "OK"
+        finally:
+            if lc is not None:
+                lc.cancel()       # the caller went away first (or the call ended, then this does nothing)
+            backend.flights.discard(flight)
+            pool.release(backend)
+
+    # ------------------------------------------------------------------------------------ Multiplex
+    async def multiplex(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
+                        ) -> AsyncIterator[bytes]:
+        t0 = time.perf_counter()
+        out = _Outcome()
+        replies = forward_multiplex(self.router, requests, context, _lane_failure)
+        try:
+            async for reply in replies:
+                yield reply
+            out.code = "OK"
+        except BaseException as exc:
+            await self._abort(context, out, exc)
+            raise
+        finally:
+            await replies.aclose()     # now: it frees the worker slots of calls still running
+            self.metrics.observe_call(out.pool, "Multiplex", out.code, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------------------------ Release
+    async def release(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        t0 = time.perf_counter()
+        out = _Outcome()
+        try:
+            return await self._release(request, context, out)
+        except BaseException as exc:
+            await self._abort(context, out, exc)
+            raise
+        finally:
+            self.metrics.observe_call(out.pool, "Release", out.code, time.perf_counter() - t0)
+
+    async def _release(self, request: bytes, context: grpc.aio.ServicerContext, out: _Outcome) -> bytes:
+        """Each worker gets its own refs; a session release goes to every worker of the pool (of
+        every pool when the caller names none), and unpins the session."""
+        md = context.invocation_metadata()
+        route = read_route(md, context.time_remaining())
+        req = pb.ReleaseRequest.FromString(request)
+        by_worker: dict[str, list[str]] = {}
+        for ref in req.ref_ids:
+            by_worker.setdefault(ref.partition(".")[0], []).append(ref)
+        pools = [self.router.pool(route.opts.pool)] if route.opts.pool else list(self.router.pools.values())
+        out.pool = pools[0].name if len(pools) == 1 else "-"
+        targets: dict[str, Backend] = {b_id: b for b_id in by_worker if (b := self.router.backends.get(b_id))}
+        session_backends: set[Backend] = set()
+        if req.session_id:
+            for p in pools:
+                p.unpin(req.session_id)
+                session_backends.update(p.backends)
+            targets.update((b.id, b) for b in session_backends)
+        fwd = _forwarded(md)
+        timeout = time_left(route)
+
+        async def one(b: Backend) -> int:
+            sub = pb.ReleaseRequest(ref_ids=by_worker.get(b.id, []),
+                                    session_id=req.session_id if b in session_backends else "")
+            try:
+                return await release_on(b, sub, fwd, timeout)
+            except grpc.aio.AioRpcError as err:
+                if err.code() in _TRANSPORT_CODES and not _has_details(err):
+                    return 0      # a worker that is going away takes its refs with it
+                raise
+
+        try:
+            counts = await asyncio.gather(*(one(b) for b in targets.values()))
+        except grpc.aio.AioRpcError as err:
+            out.code = err.code().name
+            await context.abort(err.code(), err.details() or "", tuple(err.trailing_metadata() or ()))
+            raise
+        out.code = "OK"
+        reply: bytes = pb.ReleaseReply(released=sum(counts)).SerializeToString()
+        return reply
+
+    # ------------------------------------------------------------------------------------ Describe
+    async def describe(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        t0 = time.perf_counter()
+        out = _Outcome()
+        try:
+            md = context.invocation_metadata()
+            route = read_route(md, context.time_remaining())
+            backend = self.router.any_backend(route.opts.pool)
+            out.pool = backend.pool
+            try:
+                reply: bytes = await backend.stubs[DESCRIBE](request, metadata=_forwarded(md),
+                                                             timeout=time_left(route))
+            except grpc.aio.AioRpcError as err:
+                out.code = err.code().name
+                await context.abort(err.code(), err.details() or "", tuple(err.trailing_metadata() or ()))
+                raise
+            out.code = "OK"
+            return reply
+        except BaseException as exc:
+            await self._abort(context, out, exc)
+            raise
+        finally:
+            self.metrics.observe_call(out.pool, "Describe", out.code, time.perf_counter() - t0)
+
+
+async def _lane_failure(backend: Backend, flight: Flight, reason: str) -> BridgeError:
+    """A lane that closes under its calls: the worker died (say so), or, rarely, the socket failed."""
+    if flight.failed or await _died_within(backend, _DEATH_WAIT_S):
+        return crashed(backend, flight.failed)
+    return pool_error(grpc.StatusCode.UNAVAILABLE, f"worker {backend.id}: the connection to it failed ({reason})",
+                      "worker connection lost", "worker")
+
+
+async def _died_within(backend: Backend, seconds: float) -> bool:
+    if backend.died.is_set():
+        return True
+    try:
+        await asyncio.wait_for(backend.died.wait(), seconds)
+    except asyncio.TimeoutError:
+        return False
+    return True

@@ -1,0 +1,185 @@
+"""The pool server's end of a worker's lane (`wire/framing.py`): Bridge's Multiplex messages over a
+plain unix socket, one connection for every call the router sends that worker.
+
+Closing the connection ends every call on it: the router's calls raise `LaneClosed` (the forwarder
+turns that into "worker crashed" when the worker died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from bridge_server.wire.framing import Framed, LaneClosed
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+__all__ = ["Lane", "LaneCall", "LaneClosed", "STREAM_WINDOW", "open_lane"]
+
+STREAM_WINDOW = 32         # stream items a worker may send ahead of the router's caller (when it gave none)
+
+
+# A `start` goes out in two encoded parts: the call itself (with the time it has left), then its
+# options. A parser merges repeated occurrences of a message field, so the parts concatenated read
+# as one `MuxRequest`, and the options part, which callers repeat call after call, is encoded once
+# per distinct set instead of once per call.
+@functools.lru_cache(maxsize=4096)
+def _options_part(metadata: tuple[tuple[str, str | bytes], ...]) -> bytes:
+    """A call's options for the worker: its x-bridge-* metadata."""
+    options = {k: v for k, v in metadata if k.startswith("x-bridge-") and isinstance(v, str)}
+    part: bytes = pb.MuxRequestView(start=pb.MuxStartView(metadata=options)).SerializeToString()
+    return part
+
+
+class LaneCall:
+    """One call on a lane: the router awaits its events in order (`next`), or has them handed to
+    `on_event` as they arrive (and the connection's end to `on_lost`)."""
+
+    __slots__ = ("id", "stream", "_lane", "_events", "_waiter", "_ended", "_cancelled", "_lost", "on_event",
+                 "on_lost")
+
+    def __init__(self, lane: Lane, call_id: int, stream: bool) -> None:
+        self.id = call_id
+        self.stream = stream
+        self._lane = lane
+        self._events: deque[Any] = deque()      # pb.MuxEventView
+        self._waiter: asyncio.Future[None] | None = None
+        self._ended = False                     # the worker sent its last event, or the call was cancelled
+        self._cancelled = False
+        self._lost = ""
+        self.on_event: Callable[[Any], None] | None = None
+        self.on_lost: Callable[[str], None] | None = None
+
+    def _push(self, event: Any) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
+            return
+        self._events.append(event)
+        self._wake()
+
+    def _wake(self, cancel: bool = False) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            if cancel:
+                waiter.cancel()
+            else:
+                waiter.set_result(None)
+
+    def _close(self, reason: str) -> None:
+        self._lost = reason
+        if self.on_lost is not None:
+            self.on_lost(reason)
+        self._wake()
+
+    async def next(self) -> Any:
+        """The call's next `MuxEventView`; raises `LaneClosed` if the connection ended first, and
+        CancelledError once `cancel` was called."""
+        while not self._events or self._cancelled:
+            if self._cancelled:
+                raise asyncio.CancelledError
+            if self._lost:
+                raise LaneClosed(self._lost)
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._events.popleft()
+
+    def credit(self, events: int) -> None:
+        """The consumer took `events` items of a windowed stream: the worker may send that many more."""
+        if not self._ended and not self._lost:
+            with contextlib.suppress(LaneClosed):
+                self._lane.send(pb.MuxRequestView(credit=pb.MuxCredit(id=self.id, events=events)))
+
+    def cancel(self) -> None:
+        """Like a grpc.aio call's cancel: a pending `next` raises CancelledError, and the worker
+        cancels the call (vLLM aborts its request). Nothing more arrives for it."""
+        if self._ended:
+            return
+        self._ended = self._cancelled = True
+        self._lane.forget(self)
+        self._send_cancel()
+        self._wake(cancel=True)
+
+    def ask_to_cancel(self) -> None:
+        """Asks the worker to cancel the call, and goes on listening: its last event (normally a
+        CANCELLED error) still arrives."""
+        if not self._ended:
+            self._send_cancel()
+
+    def _send_cancel(self) -> None:
+        if not self._lost:
+            with contextlib.suppress(LaneClosed):
+                self._lane.send(pb.MuxRequestView(cancel=self.id))
+
+
+class Lane:
+    """The router's end of one worker's lane."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.framed = Framed(self._on_frame, self._on_lost)
+        self.calls: dict[int, LaneCall] = {}
+        self.refs = -1            # the worker's live refs, as its last reply said
+        self._next_id = 0
+
+    @property
+    def closed(self) -> str:
+        return self.framed.lost
+
+    def start(self, call: bytes, metadata: Iterable[tuple[str, str | bytes]], stream: bool = False, window: int = 0,
+              timeout_s: float | None = None, on_event: Callable[[Any], None] | None = None,
+              on_lost: Callable[[str], None] | None = None) -> LaneCall:
+        """Starts a call (a serialized CallRequest) with Call's or Stream's semantics. `metadata` is
+        the caller's (only its x-bridge-* options go on); `timeout_s` the time the call has left."""
+        self._next_id += 1
+        lc = LaneCall(self, self._next_id, stream)
+        lc.on_event, lc.on_lost = on_event, on_lost
+        head = pb.MuxRequestView(start=pb.MuxStartView(id=lc.id, call=call, stream=stream, window=window,
+                                                       time_left_ms=0 if timeout_s is None else timeout_s * 1000))
+        self.framed.send(head.SerializeToString(),
+                         _options_part(metadata if isinstance(metadata, tuple) else tuple(metadata or ())))
+        self.calls[lc.id] = lc
+        return lc
+
+    def send(self, request: Any) -> None:
+        self.framed.send(request.SerializeToString())
+
+    async def drain(self) -> None:
+        await self.framed.drain()
+
+    def forget(self, lc: LaneCall) -> None:
+        if self.calls.get(lc.id) is lc:
+            del self.calls[lc.id]
+
+    def _on_frame(self, frame: bytes) -> None:
+        try:
+            reply = pb.MuxReplyView.FromString(frame)
+        except Exception as exc:
+            self.framed.close(f"unreadable reply from the worker: {exc}")
+            return
+        self.refs = reply.worker_refs
+        calls = self.calls
+        for event in reply.events:
+            lc = calls.get(event.id)
+            if lc is None:
+                continue        # cancelled by the router; the worker's last word on it is moot
+            if not lc.stream or event.WhichOneof("kind") != "value":
+                del calls[event.id]
+                lc._ended = True
+            lc._push(event)
+
+    def _on_lost(self, reason: str) -> None:
+        calls, self.calls = self.calls, {}
+        for lc in calls.values():
+            lc._close(reason)
+
+    def close(self) -> None:
+        self.framed.close("the lane was closed by the router")
+
+
+async def open_lane(path: str) -> Lane:
+    lane = Lane(path)
+    await asyncio.get_running_loop().create_unix_connection(lambda: lane.framed, path)
+    return lane

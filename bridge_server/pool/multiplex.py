@@ -1,0 +1,256 @@
+"""The pool server's side of `Bridge/Multiplex`.
+
+Each call of a client's Multiplex stream is routed on its own, as a plain call would be (its pool,
+session, affinity and refs, read from the RPC's metadata overlaid with the call's), holds a worker
+slot until it ends, and runs on that worker's lane (`lane.py`) like a plain Call or Stream: the
+client's call ids map to lane calls, and its cancels and credits follow them. Requests are read as
+views (the call stays bytes), events are re-addressed to the client's ids as bytes, and whatever
+arrives during one loop turn leaves as one reply.
+
+Flow control: a stream the client gave a window keeps it, on the lane, with the client's credits; a
+stream without one gets the router's window, credited as its replies are written to the client. So
+a slow client holds at most a window of items per stream in the router, and holds up nobody else on
+the worker's lane. A worker that dies ends its calls with "worker crashed", as for plain calls, and
+the client's other calls go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from bridge_server.pool.lane import STREAM_WINDOW, LaneCall, LaneClosed
+from bridge_server.pool.poolstate import Backend, Flight, Plan, PoolRouter
+from bridge_server.pool.router import Route, Router, read_route, time_left
+from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.protocol import time_left_s
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+__all__ = ["forward_multiplex"]
+
+Failure = Callable[[Backend, Flight, str], Awaitable[BridgeError]]
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+
+@dataclass(eq=False)
+class _Running:
+    """One client call placed on a worker."""
+
+    client_id: int
+    pool: PoolRouter
+    backend: Backend
+    flight: Flight
+    own_window: bool              # the router's window, credited as replies are written
+    lc: LaneCall | None = None
+    ended: bool = False
+
+
+class _FlightHook:
+    """What `Backend.fail_flights` cancels when the worker dies: the call reports it."""
+
+    __slots__ = ("on_fail",)
+
+    def __init__(self, on_fail: Callable[[], None]) -> None:
+        self.on_fail = on_fail
+
+    def cancel(self) -> None:
+        self.on_fail()
+
+
+async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
+                            failure: Failure) -> AsyncGenerator[bytes, None]:
+    """Yields the replies of one client Multiplex stream until it half-closes and every call ends.
+    `failure` says what a call whose worker's lane closed must report, as for plain calls."""
+    loop = asyncio.get_running_loop()
+    defaults = tuple((k, v) for k, v in context.invocation_metadata() or () if k.startswith("x-bridge-"))
+    out: asyncio.Queue[tuple[bytes, list[tuple[_Running, int]]] | None] = asyncio.Queue()
+    batch = pb.MuxReplyView()
+    credit: dict[_Running, int] = {}           # items in `batch` of streams on the router's window
+    flushing = False
+    running: dict[int, _Running] = {}          # by client call id
+    queued: dict[int, asyncio.Task[None]] = {} # calls waiting for a worker slot
+    idle = asyncio.Event()
+    idle.set()
+    tasks: set[asyncio.Task[None]] = set()
+
+    def flush() -> None:
+        nonlocal batch, credit, flushing
+        flushing = False
+        if batch.events:
+            out.put_nowait((batch.SerializeToString(), list(credit.items())))
+            batch, credit = pb.MuxReplyView(), {}
+
+    def add_event(client_id: int) -> Any:
+        nonlocal flushing
+        if not flushing:
+            flushing = True
+            loop.call_soon(flush)
+        return batch.events.add(id=client_id)
+
+    def refuse(client_id: int, err: BridgeError) -> None:
+        add_event(client_id).error.CopyFrom(err.to_mux_error())
+
+    def end(run: _Running) -> None:
+        if run.ended:
+            return
+        run.ended = True
+        if running.get(run.client_id) is run:
+            del running[run.client_id]
+        run.backend.flights.discard(run.flight)
+        run.pool.release(run.backend)
+        if not running and not queued:
+            idle.set()
+
+    def on_event(run: _Running, event: Any) -> None:
+        if run.ended:
+            return
+        ev = add_event(run.client_id)
+        kind = event.WhichOneof("kind")
+        if kind == "value":
+            ev.value = event.value
+            if run.lc is not None and not run.lc.stream:
+                end(run)
+            elif run.own_window:
+                credit[run] = credit.get(run, 0) + 1
+        elif kind == "end":
+            ev.end.SetInParent()
+            end(run)
+        else:
+            ev.error.CopyFrom(event.error)
+            end(run)
+
+    def on_lost(run: _Running, reason: str) -> None:
+        """The worker's lane closed (or the worker died) under the call."""
+        if run.ended:
+            return
+        if run.lc is not None:
+            run.lc.cancel()
+        task = loop.create_task(report_lost(run, reason))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def report_lost(run: _Running, reason: str) -> None:
+        err = await failure(run.backend, run.flight, reason)
+        if not run.ended:
+            refuse(run.client_id, err)
+            end(run)
+
+    def launch(client_id: int, start: Any, md: Metadata, route: Route, plan: Plan, backend: Backend) -> None:
+        router.placed(plan, backend)
+        run = _Running(client_id, plan.pool, backend, Flight(), own_window=start.stream and not start.window)
+        running[client_id] = run
+        run.flight.call = _FlightHook(functools.partial(on_lost, run, "the worker died"))
+        backend.flights.add(run.flight)
+        try:
+            window = start.window or (STREAM_WINDOW if start.stream else 0)
+            run.lc = backend.lane.start(start.call, md, stream=start.stream, window=window,
+                                        timeout_s=time_left(route),
+                                        on_event=functools.partial(on_event, run),
+                                        on_lost=functools.partial(on_lost, run))
+        except BridgeError as err:       # its deadline passed while it waited for a slot
+            refuse(client_id, err)
+            end(run)
+        except LaneClosed as exc:
+            on_lost(run, str(exc))
+
+    async def wait_and_launch(client_id: int, start: Any, md: Metadata, route: Route, plan: Plan) -> None:
+        def unqueue() -> None:
+            queued.pop(client_id, None)
+            if not running and not queued:
+                idle.set()
+
+        try:
+            backend = await plan.pool.wait(plan, route.deadline)
+        except BridgeError as err:
+            refuse(client_id, err)
+            unqueue()
+            return
+        except asyncio.CancelledError:
+            refuse(client_id, BridgeError(grpc.StatusCode.CANCELLED, "cancelled", "cancelled by the client",
+                                          reason="cancelled"))
+            unqueue()
+            raise
+        queued.pop(client_id, None)
+        launch(client_id, start, md, route, plan, backend)     # it is in `running` before anyone looks
+
+    def handle_start(start: Any) -> None:
+        client_id = start.id
+        if client_id in running or client_id in queued:
+            refuse(client_id, BridgeError.validation(
+                f"Multiplex: call id {client_id} is still running; ids must be unique among running calls",
+                parameter="start.id"))
+            return
+        md = (*defaults, *start.metadata.items())     # the RPC's options, overlaid with the call's
+        try:
+            limits = [t for t in (context.time_remaining(), time_left_s(start.time_left_ms)) if t is not None]
+            route = read_route(md, min(limits) if limits else None)
+            plan = router.plan(route)
+            backend = plan.pool.take(plan)
+        except BridgeError as err:
+            refuse(client_id, err)
+            return
+        idle.clear()
+        if backend is not None:
+            launch(client_id, start, md, route, plan, backend)
+        else:
+            queued[client_id] = loop.create_task(wait_and_launch(client_id, start, md, route, plan))
+
+    async def read() -> None:
+        async for raw in requests:
+            request = pb.MuxRequestView.FromString(raw)
+            kind = request.WhichOneof("kind")
+            if kind == "start":
+                handle_start(request.start)
+            elif kind == "cancel":
+                run = running.get(request.cancel)
+                if run is not None and run.lc is not None:
+                    run.lc.ask_to_cancel()      # the worker's CANCELLED event ends it
+                elif (waiting := queued.get(request.cancel)) is not None:
+                    waiting.cancel()
+            elif kind == "credit":
+                run = running.get(request.credit.id)
+                if run is not None and run.lc is not None and not run.own_window:
+                    run.lc.credit(request.credit.events)
+            else:
+                raise BridgeError.validation("Multiplex: a request must hold start, cancel or credit",
+                                             parameter="kind")
+        await idle.wait()         # half-closed: every call runs to its end
+
+    failed: list[BaseException] = []
+
+    async def reader() -> None:
+        try:
+            await read()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:   # a malformed request: the stream ends with its error
+            failed.append(exc)
+        flush()
+        out.put_nowait(None)
+
+    reading = loop.create_task(reader())
+    try:
+        while (item := await out.get()) is not None:
+            raw, credits = item
+            yield raw
+            for run, n in credits:         # written to the client: the worker may send that many more
+                if not run.ended and run.lc is not None:
+                    run.lc.credit(n)
+        if failed:
+            raise failed[0]
+    finally:
+        reading.cancel()
+        for waiting in list(queued.values()):
+            waiting.cancel()
+        for task in list(tasks):
+            task.cancel()
+        await asyncio.gather(reading, *queued.values(), *tasks, return_exceptions=True)
+        for run in list(running.values()):
+            if run.lc is not None:
+                run.lc.cancel()           # the client is gone: so are its calls
+            end(run)

@@ -1,0 +1,303 @@
+"""One pool's live state: its workers' slots, its FIFO queue of waiting calls, its session pins.
+
+The router (`router.py`) decides *where* a call may run and hands that decision over as a `Plan`;
+this module reserves the slot, or queues the call until one frees up, counting the wait against
+the call's deadline. Everything here runs on the server's one event loop, so it takes no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from bridge_server.pool.config import PoolConfig
+from bridge_server.wire.errors import BridgeError
+
+READY, DRAINING, DEAD = "ready", "draining", "dead"
+SESSION_CAP = 100_000          # pinned sessions remembered per pool (least recently used go first)
+# Our own deadline error must reach the caller before its deadline does. The server's deadline starts
+# when the call's headers are read, so it trails the caller's by the request's transit, and the error
+# still has to travel back: 5 ms was too little on a loaded 2-vCPU machine (the caller's own bare
+# DEADLINE_EXCEEDED won, once in a full test run), so 20 ms, a small share of any deadline worth setting.
+DEADLINE_MARGIN_S = 0.020
+
+
+def pool_error(code: grpc.StatusCode, message: str, reason: str, category: str = "pool") -> BridgeError:
+    return BridgeError(code, category, message, reason=reason)
+
+
+@dataclass(eq=False)
+class Flight:
+    """One forwarded call, tracked so that a worker's death fails it at once instead of hanging."""
+
+    call: Any = None              # the upstream grpc.aio call, once made
+    failed: str = ""              # set by `Backend.fail_flights`: the reason the call must report
+
+    def fail(self, reason: str) -> None:
+        self.failed = reason
+        if self.call is not None:
+            self.call.cancel()
+
+
+@dataclass(eq=False)
+class Backend:
+    """A live worker as the router sees it: where it is, how busy, what it holds."""
+
+    id: str
+    pool: str
+    address: str
+    max_concurrent: int
+    index: int = 0                # its slot in the pool (= its rank in a distributed pool)
+    channel: Any = None           # grpc.aio.Channel; multicallables are made once, by forward.py
+    stubs: dict[str, Any] = field(default_factory=dict)
+    lane: Any = None              # lane.Lane: how Call and Stream reach the worker
+    state: str = READY
+    in_flight: int = 0
+    calls: int = 0
+    sessions: int = 0
+    refs: int = -1                # as last reported by the worker (trailing metadata, lane replies)
+    flights: set[Flight] = field(default_factory=set)
+    died: asyncio.Event = field(default_factory=asyncio.Event)
+    exit_reason: str = ""
+
+    def has_slot(self) -> bool:
+        return self.in_flight < self.max_concurrent
+
+    def fail_flights(self, reason: str) -> int:
+        flights, self.flights = self.flights, set()
+        for f in flights:
+            f.fail(reason)
+        return len(flights)
+
+
+@dataclass(eq=False)
+class Waiter:
+    required: Backend | None          # must run there (a ref's worker, a strict session's worker)
+    preferred: Backend | None         # rather there, else anywhere (hint)
+    future: asyncio.Future[Backend]
+    since: float = field(default_factory=time.monotonic)
+
+
+class Plan:
+    """Where a call may run: on `required`, else on `preferred` if free, else anywhere in `pool`."""
+
+    __slots__ = ("pool", "required", "preferred", "fail_fast", "what", "pin")
+
+    def __init__(self, pool: PoolRouter, required: Backend | None, preferred: Backend | None, fail_fast: bool,
+                 what: str, pin: str | None) -> None:
+        self.pool = pool
+        self.required = required
+        self.preferred = preferred
+        self.fail_fast = fail_fast
+        self.what = what              # what binds the call to `required`, for "worker busy"
+        self.pin = pin                # a session to pin to wherever the call runs
+
+
+class PoolRouter:
+    """One pool's workers, queue and session pins."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.name = config.name
+        self.backends: list[Backend] = []
+        self.queue: deque[Waiter] = deque()
+        self.sessions: OrderedDict[str, Backend] = OrderedDict()
+        self.unavailable = ""        # set by the supervisor when no worker will come (degraded, stopping)
+        # Distributed pools: collectives run one at a time on all ranks, in the order they arrive,
+        # or the group deadlocks; and a broken collective restarts the group (set by the supervisor).
+        self.collective_lock = asyncio.Lock()
+        self.restart_group: Callable[[str], None] = lambda reason: None
+        self.observe_wait: Callable[[float], None] = lambda seconds: None   # metrics hook
+
+    # ------------------------------------------------------------------------------- membership
+    def add(self, backend: Backend) -> None:
+        self.backends.append(backend)
+        self.dispatch()
+
+    def remove(self, backend: Backend, reason: str, message: str) -> None:
+        """The worker is gone: fail its calls, and the waiters that could only run on it."""
+        backend.state = DEAD
+        backend.exit_reason = message
+        if backend in self.backends:
+            self.backends.remove(backend)
+        backend.fail_flights(reason)
+        backend.died.set()
+        for w in [w for w in self.queue if w.required is backend]:
+            self.queue.remove(w)
+            if not w.future.done():
+                w.future.set_exception(self._lost(f"the worker {backend.id} it was waiting for died", backend))
+        self.check_available()
+        self.dispatch()
+
+    def set_unavailable(self, why: str) -> None:
+        self.unavailable = why
+        self.check_available()
+
+    def check_available(self) -> None:
+        """With no worker left and none coming, waiting is pointless: fail the queue."""
+        if self.unavailable and not any(b.state == READY for b in self.backends):
+            while self.queue:
+                w = self.queue.popleft()
+                if not w.future.done():
+                    w.future.set_exception(self.unavailable_error())
+
+    def unavailable_error(self) -> BridgeError:
+        return pool_error(grpc.StatusCode.UNAVAILABLE, f"pool {self.name!r} has no live worker: {self.unavailable}",
+                          "no live worker")
+
+    def _lost(self, what: str, backend: Backend) -> BridgeError:
+        why = f" ({backend.exit_reason})" if backend.exit_reason else ""
+        return pool_error(grpc.StatusCode.UNAVAILABLE, f"worker lost: {what}{why}", "worker lost", "worker")
+
+    def rank_backend(self, rank: int) -> Backend:
+        """`x-bridge-rank: N` asks for the worker in slot N (in a distributed pool, rank N)."""
+        if rank >= self.config.workers:
+            raise BridgeError.validation(f"pool {self.name!r} has {self.config.workers} workers: no rank {rank}",
+                                         parameter="x-bridge-rank")
+        live = [b for b in self.backends if b.index == rank]
+        if not live:
+            raise pool_error(grpc.StatusCode.UNAVAILABLE, f"pool {self.name!r} has no live worker for rank {rank} "
+                             f"now", "no live worker")
+        return min(live, key=lambda b: b.state != READY)
+
+    def group(self) -> list[Backend]:
+        """Every rank's live worker, in rank order; UNAVAILABLE naming the missing ranks otherwise."""
+        by_rank = {b.index: b for b in self.backends if b.state == READY}
+        missing = [r for r in range(self.config.workers) if r not in by_rank]
+        if missing:
+            why = f" ({self.unavailable})" if self.unavailable else ""
+            raise pool_error(grpc.StatusCode.UNAVAILABLE, f"pool {self.name!r} cannot run a collective now: rank(s) "
+                             f"{', '.join(map(str, missing))} not ready (the group is starting or restarting){why}",
+                             "group not ready")
+        return [by_rank[r] for r in range(self.config.workers)]
+
+    # ------------------------------------------------------------------------------- sessions
+    def pinned(self, session: str) -> Backend | None:
+        b = self.sessions.get(session)
+        if b is not None:
+            self.sessions.move_to_end(session)
+        return b
+
+    def pin(self, session: str, backend: Backend) -> None:
+        old = self.sessions.get(session)
+        if old is backend:
+            return
+        if old is not None:
+            old.sessions -= 1
+        self.sessions[session] = backend
+        backend.sessions += 1
+        while len(self.sessions) > SESSION_CAP:
+            _, evicted = self.sessions.popitem(last=False)
+            evicted.sessions -= 1
+
+    def unpin(self, session: str) -> None:
+        old = self.sessions.pop(session, None)
+        if old is not None:
+            old.sessions -= 1
+
+    # ------------------------------------------------------------------------------- capacity
+    def _free_backend(self, preferred: Backend | None) -> Backend | None:
+        if preferred is not None and preferred.state == READY and preferred.has_slot():
+            return preferred
+        # The least busy worker; among equals the one with the fewest pinned sessions, so that new
+        # sessions spread over the pool instead of piling onto the first worker.
+        best: Backend | None = None
+        for b in self.backends:
+            if b.state == READY and b.has_slot() and (
+                    best is None or (b.in_flight, b.sessions) < (best.in_flight, best.sessions)):
+                best = b
+        return best
+
+    def _pick(self, w: Waiter) -> Backend | None:
+        if w.required is not None:
+            return w.required if w.required.state != DEAD and w.required.has_slot() else None
+        return self._free_backend(w.preferred)
+
+    def dispatch(self) -> None:
+        """Hands free slots to waiters in arrival order (a waiter that cannot use them is skipped)."""
+        if not self.queue:
+            return
+        for w in list(self.queue):
+            if w.future.done():
+                self.queue.remove(w)
+                continue
+            b = self._pick(w)
+            if b is None:
+                continue
+            self.queue.remove(w)
+            b.in_flight += 1
+            self.observe_wait(time.monotonic() - w.since)
+            w.future.set_result(b)
+            if not any(x.has_slot() for x in self.backends):
+                break
+
+    def release(self, backend: Backend) -> None:
+        backend.in_flight -= 1
+        backend.calls += 1
+        if self.queue:
+            self.dispatch()
+
+    def take(self, plan: Plan) -> Backend | None:
+        """A free slot for the call now (reserved), or None: then it must wait in the queue."""
+        required = plan.required
+        if required is not None:
+            if required.has_slot():
+                required.in_flight += 1
+                return required
+            if plan.fail_fast:
+                raise pool_error(grpc.StatusCode.UNAVAILABLE,
+                                 f"worker busy: {plan.what} runs on worker {required.id}, which has all its "
+                                 f"{required.max_concurrent} slots taken (affinity strict_fail_fast)", "worker busy")
+            return None
+        b = self._free_backend(plan.preferred)
+        if b is not None:
+            b.in_flight += 1
+            return b
+        if self.unavailable and not any(x.state == READY for x in self.backends):
+            raise self.unavailable_error()
+        return None
+
+    async def wait(self, plan: Plan, deadline: float | None) -> Backend:
+        """Queues the call until `take` would succeed; `deadline` (monotonic) bounds the wait."""
+        return await self._wait(deadline, plan.required, plan.preferred)
+
+    async def _wait(self, deadline: float | None, required: Backend | None, preferred: Backend | None) -> Backend:
+        if len(self.queue) >= self.config.queue_size:
+            raise pool_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"queue full: pool {self.name!r} has {len(self.queue)} calls waiting "
+                             f"(queue_size {self.config.queue_size}) and every slot busy", "queue full")
+        loop = asyncio.get_running_loop()
+        waiter = Waiter(required, preferred, loop.create_future())
+        timer = None
+        if deadline is not None:
+            delay = max(0.0, deadline - time.monotonic() - DEADLINE_MARGIN_S)
+            timer = loop.call_later(delay, self._expire, waiter)
+        self.queue.append(waiter)
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            f = waiter.future
+            if f.done() and not f.cancelled() and f.exception() is None:
+                self.release(f.result())      # given a slot just as the caller went away
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if waiter in self.queue:
+                self.queue.remove(waiter)
+
+    def _expire(self, waiter: Waiter) -> None:
+        if waiter.future.done():
+            return
+        if waiter in self.queue:
+            self.queue.remove(waiter)
+        waited = time.monotonic() - waiter.since
+        err = BridgeError.timeout(f"deadline exceeded after {waited:.3f} s waiting in pool {self.name!r}'s queue "
+                                  f"for a free worker slot")
+        waiter.future.set_exception(err)

@@ -1,0 +1,180 @@
+"""Routing decisions: which worker runs a call, when, or why not.
+
+Everything here reads only what the gRPC metadata says (pool, session, affinity, the refs a call uses)
+and the live state of the workers; the payload is never decoded. The rules:
+
+- a call that uses refs runs on the worker that holds them (its id is the ref ids' prefix), whatever
+  the affinity says; `strict_fail_fast` still fails at once when that worker is busy;
+- a session is pinned to the worker that first served it; per call, `hint` prefers that worker but
+  runs anywhere when it has no free slot, `strict_queue` waits for it, `strict_fail_fast` fails with
+  "worker busy"; if that worker died, `hint` re-pins the session and the strict modes fail with
+  "worker lost" (until the session is released);
+- `x-bridge-rank: N` (a ref-free call) runs on the worker in slot N of the pool;
+- each worker runs at most `max_concurrent` calls; the rest wait in a bounded per-pool FIFO queue,
+  and waiting counts against the call's deadline (that part lives in `poolstate.py`).
+
+The router runs on one asyncio loop and is never touched from another thread, so it takes no locks.
+Forwarding the bytes is `forward.py`'s job; starting and stopping processes is the supervisor's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import grpc
+
+from bridge_server.pool.config import PoolConfig
+from bridge_server.pool.poolstate import (
+    DEAD,
+    DEADLINE_MARGIN_S,
+    READY,
+    Backend,
+    Plan,
+    PoolRouter,
+    pool_error,
+)
+from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.protocol import PROFILES, RuntimeOptions, parse_metadata
+
+__all__ = ["Route", "Router", "read_route", "time_left"]
+
+
+@dataclass
+class Route:
+    """What the metadata says about one call, read once."""
+
+    opts: RuntimeOptions
+    session: str | None               # None when the caller sent no session: no pinning
+    deadline: float | None            # absolute monotonic; counts the queue wait
+    explicit_deadline: bool           # from the caller (gRPC deadline or timeout-ms): forwarded upstream
+
+
+def read_route(metadata: Iterable[tuple[str, str | bytes]] | None, grpc_remaining_s: float | None) -> Route:
+    opts = parse_metadata(metadata)
+    session = opts.session_id if opts.session_sent else None
+    now = time.monotonic()
+    explicit = grpc_remaining_s if grpc_remaining_s is not None else opts.timeout_s
+    if explicit is not None:
+        return Route(opts, session, now + explicit, True)
+    profile = PROFILES[opts.timeout_profile] if opts.timeout_profile else None
+    deadline = now + profile.call_s if profile is not None and profile.call_s is not None else None
+    return Route(opts, session, deadline, False)
+
+
+def time_left(route: Route) -> float | None:
+    """The timeout a call carries to its worker: what is left of the caller's own deadline after
+    routing and queueing (None when the caller set none: the worker applies the profile)."""
+    if not route.explicit_deadline or route.deadline is None:
+        return None
+    left = route.deadline - time.monotonic() - DEADLINE_MARGIN_S
+    if left <= 0:
+        raise BridgeError.timeout("deadline exceeded before the call reached a worker")
+    return left
+
+
+class Router:
+    """All pools, and the index from worker id to worker that ref routing needs."""
+
+    def __init__(self, pools: list[PoolConfig], default_pool: str) -> None:
+        self.pools: dict[str, PoolRouter] = {p.name: PoolRouter(p) for p in pools}
+        self.default_pool = default_pool
+        self.backends: dict[str, Backend] = {}
+        self.gone: dict[str, str] = {}       # ids of workers that died -> how (for "worker lost")
+        self.accepting = True
+
+    def pool(self, name: str | None) -> PoolRouter:
+        p = self.pools.get(name or self.default_pool)
+        if p is None:
+            raise BridgeError(grpc.StatusCode.NOT_FOUND, "pool", f"no pool {name!r}; pools: {', '.join(self.pools)}",
+                              reason="unknown pool", suggestions=list(self.pools))
+        return p
+
+    def add_backend(self, backend: Backend) -> None:
+        self.backends[backend.id] = backend
+        self.pools[backend.pool].add(backend)
+
+    def remove_backend(self, backend: Backend, reason: str, message: str) -> None:
+        self.backends.pop(backend.id, None)
+        self.gone[backend.id] = message
+        self.pools[backend.pool].remove(backend, reason, message)
+
+    def ref_backend(self, refs: tuple[str, ...]) -> Backend:
+        """The one worker holding every ref the call uses."""
+        holders: dict[str, str] = {}
+        for ref in refs:
+            holders.setdefault(ref.partition(".")[0], ref)
+        if len(holders) > 1:
+            raise BridgeError(grpc.StatusCode.INVALID_ARGUMENT, "ref",
+                              f"the call uses refs held by different workers ({', '.join(sorted(holders))}): "
+                              f"{', '.join(holders.values())}; a call can only use refs of one worker",
+                              reason="refs on different workers")
+        (worker_id, ref), = holders.items()
+        b = self.backends.get(worker_id)
+        if b is not None:
+            return b
+        if worker_id in self.gone:
+            raise pool_error(grpc.StatusCode.UNAVAILABLE,
+                             f"worker lost: ref {ref} was held by worker {worker_id}, which is gone "
+                             f"({self.gone[worker_id]}); its refs are lost", "worker lost", "worker")
+        raise BridgeError(grpc.StatusCode.NOT_FOUND, "ref",
+                          f"ref {ref}: no worker {worker_id!r} in this server (workers: "
+                          f"{', '.join(self.backends) or 'none'})", reason="unknown worker", parameter=ref)
+
+    def plan(self, route: Route) -> Plan:
+        """Decides where the call may run (the rules in the module docstring); reserves nothing."""
+        if not self.accepting:
+            raise pool_error(grpc.StatusCode.UNAVAILABLE, "the server is shutting down", "shutting down")
+        opts, session = route.opts, route.session
+        named = self.pool(opts.pool)          # an unknown pool is refused even for ref calls
+        if opts.refs:
+            backend = self.ref_backend(opts.refs)
+            pool = self.pools[backend.pool]
+            mode = opts.affinity or pool.config.affinity
+            pin = session is not None and pool.pinned(session) is None
+            return Plan(pool, backend, None, mode == "strict_fail_fast", f"ref {opts.refs[0]}", session if pin else None)
+        pool = named
+        mode = opts.affinity or pool.config.affinity
+        if opts.rank is not None:
+            return Plan(pool, pool.rank_backend(opts.rank), None, mode == "strict_fail_fast", f"rank {opts.rank}",
+                        None)
+        pinned = pool.pinned(session) if session is not None else None
+        if pinned is not None and session is not None and pinned.state != READY:
+            # Dead or draining (being recycled): hint moves the session; the strict modes stay with a
+            # draining worker (it still serves them) and fail for a dead one.
+            if mode == "hint":
+                pool.unpin(session)
+                pinned = None
+            elif pinned.state == DEAD:
+                raise pool_error(grpc.StatusCode.UNAVAILABLE,
+                                 f"worker lost: session {session!r} was pinned to worker {pinned.id}, which is gone "
+                                 f"({pinned.exit_reason}); affinity {mode} will not move it (release the session "
+                                 f"to start it again on another worker)", "worker lost", "worker")
+        if pinned is None:
+            return Plan(pool, None, None, False, "", session)
+        if mode == "hint":
+            return Plan(pool, None, pinned, False, "", None)
+        return Plan(pool, pinned, None, mode == "strict_fail_fast", f"session {session!r}", None)
+
+    @staticmethod
+    def placed(plan: Plan, backend: Backend) -> None:
+        """The call got its slot: a session seen for the first time is pinned where it runs."""
+        if plan.pin is not None and plan.pool.pinned(plan.pin) is None:
+            plan.pool.pin(plan.pin, backend)
+
+    async def acquire(self, route: Route) -> tuple[PoolRouter, Backend]:
+        """plan + take, waiting in the queue if needed (callers on the hot path inline this)."""
+        plan = self.plan(route)
+        backend = plan.pool.take(plan) or await plan.pool.wait(plan, route.deadline)
+        self.placed(plan, backend)
+        return plan.pool, backend
+
+    def any_backend(self, pool_name: str | None) -> Backend:
+        """A live worker for calls that need no slot (Describe)."""
+        pool = self.pool(pool_name)
+        live = [b for b in pool.backends if b.state == READY]
+        if not live:
+            raise pool.unavailable_error() if pool.unavailable else pool_error(
+                grpc.StatusCode.UNAVAILABLE, f"pool {pool.name!r} has no ready worker yet", "no live worker")
+        return min(live, key=lambda b: b.in_flight)

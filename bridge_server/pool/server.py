@@ -1,0 +1,199 @@
+"""The pool server process: the one address Elixir apps talk to.
+
+It serves `Bridge` (forwarded to the workers by the router), `Pool.Status`, grpc.health.v1 (overall,
+and one service per pool, "pool/<name>") and server reflection, plus Prometheus metrics over HTTP,
+on the configured event loop (uvloop by default, see wire/eventloop.py).
+It owns the order of things: listen first (health NOT_SERVING), start every worker, report SERVING;
+on SIGTERM/SIGINT stop taking calls, give in-flight ones the grace period, then stop every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from bridge_server.pool.config import ServerConfig
+from bridge_server.pool.forward import SERVICE, Forwarder
+from bridge_server.pool.metrics import Metrics, PoolSnapshot
+from bridge_server.pool.router import Router
+from bridge_server.pool.supervisor import Supervisor
+from bridge_server.wire import eventloop
+from bridge_server.wire.protocol import GRPC_OPTIONS
+from vllm_bridge.v1 import pool_pb2 as ppb
+from vllm_bridge.v1 import pool_pb2_grpc as ppb_grpc
+
+log = logging.getLogger("vllm_bridge.server")
+
+POOL_SERVICE = ppb.DESCRIPTOR.services_by_name["Pool"].full_name
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def pool_health_service(pool: str) -> str:
+    """The grpc.health.v1 service name that reports one pool."""
+    return f"pool/{pool}"
+
+
+class _StatusService(ppb_grpc.PoolServicer):
+    def __init__(self, server: PoolServer) -> None:
+        self._server = server
+
+    async def Status(self, request: ppb.StatusRequest, context: grpc.aio.ServicerContext) -> ppb.StatusReply:  # noqa: N802
+        if request.pool and request.pool not in self._server.router.pools:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no pool {request.pool!r}; pools: {', '.join(self._server.router.pools)}")
+        return self._server.status(request.pool)
+
+
+class PoolServer:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.router = Router(config.pools, config.default_pool_name)
+        for name, pool in self.router.pools.items():
+            pool.observe_wait = self.metrics.queue_wait.labels(name).observe
+            self.metrics.restarts.labels(name)      # exported as 0 from the start, not from the first crash
+            self.metrics.recycles.labels(name)
+        self.supervisor = Supervisor(config, self.router, self.metrics, self._changed)
+        self.metrics.watch(self._snapshot)
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.server.add_generic_rpc_handlers([Forwarder(self.router, self.metrics).handler()])
+        ppb_grpc.add_PoolServicer_to_server(_StatusService(self), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE, POOL_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(config.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {config.listen}")
+        self.metrics_port = 0
+        self.state = "starting"
+        self.started = time.monotonic()
+        self._health_task: asyncio.Task[None] | None = None
+        self._health_dirty = False
+
+    # ------------------------------------------------------------------------------------ health
+    def _changed(self) -> None:
+        """Something changed in a pool: refresh health (coalesced: one refresh at a time)."""
+        self._health_dirty = True
+        if self._health_task is None or self._health_task.done():
+            self._health_task = asyncio.get_running_loop().create_task(self._refresh_health())
+
+    async def _refresh_health(self) -> None:
+        while self._health_dirty:
+            self._health_dirty = False
+            if self.state == "stopping":
+                return
+            states = {name: p.state for name, p in self.supervisor.pools.items()}
+            for name, state in states.items():
+                await self.health.set(pool_health_service(name), SERVING if state == "serving" else NOT_SERVING)
+            overall = SERVING if self.state == "serving" and all(s == "serving" for s in states.values()) else NOT_SERVING
+            for name in ("", SERVICE):
+                await self.health.set(name, overall)
+
+    # ------------------------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        for name in ("", SERVICE, *(pool_health_service(p) for p in self.router.pools)):
+            await self.health.set(name, NOT_SERVING)
+        await self.server.start()
+        if self.config.metrics_port:
+            self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
+        log.info("listening on %s (port %d, %s loop); starting %d pool(s)", self.config.listen, self.port,
+                 eventloop.loop_name(asyncio.get_running_loop()), len(self.config.pools))
+        await self.supervisor.start()
+        self.state = "serving"
+        self._changed()
+        log.info("serving: %s", ", ".join(f"{n} ({p.state})" for n, p in self.supervisor.pools.items()))
+
+    async def shutdown(self) -> None:
+        """Stop taking calls, let in-flight ones finish within the grace period, stop every worker."""
+        log.info("shutting down: in-flight calls get %.1f s", self.config.grace_s)
+        self.state = "stopping"
+        await self.health.enter_graceful_shutdown()
+        self.router.accepting = False
+        try:
+            await self.server.stop(self.config.grace_s)
+            await self.supervisor.stop()
+        finally:
+            self.supervisor.kill_all()
+            self.metrics.close()
+        log.info("stopped")
+
+    # ------------------------------------------------------------------------------------ status
+    def _snapshot(self) -> list[PoolSnapshot]:
+        out = []
+        for name, ps in self.supervisor.pools.items():
+            pr = self.router.pools[name]
+            states: dict[str, int] = {}
+            for wp in ps.procs:
+                states[wp.state] = states.get(wp.state, 0) + 1
+            out.append((name, len(pr.queue), sum(b.in_flight for b in pr.backends), len(pr.sessions), states))
+        return out
+
+    def status(self, only: str = "") -> ppb.StatusReply:
+        now = time.monotonic()
+        reply = ppb.StatusReply(state=self.state, uptime_s=now - self.started, listen=self.config.listen,
+                                pid=os.getpid(), default_pool=self.router.default_pool)
+        if self.state == "serving" and any(p.state == "degraded" for p in self.supervisor.pools.values()):
+            reply.state = "degraded"
+        for name, ps in self.supervisor.pools.items():
+            if only and name != only:
+                continue
+            pr = self.router.pools[name]
+            cfg = ps.config
+            pool = reply.pools.add(name=name, state=ps.state, affinity=cfg.affinity, max_concurrent=cfg.max_concurrent,
+                                   queue_length=len(pr.queue), queue_capacity=cfg.queue_size, restarts=ps.restarts,
+                                   sessions=len(pr.sessions), in_flight=sum(b.in_flight for b in pr.backends),
+                                   detail=ps.degraded)
+            for slot in ps.slots:
+                procs = [wp for wp in ps.procs if wp.index == slot.index]
+                for wp in procs:
+                    b = wp.backend
+                    pool.workers.add(id=wp.id, index=slot.index, generation=wp.generation, pid=wp.pid, state=wp.state,
+                                     address=wp.address, in_flight=b.in_flight if b else 0,
+                                     max_concurrent=cfg.max_concurrent, calls=b.calls if b else 0,
+                                     sessions=b.sessions if b else 0, refs=b.refs if b else -1,
+                                     uptime_s=now - wp.started, restarts=slot.restarts, last_exit=slot.last_exit)
+                if not procs:
+                    pool.workers.add(id=slot.last_id, index=slot.index, generation=slot.generation, state=slot.state,
+                                     max_concurrent=cfg.max_concurrent, refs=-1, restarts=slot.restarts,
+                                     last_exit=slot.last_exit)
+        return reply
+
+
+async def serve(config: ServerConfig, ready_file: str | None = None) -> None:
+    """Runs the pool server until SIGTERM or SIGINT, then shuts down gracefully."""
+    srv = PoolServer(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        starting = loop.create_task(srv.start())
+        stopping = loop.create_task(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            starting.result()
+            if ready_file:
+                with open(ready_file + ".tmp", "w") as f:
+                    f.write(str(srv.port))
+                os.replace(ready_file + ".tmp", ready_file)
+            await stopping
+        else:
+            starting.cancel()
+        await srv.shutdown()
+    finally:
+        srv.supervisor.kill_all()
+
+
+def run(config: ServerConfig, ready_file: str | None = None) -> int:
+    eventloop.run(serve(config, ready_file), config.loop)
+    return 0

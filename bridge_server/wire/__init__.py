@@ -1,0 +1,8 @@
+"""What crosses the wire, shared by every side: the worker, the pool server and the clients.
+
+The metadata keys, runtime options and timeout profiles (`protocol.py`), values to and from protobuf
+(`codec.py`, `decoder.py`) and their JSON spellings (`jsonvalue.py`, for the command line and
+config files), errors as statuses (`errors.py`), the lane's framing between the pool
+server and its workers (`framing.py`), and the event loop both servers run on (`eventloop.py`).
+Nothing here knows about pools, workers' internals or vLLM's surfaces.
+"""

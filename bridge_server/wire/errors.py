@@ -1,0 +1,159 @@
+"""Errors as the client sees them: a gRPC status plus a structured `ErrorDetail`.
+
+Every failure leaves the server as a `BridgeError`, so the status code and category are decided in
+one place and a client can act on `category`/`reason` without parsing messages. Details travel in
+the standard rich error model (`grpc-status-details-bin`), which stock gRPC tooling understands.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback as tb
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import status_pb2
+from grpc_status import rpc_status
+
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+log = logging.getLogger("vllm_bridge.worker")
+
+# The trailer of the standard rich error model.
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+# Python exception types whose meaning maps onto a more specific status than UNKNOWN.
+_PY_STATUS: dict[str, grpc.StatusCode] = {
+    "ValueError": grpc.StatusCode.INVALID_ARGUMENT,
+    "TypeError": grpc.StatusCode.INVALID_ARGUMENT,
+    "KeyError": grpc.StatusCode.INVALID_ARGUMENT,
+    "IndexError": grpc.StatusCode.INVALID_ARGUMENT,
+    "AssertionError": grpc.StatusCode.FAILED_PRECONDITION,
+    "NotImplementedError": grpc.StatusCode.UNIMPLEMENTED,
+    "TimeoutError": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "EngineDeadError": grpc.StatusCode.UNAVAILABLE,
+    "MemoryError": grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+@dataclass
+class BridgeError(Exception):
+    code: grpc.StatusCode
+    category: str
+    message: str
+    target: str = ""
+    parameter: str = ""
+    reason: str = ""
+    python_type: str = ""
+    traceback: str = ""
+    suggestions: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+    # Constructors for the common cases keep call sites short and the categories consistent.
+    @classmethod
+    def validation(cls, message: str, *, target: str = "", parameter: str = "") -> BridgeError:
+        return cls(grpc.StatusCode.INVALID_ARGUMENT, "validation", message, target=target, parameter=parameter)
+
+    @classmethod
+    def not_found(cls, message: str, *, target: str = "", suggestions: list[str] | None = None) -> BridgeError:
+        return cls(grpc.StatusCode.NOT_FOUND, "validation", message, target=target,
+                   suggestions=list(suggestions or []))
+
+    @classmethod
+    def timeout(cls, message: str, *, target: str = "") -> BridgeError:
+        return cls(grpc.StatusCode.DEADLINE_EXCEEDED, "timeout", message, target=target, reason="deadline exceeded")
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, target: str) -> BridgeError:
+        """Wraps an exception raised by the called Python code, keeping its type and traceback."""
+        if isinstance(exc, BridgeError):
+            return exc
+        py_type = type(exc).__name__
+        text = str(exc)
+        if not text:
+            # vLLM raises bare AssertionErrors; say which call failed and which check it tripped.
+            frames = tb.extract_tb(exc.__traceback__)
+            where = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+            text = f"{py_type} with no message{where}"
+        code = next((c for t in type(exc).__mro__ if (c := _PY_STATUS.get(t.__name__))), grpc.StatusCode.UNKNOWN)
+        return cls(code, "python_error", f"{target}: {py_type}: {text}", target=target, python_type=py_type,
+                   traceback="".join(tb.format_exception(exc)))
+
+    def detail(self) -> pb.ErrorDetail:
+        return pb.ErrorDetail(category=self.category, python_type=self.python_type, message=self.message,
+                              traceback=self.traceback, target=self.target, parameter=self.parameter,
+                              reason=self.reason, suggestions=self.suggestions)
+
+    def to_mux_error(self) -> pb.MuxError:
+        """The same failure as one event of a Multiplex stream."""
+        return pb.MuxError(code=self.code.value[0], message=self.message, detail=self.detail())
+
+    def to_status(self) -> grpc.Status:
+        detail = any_pb2.Any()
+        detail.Pack(self.detail())
+        return rpc_status.to_status(status_pb2.Status(code=self.code.value[0], message=self.message,
+                                                      details=[detail]))
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """A status code from its number (UNKNOWN for a number gRPC does not define)."""
+    return _CODES.get(number, grpc.StatusCode.UNKNOWN)
+
+
+def mux_error_status(err: pb.MuxError) -> grpc.Status:
+    """A Multiplex event's failure as the status the same call would have ended with on its own."""
+    detail = any_pb2.Any()
+    detail.Pack(err.detail)
+    return rpc_status.to_status(status_pb2.Status(code=status_code(err.code).value[0], message=err.message,
+                                                  details=[detail]))
+
+
+def target_label(target: pb.Target) -> str:
+    """How errors name a call's target: its name, or its kind when it has none (ITERATE on a ref)."""
+    return target.name or pb.Target.Kind.Name(target.kind)
+
+
+def server_error(exc: BaseException, label: str) -> BridgeError:
+    """What a worker reports for any exception while serving `label`: bad values are the caller's
+    fault (INVALID_ARGUMENT, naming where), anything unforeseen is the worker's (INTERNAL, logged)."""
+    from bridge_server.wire.codec import CodecError  # here, not at the top: clients import this module too
+
+    if isinstance(exc, BridgeError):
+        return exc
+    if isinstance(exc, CodecError):
+        return BridgeError.validation(f"{label}: {exc}", target=label, parameter=exc.path)
+    log.exception("unexpected failure in %s", label)
+    err = BridgeError.from_exception(exc, label)
+    err.category = "worker"
+    err.code = grpc.StatusCode.INTERNAL
+    return err
+
+
+def detail_from_rpc_error(err: grpc.RpcError) -> pb.ErrorDetail | None:
+    """The ErrorDetail a bridge server attached to a failed call, if any (client side).
+
+    The trailer is read directly rather than through `rpc_status.from_call`, which raises when the
+    status line differs from the rich status: that happens when the caller's own deadline fires
+    while the server's named deadline error is already on its way, and the call must still end in
+    a clean `CallError` carrying the server's detail.
+    """
+    raw = next((value for key, value in err.trailing_metadata() or ()  # type: ignore[attr-defined]
+                if key == STATUS_DETAILS_KEY), None)
+    if raw is None:
+        return None
+    status = status_pb2.Status.FromString(raw)
+    for any_msg in status.details:
+        if any_msg.Is(pb.ErrorDetail.DESCRIPTOR):
+            detail = pb.ErrorDetail()
+            any_msg.Unpack(detail)
+            return detail
+    return None

@@ -1,0 +1,176 @@
+"""The parts of the wire contract that live outside the .proto: metadata keys, runtime options and
+timeout profiles.
+
+Runtime options travel as gRPC metadata rather than inside the payload so that a router can route a
+call (by session, pool, affinity, refs) without decoding it, and so that they mean the same thing
+for unary and streaming calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from bridge_server.wire.errors import BridgeError
+
+# Metadata keys (gRPC metadata keys are lower case ASCII).
+MD_SESSION = "x-bridge-session"
+MD_TIMEOUT_PROFILE = "x-bridge-timeout-profile"
+MD_TIMEOUT_MS = "x-bridge-timeout-ms"
+MD_STREAM_TIMEOUT_MS = "x-bridge-stream-timeout-ms"
+MD_STREAM_INTERVAL_MS = "x-bridge-stream-interval-ms"
+MD_POOL = "x-bridge-pool"
+MD_AFFINITY = "x-bridge-affinity"
+MD_REFS = "x-bridge-refs"
+MD_RANK = "x-bridge-rank"
+# Sent back by a worker in the trailing metadata of every successful gRPC call: the live refs it
+# holds (the pool router reads the same count from its lanes' `MuxReply.worker_refs`).
+MD_WORKER_REFS = "x-bridge-worker-refs"
+
+DEFAULT_SESSION = "default"
+
+# Channel and server options shared by every client and server of the protocol: tensors by value
+# can be large, and a port must never be silently shared by two servers.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+GRPC_OPTIONS: list[tuple[str, int]] = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                       ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                       ("grpc.so_reuseport", 0)]
+AFFINITY_MODES = ("hint", "strict_queue", "strict_fail_fast")
+
+
+@dataclass(frozen=True)
+class TimeoutProfile:
+    """How long a call may run when its caller sets no deadline.
+
+    `call_s` bounds a unary call, and the wait for a stream's first item; `stream_idle_s` bounds the
+    gap between two stream items. None means unlimited.
+    """
+
+    name: str
+    call_s: float | None
+    stream_idle_s: float | None
+
+
+PROFILES: dict[str, TimeoutProfile] = {
+    p.name: p
+    for p in (
+        TimeoutProfile("default", 120.0, 1800.0),
+        TimeoutProfile("ml_inference", 600.0, 1800.0),
+        TimeoutProfile("batch_job", None, None),
+        TimeoutProfile("streaming", 120.0, 1800.0),
+    )
+}
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """The per-call options a client sent, as read from metadata (None where not sent)."""
+
+    session_id: str = DEFAULT_SESSION
+    timeout_profile: str | None = None
+    timeout_s: float | None = None
+    stream_timeout_s: float | None = None
+    stream_interval_s: float | None = None   # coalesce stream items: at most one per interval
+    pool: str | None = None
+    affinity: str | None = None
+    refs: tuple[str, ...] = ()
+    rank: int | None = None
+    session_sent: bool = False               # the caller named a session (else it is DEFAULT_SESSION)
+
+
+def _ms(key: str, raw: str) -> float | None:
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise BridgeError.validation(f"metadata {key}: expected milliseconds as a number, got {raw!r}",
+                                     parameter=key) from None
+    if ms < 0 or math.isnan(ms):
+        raise BridgeError.validation(f"metadata {key}: expected a non-negative number, got {raw!r}",
+                                     parameter=key)
+    return None if math.isinf(ms) else ms / 1000.0
+
+
+def parse_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> RuntimeOptions:
+    """Reads the runtime options; unknown keys are ignored, malformed known ones are refused.
+
+    Callers send the same few option sets over and over (a router forwards each call's options to
+    its worker, a client repeats its session's), so parsed sets are remembered: a hit costs a hash
+    of the pairs instead of a parse, on every hop of every call."""
+    return _parse_cached(metadata if isinstance(metadata, tuple) else tuple(metadata or ()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_cached(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
+    return _parse(metadata)       # errors are raised each time, never remembered
+
+
+def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
+    md: Mapping[str, str | bytes] = dict(metadata)
+    get = lambda k: (v.decode() if isinstance(v := md.get(k), bytes) else v)  # noqa: E731
+    profile = get(MD_TIMEOUT_PROFILE)
+    if profile is not None and profile not in PROFILES:
+        raise BridgeError.validation(
+            f"metadata {MD_TIMEOUT_PROFILE}: unknown timeout profile {profile!r}; "
+            f"expected one of {', '.join(PROFILES)}", parameter=MD_TIMEOUT_PROFILE)
+    affinity = get(MD_AFFINITY)
+    if affinity is not None and affinity not in AFFINITY_MODES:
+        raise BridgeError.validation(
+            f"metadata {MD_AFFINITY}: unknown affinity {affinity!r}; expected one of "
+            f"{', '.join(AFFINITY_MODES)}", parameter=MD_AFFINITY)
+    rank_raw = get(MD_RANK)
+    rank = None
+    if rank_raw is not None:
+        if not rank_raw.isdigit():
+            raise BridgeError.validation(f"metadata {MD_RANK}: expected a rank number, got {rank_raw!r}",
+                                         parameter=MD_RANK)
+        rank = int(rank_raw)
+    timeout = get(MD_TIMEOUT_MS)
+    stream_timeout = get(MD_STREAM_TIMEOUT_MS)
+    stream_interval = get(MD_STREAM_INTERVAL_MS)
+    refs = get(MD_REFS)
+    return RuntimeOptions(
+        session_id=get(MD_SESSION) or DEFAULT_SESSION,
+        timeout_profile=profile,
+        timeout_s=_ms(MD_TIMEOUT_MS, timeout) if timeout is not None else None,
+        stream_timeout_s=_ms(MD_STREAM_TIMEOUT_MS, stream_timeout) if stream_timeout is not None else None,
+        stream_interval_s=_ms(MD_STREAM_INTERVAL_MS, stream_interval) if stream_interval is not None else None,
+        pool=get(MD_POOL),
+        affinity=affinity,
+        refs=tuple(r for r in (refs or "").split(",") if r),
+        rank=rank,
+        session_sent=MD_SESSION in md,
+    )
+
+
+def time_left_s(time_left_ms: float) -> float | None:
+    """A Multiplex call's `time_left_ms` in seconds (None for 0: not set); refuses a negative one."""
+    if time_left_ms == 0 or time_left_ms == math.inf:
+        return None
+    if not time_left_ms > 0:
+        raise BridgeError.validation(f"Multiplex: start.time_left_ms: expected milliseconds > 0 (or 0 for none), "
+                                     f"got {time_left_ms}", parameter="start.time_left_ms")
+    return float(time_left_ms) / 1000.0
+
+
+def to_metadata(opts: RuntimeOptions) -> list[tuple[str, str]]:
+    """The inverse of parse_metadata, for clients and for the router's forwarded calls."""
+    md = [(MD_SESSION, opts.session_id)]
+    if opts.timeout_profile:
+        md.append((MD_TIMEOUT_PROFILE, opts.timeout_profile))
+    if opts.timeout_s is not None:
+        md.append((MD_TIMEOUT_MS, str(round(opts.timeout_s * 1000))))
+    if opts.stream_timeout_s is not None:
+        md.append((MD_STREAM_TIMEOUT_MS, str(round(opts.stream_timeout_s * 1000))))
+    if opts.stream_interval_s is not None:
+        md.append((MD_STREAM_INTERVAL_MS, str(round(opts.stream_interval_s * 1000))))
+    if opts.pool:
+        md.append((MD_POOL, opts.pool))
+    if opts.affinity:
+        md.append((MD_AFFINITY, opts.affinity))
+    if opts.refs:
+        md.append((MD_REFS, ",".join(opts.refs)))
+    if opts.rank is not None:
+        md.append((MD_RANK, str(opts.rank)))
+    return md

@@ -1,0 +1,7 @@
+"""The worker process: a complete `Bridge` server over vLLM's documented surfaces.
+
+It holds the catalog (`catalog.py`, built from the adapters), runs calls (`invoke.py`: resolve, bind
+(`binding.py`), run under deadlines (`deadlines.py`), encode), keeps refs (`refs.py`), and serves them
+over gRPC (`server.py`), Multiplex (`mux.py`) and the pool server's lane (`lane.py`). Started by
+`vllm-bridge worker` (`main.py`), by our pool server or any other supervisor.
+"""

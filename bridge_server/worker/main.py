@@ -1,0 +1,83 @@
+"""`vllm-bridge worker`: one worker process, as a supervisor (ours, systemd, an Elixir app) starts it.
+
+A worker the pool server starts leads a process group of its own, so that vLLM's engine cores, which
+it spawns, can be taken down with it whatever happens to the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from typing import TYPE_CHECKING
+
+from bridge_server.wire import eventloop
+
+if TYPE_CHECKING:   # imported when a worker runs, not when the `vllm-bridge` parser is built
+    from bridge_server.worker.server import WorkerConfig
+
+DEFAULT_LISTEN = "127.0.0.1:50051"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The `vllm-bridge worker` options."""
+    p.add_argument("--listen", default=DEFAULT_LISTEN, help="host:port or unix:/path (default %(default)s)")
+    p.add_argument("--worker-id", default="", help="prefix of this worker's ref ids (default: w<pid>)")
+    p.add_argument("--session-cap", type=int, default=10_000, help="most refs one session may hold")
+    p.add_argument("--ref-ttl", type=float, default=None, help="evict refs idle for this many seconds")
+    p.add_argument("--tensor-max-bytes", type=int, default=16 * 1024 * 1024,
+                   help="larger tensors are returned as refs")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown")
+    p.add_argument("--ready-file", default=None, help="write the bound port here once serving")
+    p.add_argument("--lane", default=None, metavar="PATH",
+                   help="also serve the router's lane (Multiplex messages, no gRPC) on this unix socket; "
+                        "the pool server sets it")
+    p.add_argument("--loop", choices=eventloop.LOOPS, default=eventloop.DEFAULT_LOOP,
+                   help="the worker's event loop (default %(default)s)")
+    p.add_argument("--objects", default="[]",
+                   help='objects to create at start and publish by name, as JSON: '
+                        '[{"name": "engine", "target": "vllm.AsyncLLMEngine.from_engine_args", "kwargs": {...}}]')
+    g = p.add_argument_group("distributed pools: join a torch.distributed group at start")
+    g.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"])
+    g.add_argument("--dist-world-size", type=int, default=1)
+    g.add_argument("--dist-rank", type=int, default=0)
+    g.add_argument("--dist-init", default=None, help="rendezvous address, e.g. tcp://127.0.0.1:29500")
+    g.add_argument("--dist-tp", type=int, default=1, help="tensor-parallel size")
+    g.add_argument("--dist-pp", type=int, default=1, help="pipeline-parallel size")
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    from bridge_server.worker.server import DistributedRank, WorkerConfig
+    dist = None
+    if args.dist_backend:
+        if not args.dist_init:
+            raise SystemExit("vllm-bridge worker: --dist-backend needs --dist-init (the rendezvous address)")
+        dist = DistributedRank(args.dist_backend, args.dist_world_size, args.dist_rank, args.dist_init,
+                               args.dist_tp, args.dist_pp)
+    return WorkerConfig(distributed=dist, listen=args.listen, worker_id=args.worker_id, session_cap=args.session_cap,
+                        idle_ttl_s=args.ref_ttl, tensor_max_bytes=args.tensor_max_bytes, grace_s=args.grace,
+                        objects=json.loads(args.objects), lane=args.lane)
+
+
+def _take_the_group_down(signum: int, frame: object) -> None:
+    """SIGHUP: the server that started this worker died (PR_SET_PDEATHSIG), or the terminal of a
+    worker started by hand hung up. Nobody is left to stop the worker's children (vLLM's engine
+    cores), so the whole process group goes, this worker with it."""
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Runs a worker until SIGTERM/SIGINT (or SIGHUP: see above); never returns normally."""
+    if os.getpgrp() == os.getpid():   # a group of its own (as the supervisor starts it): only ours to kill
+        signal.signal(signal.SIGHUP, _take_the_group_down)
+    from bridge_server.worker.server import serve_worker
+    # uvloop by default: fewer syscalls and less Python per loop turn, which a streaming worker makes many of.
+    eventloop.run(serve_worker(config_from_args(args), ready_file=args.ready_file), args.loop)
+    # The graceful stop is done. A call abandoned inside C code (a gloo wait, say) would otherwise
+    # keep the interpreter joining its thread forever: a stopped worker must exit.
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(0)

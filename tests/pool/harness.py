@@ -1,0 +1,160 @@
+"""Helpers for the pool tests: a real `vllm-bridge serve` process, real slow calls, process checks.
+
+Not a test module: imported by tests/test_pool_*.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+
+from bridge_server.client.client import BridgeClient, CallError
+from tests.conftest import ROOT, free_port
+from vllm_bridge.v1 import pool_pb2 as ppb
+from vllm_bridge.v1 import pool_pb2_grpc as ppb_grpc
+
+GATE_TARGET = "vllm.distributed.stateless_init_torch_distributed_process_group"
+
+
+@dataclass
+class PoolServer:
+    proc: subprocess.Popen[bytes]
+    address: str
+    log: Path
+    metrics_port: int
+
+    def status(self, pool: str = "") -> ppb.StatusReply:
+        with grpc.insecure_channel(self.address) as ch:
+            reply: ppb.StatusReply = ppb_grpc.PoolStub(ch).Status(ppb.StatusRequest(pool=pool), timeout=5)
+            return reply
+
+    def pool(self, name: str) -> ppb.PoolStatus:
+        return self.status(name).pools[0]
+
+    def client(self, **options: Any) -> BridgeClient:
+        from bridge_server.wire.protocol import RuntimeOptions
+        return BridgeClient(self.address, options=RuntimeOptions(**options))
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()     # workers die with it (PR_SET_PDEATHSIG)
+                self.proc.wait(5)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+
+def start_pool_server(tmp: Path, config: str, *extra: str, metrics: bool = False, timeout: float = 180) -> PoolServer:
+    """Writes `config` (TOML) and runs `vllm-bridge serve` on it; returns once every pool is up."""
+    cfg = tmp / "pools.toml"
+    cfg.write_text(config)
+    address = f"127.0.0.1:{free_port()}"
+    metrics_port = free_port() if metrics else 0
+    ready = tmp / "ready"
+    log = tmp / "server.log"
+    proc = subprocess.Popen([sys.executable, "-m", "bridge_server.cli", "serve", "--config", str(cfg), "--listen", address,
+                             "--ready-file", str(ready), "--metrics-port", str(metrics_port), *extra],
+                            cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    server = PoolServer(proc, address, log, metrics_port)
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log_text()}")
+        if time.monotonic() > deadline:
+            server.stop()
+            raise TimeoutError(f"server not ready after {timeout} s:\n{server.log_text()}")
+        time.sleep(0.1)
+    return server
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout} s")
+        time.sleep(0.05)
+
+
+@dataclass
+class Gate:
+    """A real slow call: rank 0 of a 2-rank gloo group blocks in the worker until `open()` joins as
+    rank 1 from this process. It runs in the worker's shared thread pool, like any blocking call."""
+
+    port: int = field(default_factory=free_port)
+    # The peer's group is kept alive: dropping it closes its sockets, which can fail rank 0's
+    # connection set-up in the worker when it has not finished yet.
+    peers: list[Any] = field(default_factory=list)
+
+    def args(self) -> tuple[Any, ...]:
+        return (GATE_TARGET, "127.0.0.1", self.port, 0, 2, "gloo")
+
+    def running(self) -> bool:
+        """Rank 0 has started in the worker: its store listens on the port."""
+        return any(c.laddr and c.laddr.port == self.port and c.status == psutil.CONN_LISTEN
+                   for c in psutil.net_connections(kind="tcp"))
+
+    def open(self) -> threading.Thread:
+        def peer() -> None:
+            from vllm.distributed import stateless_init_torch_distributed_process_group
+            self.peers.append(
+                stateless_init_torch_distributed_process_group("127.0.0.1", self.port, 1, 2, "gloo"))
+        t = threading.Thread(target=peer, daemon=True)
+        t.start()
+        return t
+
+
+@dataclass
+class Outcome:
+    """What a call made in a background thread came to, and when."""
+
+    value: Any = None
+    error: CallError | None = None
+    ended: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def in_thread(fn: Callable[[], Any]) -> Outcome:
+    out = Outcome()
+
+    def run() -> None:
+        try:
+            out.value = fn()
+        except CallError as err:
+            out.error = err
+        finally:
+            out.ended = time.monotonic()
+            out.done.set()
+    threading.Thread(target=run, daemon=True).start()
+    return out
+
+
+def open_gates(gates: Iterable[Gate], timeout: float = 60) -> None:
+    for t in [g.open() for g in gates]:
+        t.join(timeout)
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """Live processes of a process group (zombies count as gone)."""
+    out = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return out

@@ -1,0 +1,209 @@
+"""End to end: pools whose workers are the ranks of one gloo group, collectives across real worker
+processes, and a group that survives losing a rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from bridge_server.client.client import BridgeClient, CallError, Target
+from tests.conftest import free_port
+from tests.pool.harness import GATE_TARGET, PoolServer, start_pool_server, wait_until
+
+D = "vllm.distributed"
+CONFIG = """
+[[pools]]
+name = "tp"
+workers = 2
+restart_backoff_s = 0.2
+[pools.distributed]
+backend = "gloo"
+tensor_parallel_size = 2
+
+[[pools]]
+name = "pp"
+workers = 2
+[pools.distributed]
+backend = "gloo"
+tensor_parallel_size = 1
+pipeline_parallel_size = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolServer]:
+    s = start_pool_server(tmp_path_factory.mktemp("dist"), CONFIG)
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def tp(server: PoolServer) -> Iterator[BridgeClient]:
+    with server.client(pool="tp") as c:
+        yield c
+
+
+def per_rank(*tensors: torch.Tensor) -> list[tuple[tuple[object, ...], dict[str, object]]]:
+    return [((t,), {}) for t in tensors]
+
+
+def test_all_reduce_sums_the_ranks_tensors_on_every_rank(tp: BridgeClient) -> None:
+    out = tp.collective(f"{D}.tensor_model_parallel_all_reduce", per_rank=per_rank(torch.ones(4), torch.ones(4) * 2))
+    assert [t.tolist() for t in out] == [[3.0] * 4, [3.0] * 4]
+
+
+def test_all_gather_gather_and_reduce_scatter_move_real_tensors(tp: BridgeClient) -> None:
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
+    gathered = tp.collective(f"{D}.tensor_model_parallel_all_gather", per_rank=per_rank(a, b))
+    assert [t.tolist() for t in gathered] == [[1.0, 2.0, 3.0, 4.0]] * 2
+    at_root = tp.collective(f"{D}.tensor_model_parallel_gather", per_rank=per_rank(a, b))
+    assert at_root[0].tolist() == [1.0, 2.0, 3.0, 4.0] and at_root[1] is None
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    scattered = tp.collective(f"{D}.tensor_model_parallel_reduce_scatter", per_rank=per_rank(x, x * 2))
+    assert [t.tolist() for t in scattered] == [[3.0, 6.0], [9.0, 12.0]]
+
+
+def test_broadcast_tensor_dict_reaches_every_rank(tp: BridgeClient) -> None:
+    sent = {"weights": torch.arange(6, dtype=torch.float32).reshape(2, 3), "step": 7}
+    out = tp.collective(f"{D}.broadcast_tensor_dict", per_rank=[((sent,), {}), ((None,), {})])
+    for got in out:
+        assert got["step"] == 7 and torch.equal(got["weights"], sent["weights"])
+
+
+def test_ranks_and_groups_report_the_pools_layout(server: PoolServer, tp: BridgeClient) -> None:
+    assert tp.collective(f"{D}.get_tensor_model_parallel_rank") == [0, 1]
+    assert tp.collective(f"{D}.get_tensor_model_parallel_world_size") == [2, 2]
+    assert tp.call(f"{D}.get_tensor_model_parallel_rank", rank=1) == 1     # one rank, by name
+    pp_groups = tp.collective(f"{D}.get_pp_group")
+    assert [tp.call(Target.get(g, "world_size")) for g in pp_groups] == [1, 1]
+    with server.client(pool="pp") as pp:
+        assert pp.collective(f"{D}.get_tensor_model_parallel_world_size") == [1, 1]
+        groups = pp.collective(f"{D}.get_pp_group")
+        assert [pp.call(Target.get(g, "world_size")) for g in groups] == [2, 2]
+        assert [pp.call(Target.get(g, "rank_in_group")) for g in groups] == [0, 1]
+        assert pp.collective(f"{D}.get_pp_indices", 32, 0, 2) == [(0, 16), (0, 16)]
+
+
+def test_concurrent_clients_collectives_do_not_interleave(server: PoolServer) -> None:
+    errors: list[BaseException] = []
+
+    def client(seed: float) -> None:
+        try:
+            with server.client(pool="tp") as c:
+                for i in range(10):
+                    out = c.collective(f"{D}.tensor_model_parallel_all_reduce",
+                                       per_rank=per_rank(torch.full((3,), seed + i), torch.full((3,), seed)), timeout=30)
+                    assert [t.tolist() for t in out] == [[2 * seed + i] * 3] * 2
+                    gathered = c.collective(f"{D}.tensor_model_parallel_all_gather",
+                                            per_rank=per_rank(torch.tensor([seed]), torch.tensor([seed + 1])), timeout=30)
+                    assert [t.tolist() for t in gathered] == [[seed, seed + 1]] * 2
+        except BaseException as exc:   # reported below, with the thread's assertion intact
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in (1.0, 100.0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+
+
+def test_a_call_that_fails_on_every_rank_reports_rank_0_and_keeps_the_group(server: PoolServer,
+                                                                           tp: BridgeClient) -> None:
+    restarts = server.pool("tp").restarts
+    with pytest.raises(CallError) as err:
+        tp.collective(f"{D}.ensure_divisibility", 7, 2)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "rank 0" in err.value.details and "7 is not divisible by 2" in err.value.details
+    assert err.value.detail.python_type == "AssertionError"
+    assert server.pool("tp").restarts == restarts
+    assert tp.collective(f"{D}.divide", 6, 3) == [2, 2]
+
+
+def test_killing_a_rank_mid_collective_fails_it_fast_and_the_group_comes_back(server: PoolServer,
+                                                                             tp: BridgeClient) -> None:
+    rank1 = next(w for w in server.pool("tp").workers if w.index == 1)
+    # Rank 0 enters an all-reduce and waits for rank 1, which is held in another blocking call.
+    calls = [((torch.ones(2),), {}), (("127.0.0.1", free_port(), 0, 2, "gloo"), {})]
+    targets = [f"{D}.tensor_model_parallel_all_reduce", GATE_TARGET]
+    result: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            with server.client(pool="tp") as c:
+                req0, _ = c.request(targets[0], *calls[0])
+                req1, _ = c.request(targets[1], *calls[1])
+                from vllm_bridge.v1 import bridge_pb2 as pb
+                c.stub.Collective(pb.CollectiveRequest(per_rank=[req0, req1]), timeout=60,
+                                  metadata=c._metadata([], {}))
+        except grpc.RpcError as exc:
+            result["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(1.5)
+    killed_at = time.monotonic()
+    os.kill(rank1.pid, signal.SIGKILL)
+    t.join(30)
+    failed_after = time.monotonic() - killed_at
+    err = result["error"]
+    assert err.code() == grpc.StatusCode.UNAVAILABLE   # type: ignore[attr-defined]
+    assert "rank 1" in err.details() and "restarting" in err.details()   # type: ignore[attr-defined]
+    assert failed_after < 5
+    wait_until(lambda: server.pool("tp").state == "serving" and server.pool("tp").restarts >= 2, 90, "the group back")
+    assert {w.pid for w in server.pool("tp").workers}.isdisjoint({rank1.pid})
+    out = tp.collective(f"{D}.tensor_model_parallel_all_reduce", per_rank=per_rank(torch.ones(2), torch.ones(2)),
+                        timeout=30)
+    assert [x.tolist() for x in out] == [[2.0, 2.0]] * 2
+
+
+def test_collective_argument_errors(tp: BridgeClient, server: PoolServer, tmp_path: Path) -> None:
+    with pytest.raises(CallError) as err:
+        tp.collective(f"{D}.divide", per_rank=[((6, 3), {})])
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "2 ranks" in err.value.details
+
+
+# Documented vllm.distributed functions, called as collectives on every rank with plausible arguments.
+# Each must reach vLLM and either return or raise vLLM's own error: never a bridge failure.
+SWEEP: list[tuple[str, tuple[object, ...]]] = [
+    ("get_tp_group", ()), ("get_pp_group", ()), ("get_dp_group", ()), ("get_ep_group", ()), ("get_dcp_group", ()),
+    ("get_pcp_group", ()), ("get_world_group", ()), ("get_context_model_parallel_group", ()),
+    ("get_inner_dp_world_group", ()), ("get_tensor_model_parallel_rank", ()),
+    ("get_tensor_model_parallel_world_size", ()), ("get_decode_context_model_parallel_rank", ()),
+    ("get_decode_context_model_parallel_world_size", ()), ("get_node_count", ()), ("is_global_first_rank", ()),
+    ("is_local_first_rank", ()), ("model_parallel_is_initialized", ()),
+    ("get_distributed_init_method", ("127.0.0.1", 1234)), ("get_tcp_uri", ("127.0.0.1", 1234)),
+    ("get_pp_indices", (32, 0, 2)), ("divide", (6, 3)), ("ensure_divisibility", (6, 3)),
+    ("is_torch_equal_or_newer", ("2.0",)), ("split_tensor_along_last_dim", (torch.ones(2, 4), 2)),
+    ("sched_yield", ()), ("resolve_obj_by_qualname", ("vllm.distributed.divide",)),
+    ("init_logger", ("bridge.test",)), ("logger", ()), ("use_sched_yield", ()), ("set_custom_all_reduce", (True,)),
+    ("all_reduce", (torch.ones(3), "tp:0")), ("all_gather", (torch.ones(3), 0, 2, "tp:0")),
+    ("reduce_scatter", (torch.ones(4), 0, 2, "tp:0")), ("all_reduce_fake", (torch.ones(3), "tp:0")),
+    ("all_gather_fake", (torch.ones(3), 0, 2, "tp:0")), ("reduce_scatter_fake", (torch.ones(4), 0, 2, "tp:0")),
+    ("graph_capture", ("cpu",)), ("tensor_model_parallel_all_reduce", (torch.ones(2),)),
+]
+
+
+def test_documented_distributed_functions_reach_vllm_on_a_group(tp: BridgeClient) -> None:
+    problems = []
+    for name, args in SWEEP:
+        try:
+            results = tp.collective(f"{D}.{name}", *args, timeout=30)
+            assert len(results) == 2
+        except CallError as err:
+            if err.category != "python_error":      # vLLM's own error is an answer; ours is not
+                problems.append(f"{name}: {err.code.name} {err.category}: {err.details}")
+    assert not problems, "\n".join(problems)
+    assert tp.collective(f"{D}.all_reduce", torch.ones(3), "tp:0")[0].tolist() == [2.0, 2.0, 2.0]
+    managers = tp.collective(f"{D}.graph_capture", "cpu")     # a context manager on each rank
+    with pytest.raises(CallError) as err:                      # entering it needs CUDA: vLLM says so
+        tp.call(Target.method(managers[0], "__enter__"))
+    assert err.value.category == "python_error" and "cuda" in err.value.details.lower()

@@ -1,0 +1,323 @@
+"""The router end to end: pools, affinity, refs under load, the queue, deadlines, health, status,
+metrics. One real `vllm-bridge serve` with four real worker processes serves the whole module.
+
+Pool `a` has two workers that run one call each, so one slow call makes a worker busy; pool `b` has
+two workers with room for load.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bridge_server.client.client import CallError, Target
+from tests.conftest import ROOT
+from tests.pool.harness import Gate, PoolServer, in_thread, open_gates, start_pool_server, wait_until
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+CONFIG = """
+grace_s = 10
+[[pools]]
+name = "a"
+workers = 2
+max_concurrent = 1
+queue_size = 2
+affinity = "hint"
+
+[[pools]]
+name = "b"
+workers = 2
+max_concurrent = 4
+queue_size = 512
+"""
+
+PC = "vllm.config.ParallelConfig"
+DIVIDE = "vllm.distributed.divide"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolServer]:
+    s = start_pool_server(tmp_path_factory.mktemp("pool-routing"), CONFIG, metrics=True)
+    yield s
+    s.stop()
+
+
+def holder(ref: object) -> str:
+    """The worker that made a ref (ParallelConfig comes back as a ref: it tells where a call ran)."""
+    return ref.worker_id  # type: ignore[attr-defined]
+
+
+def idle(server: PoolServer, pool: str) -> None:
+    wait_until(lambda: (p := server.pool(pool)).in_flight == 0 and p.queue_length == 0, what=f"pool {pool} idle")
+
+
+def test_calls_are_routed_by_pool_name_and_an_unknown_pool_lists_the_pools(server: PoolServer) -> None:
+    with server.client() as c:
+        ran_on = {holder(c.call(PC, pool=p, session_id=f"route-{p}-{i}")) for p in ("a", "b") for i in range(4)}
+        assert {w.split("-")[0] for w in ran_on} == {"a", "b"}
+        assert all(w.startswith(("a-", "b-")) and "." not in w for w in ran_on)
+        assert c.call(DIVIDE, 12, 4, pool="b") == 3
+        with pytest.raises(CallError) as err:
+            c.call(DIVIDE, 1, 1, pool="nope")
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        assert "no pool 'nope'; pools: a, b" in err.value.details
+        assert err.value.category == "pool" and err.value.reason == "unknown pool"
+        # x-bridge-rank picks the worker of that slot.
+        assert [holder(c.call(PC, pool="a", rank=r)) for r in (1, 0, 1)] == ["a-1-g1", "a-0-g1", "a-1-g1"]
+        with pytest.raises(CallError) as err:
+            c.call(PC, pool="a", rank=2)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "no rank 2" in err.value.details
+        # The worker's own errors come back unchanged: status, details and the rich ErrorDetail.
+        with pytest.raises(CallError) as err:
+            c.call(DIVIDE, 1, 0, pool="b")
+        assert err.value.code == grpc.StatusCode.UNKNOWN and err.value.detail is not None
+        assert err.value.detail.python_type == "ZeroDivisionError" and err.value.category == "python_error"
+        # Streams are forwarded item by item, and the catalog comes from a worker.
+        assert list(c.stream("vllm.distributed.get_pp_indices", 64, 1, 4, pool="b")) == [16, 32]
+        assert any(e.name == DIVIDE for e in c.describe("vllm.distributed").entries)
+
+
+def test_each_affinity_mode_when_the_pinned_worker_is_busy(server: PoolServer) -> None:
+    idle(server, "a")
+    gate = Gate()
+    with server.client(pool="a", session_id="aff") as c:
+        pinned = holder(c.call(PC))
+        ref = c.call(PC)                               # held by the pinned worker
+        assert holder(ref) == pinned
+        busy = in_thread(lambda: c.call(*gate.args(), affinity="strict_queue"))
+        wait_until(lambda: {w.id: w.in_flight for w in server.pool("a").workers}.get(pinned) == 1, what="pinned busy")
+        # hint: runs on the other worker at once.
+        other = holder(c.call(PC, affinity="hint"))
+        assert other != pinned and other.startswith("a-")
+        # strict_fail_fast: fails at once, naming the reason.
+        t0 = time.monotonic()
+        with pytest.raises(CallError) as err:
+            c.call(PC, affinity="strict_fail_fast")
+        assert time.monotonic() - t0 < 0.5
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.reason == "worker busy"
+        assert err.value.category == "pool" and pinned in err.value.details
+        # A ref call under strict_fail_fast fails fast too (it can only run where the ref is).
+        with pytest.raises(CallError) as err:
+            c.call(Target.get(ref, "world_size"), affinity="strict_fail_fast")
+        assert err.value.reason == "worker busy" and ref.id in err.value.details
+        # strict_queue waits for the pinned worker; so does a ref call under hint.
+        queued = in_thread(lambda: c.call(PC, affinity="strict_queue"))
+        via_ref = in_thread(lambda: c.call(Target.get(ref, "world_size"), affinity="hint"))
+        wait_until(lambda: server.pool("a").queue_length == 2, what="two calls queued")
+        time.sleep(0.3)
+        assert not queued.done.is_set() and not via_ref.done.is_set()
+        released = time.monotonic()
+        open_gates([gate])
+        for out in (busy, queued, via_ref):
+            assert out.done.wait(30) and out.error is None, out.error
+        assert holder(queued.value) == pinned and queued.ended >= released
+        assert via_ref.value == 1
+
+
+def test_ref_calls_under_load_always_reach_the_worker_holding_the_ref(server: PoolServer) -> None:
+    idle(server, "b")
+    with server.client(pool="b") as c:
+        # Refs on both workers, and sessions pinned to the *other* worker than their refs.
+        refs = []
+        for i in range(8):
+            r = c.call(PC, kwargs={"data_parallel_size": i + 1}, session_id=f"load-ref-{i}")
+            refs.append(r)
+        assert len({holder(r) for r in refs}) == 2
+
+        def one(i: int) -> tuple[int, int]:
+            ref = refs[i % len(refs)]
+            mode = ("hint", "strict_queue")[i % 2]
+            got = c.call(Target.get(ref, "data_parallel_size"), affinity=mode, session_id=f"load-{i % 5}")
+            c.call("vllm.distributed.get_pp_indices", 64, i % 4, 4, session_id=f"load-{i % 5}", affinity="hint")
+            return got, refs.index(ref) + 1
+
+        with ThreadPoolExecutor(24) as ex:
+            results = list(ex.map(one, range(400)))
+    assert all(got == want for got, want in results)
+
+
+def test_a_full_queue_and_a_deadline_that_expires_in_the_queue(server: PoolServer) -> None:
+    idle(server, "a")
+    gates = [Gate(), Gate()]
+    with server.client(pool="a") as c:
+        busy = [in_thread(lambda g=g, i=i: c.call(*g.args(), session_id=f"q-busy-{i}")) for i, g in enumerate(gates)]
+        wait_until(lambda: server.pool("a").in_flight == 2, what="both workers busy")
+        # A deadline that passes while the call waits for a slot: the gRPC deadline, then the bridge option.
+        for kw in ({"timeout": 0.5}, {"timeout_s": 0.5}):
+            t0 = time.monotonic()
+            with pytest.raises(CallError) as err:
+                c.call(DIVIDE, 4, 2, session_id="q-deadline", **kw)
+            waited = time.monotonic() - t0
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+            assert err.value.category == "timeout" and "queue" in err.value.details
+            assert 0.4 < waited < 1.5
+        # Two calls fill the queue (queue_size 2); the third is refused at once.
+        queued = [in_thread(lambda i=i: c.call(DIVIDE, 8, 2, session_id=f"q-wait-{i}")) for i in range(2)]
+        wait_until(lambda: server.pool("a").queue_length == 2, what="queue full")
+        t0 = time.monotonic()
+        with pytest.raises(CallError) as err:
+            c.call(DIVIDE, 8, 2, session_id="q-refused")
+        assert time.monotonic() - t0 < 0.5
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "queue full"
+        assert server.pool("a").queue_length == 2
+        open_gates(gates)
+        for out in busy + queued:
+            assert out.done.wait(30) and out.error is None, out.error
+        assert [q.value for q in queued] == [4, 4]
+
+
+def test_the_callers_deadline_and_cancellation_cross_the_router(server: PoolServer) -> None:
+    idle(server, "b")
+    gates = [Gate(), Gate(), Gate()]
+    with server.client(pool="b") as c:
+        t0 = time.monotonic()
+        with pytest.raises(CallError) as err:
+            c.call(*gates[0].args(), timeout=1.0)       # the worker enforces it: the call is running there
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - t0 < 2
+        wait_until(lambda: server.pool("b").in_flight == 0, timeout=2, what="the slot freed")
+        request, _ = c.request(gates[1].args()[0], gates[1].args()[1:])
+    with grpc.insecure_channel(server.address) as ch:
+        future = ch.unary_unary("/vllm_bridge.v1.Bridge/Call").future(
+            request.SerializeToString(), metadata=[("x-bridge-pool", "b")])
+        wait_until(gates[1].running, what="the call running in the worker")
+        future.cancel()
+        wait_until(lambda: server.pool("b").in_flight == 0, timeout=2, what="the cancelled call's slot freed")
+        request.args[1].int = gates[2].port
+        stream = ch.unary_stream("/vllm_bridge.v1.Bridge/Stream")(
+            request.SerializeToString(), metadata=[("x-bridge-pool", "b")])
+        wait_until(gates[2].running, what="the stream running in the worker")
+        assert server.pool("b").in_flight == 1
+        stream.cancel()
+        wait_until(lambda: server.pool("b").in_flight == 0, timeout=2, what="the cancelled stream's slot freed")
+    open_gates(gates)    # the worker's threads were abandoned in C code: let them finish
+
+
+def test_health_per_pool(server: PoolServer) -> None:
+    with grpc.insecure_channel(server.address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "vllm_bridge.v1.Bridge", "pool/a", "pool/b"):
+            assert stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING, service
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Check(health_pb2.HealthCheckRequest(service="pool/nope"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_status_rpc_and_cli(server: PoolServer) -> None:
+    with server.client(pool="b", session_id="status-s") as c:
+        c.call(PC)
+    reply = server.status()
+    assert reply.state == "serving" and [p.name for p in reply.pools] == ["a", "b"]
+    b = reply.pools[1]
+    assert b.state == "serving" and b.max_concurrent == 4 and b.queue_capacity == 512 and b.sessions >= 1
+    assert [w.id for w in b.workers] == ["b-0-g1", "b-1-g1"]
+    assert all(w.state == "ready" and w.pid > 0 and w.address.startswith("unix:") for w in b.workers)
+    assert sum(w.calls for w in b.workers) > 0 and max(w.refs for w in b.workers) >= 1
+    out = subprocess.run([sys.executable, "-m", "bridge_server.cli", "status", "--address", server.address],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert {p["name"] for p in data["pools"]} == {"a", "b"}
+    w = data["pools"][0]["workers"][0]
+    assert {"id", "pid", "state", "in_flight", "calls", "sessions", "refs", "restarts"} <= set(w)
+    assert isinstance(w["calls"], int) and isinstance(w["pid"], int)
+
+
+def test_prometheus_metrics_are_served(server: PoolServer) -> None:
+    with server.client(pool="b") as c:
+        c.call(DIVIDE, 6, 3)
+    needles = ('vllm_bridge_calls_total{code="OK",method="Call",pool="b"}',
+               'vllm_bridge_call_seconds_bucket{le="0.005",method="Call",pool="b"}',
+               'vllm_bridge_queue_depth{pool="a"}', 'vllm_bridge_in_flight{pool="b"}',
+               'vllm_bridge_worker_restarts_total{pool="a"} 0.0',
+               'vllm_bridge_workers{pool="b",state="ready"} 2.0',
+               'vllm_bridge_queue_wait_seconds_count{pool="a"}')
+    deadline = time.monotonic() + 5     # a call is counted just after its reply has gone: maybe not yet
+    while True:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+        missing = [n for n in needles if n not in body]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not missing, missing
+
+
+def test_release_routes_refs_to_their_workers_and_sessions_to_every_worker(server: PoolServer) -> None:
+    with server.client(pool="b") as c:
+        refs = [c.call(PC, session_id=f"rel-{i}") for i in range(6)]
+        assert len({holder(r) for r in refs}) == 2
+        assert c.release(*refs[:3]) == 3
+        with pytest.raises(CallError) as err:
+            c.call(Target.get(refs[0], "world_size"))
+        assert err.value.code == grpc.StatusCode.NOT_FOUND and "released by the client" in err.value.details
+        spread = [c.call(PC, session_id="rel-session", affinity="hint") for _ in range(2)]
+        assert c.release(session_id="rel-session") == len(spread)
+        assert c.call(Target.get(refs[4], "world_size")) == 1
+
+
+def test_multiplex_through_the_pool_routes_each_call_like_a_plain_call(server: PoolServer) -> None:
+    with server.client(pool="b") as c, c.multiplex() as mux:
+        plain = {s: holder(c.call(PC, session_id=s)) for s in ("mux-1", "mux-2", "mux-3", "mux-4")}
+        assert len(set(plain.values())) == 2
+        # Session pins hold whichever way a call comes in.
+        assert {s: holder(mux.call(PC, session_id=s)) for s in plain} == plain
+        ref = c.call(PC, session_id="mux-ref", kwargs={"data_parallel_size": 2})
+        assert mux.call(Target.get(ref, "data_parallel_size")) == 2   # routed to the ref's worker
+        assert mux.call(DIVIDE, 9, 3) == 3
+        with pytest.raises(CallError) as err:
+            mux.call(DIVIDE, 9, 3, pool="nope")
+        assert err.value.category == "pool" and "nope" in err.value.details
+        with ThreadPoolExecutor(16) as ex:
+            assert list(ex.map(lambda i: mux.call(DIVIDE, 4 * i, 4), range(64))) == list(range(64))
+    idle(server, "b")
+
+
+def test_multiplex_through_the_pool_keeps_a_calls_own_time_left(server: PoolServer) -> None:
+    """A Multiplex call's `time_left_ms` is its deadline through the router too, not just the RPC's."""
+    gate = Gate()
+    with server.client(pool="b") as c:
+        request, _ = c.request(gate.args()[0], gate.args()[1:])
+    start = pb.MuxStart(id=7, call=request, time_left_ms=500, metadata={"x-bridge-pool": "b"})
+    with grpc.insecure_channel(server.address) as ch:
+        mux = ch.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
+                               pb.MuxReply.FromString)
+        t0 = time.monotonic()
+        try:
+            replies = list(mux(iter([pb.MuxRequest(start=start)]), timeout=20))
+        finally:
+            took = time.monotonic() - t0
+            open_gates([gate])
+    (event,) = [e for r in replies for e in r.events]
+    assert event.id == 7 and event.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], event
+    assert took < 5, took
+    idle(server, "b")
+
+
+def test_multiplex_through_the_pool_a_worker_crash_fails_only_its_calls(server: PoolServer) -> None:
+    import os
+    import signal
+
+    import psutil
+    gate = Gate()
+    with server.client(pool="b") as c, c.multiplex() as mux:
+        held = in_thread(lambda: mux.call(*gate.args(), session_id="mux-crash"))
+        wait_until(gate.running, what="the gated call running in a worker")
+        victim = next(conn.pid for conn in psutil.net_connections(kind="tcp")
+                      if conn.laddr and conn.laddr.port == gate.port and conn.status == psutil.CONN_LISTEN)
+        os.kill(victim, signal.SIGKILL)
+        assert held.done.wait(30) and held.error is not None
+        assert held.error.code == grpc.StatusCode.UNAVAILABLE and "worker crashed" in held.error.details
+        assert mux.call(DIVIDE, 8, 2) == 4    # the stream and the other worker go on
+    wait_until(lambda: sum(w.state == "ready" for w in server.pool("b").workers) == 2, timeout=120,
+               what="pool b back to two workers")
+    idle(server, "b")

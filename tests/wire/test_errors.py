@@ -1,0 +1,68 @@
+"""The client's reading of a failed call (`bridge_server/wire/errors.py`), over a real gRPC socket."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf import any_pb2
+from google.rpc import status_pb2
+
+from bridge_server.client.client import CallError
+from bridge_server.wire.errors import STATUS_DETAILS_KEY
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+METHOD = "/test.Errors/Fail"
+DETAIL = pb.ErrorDetail(category="timeout", target="vllm.AsyncLLMEngine.generate")
+
+
+class _Status(grpc.Status):
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: Any) -> None:
+        self.code, self.details, self.trailing_metadata = code, details, trailing_metadata
+
+
+def _rich(message: str) -> bytes:
+    packed = any_pb2.Any()
+    packed.Pack(DETAIL)
+    return status_pb2.Status(code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0], message=message,
+                             details=[packed]).SerializeToString()
+
+
+def _fail(request: bytes, context: grpc.ServicerContext) -> bytes:
+    """Ends with a rich status whose message is the request's text, and a status line of its own."""
+    context.abort_with_status(_Status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded",
+                                      ((STATUS_DETAILS_KEY, _rich(request.decode())),)))
+    raise AssertionError("abort_with_status returned")
+
+
+@pytest.fixture(scope="module")
+def address() -> Iterator[str]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    handler = grpc.method_handlers_generic_handler("test.Errors", {"Fail": grpc.unary_unary_rpc_method_handler(_fail)})
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+def _call_error(address: str, message: str) -> CallError:
+    with grpc.insecure_channel(address) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            channel.unary_unary(METHOD)(message.encode(), timeout=5)
+    return CallError(caught.value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("message", ["Deadline Exceeded", "generate: deadline exceeded while waiting for the next item"])
+def test_a_call_error_keeps_the_servers_detail_whether_or_not_the_status_line_matches_it(address: str,
+                                                                                         message: str) -> None:
+    # The second case is the race of a caller's own deadline with the server's named one: the status
+    # line and the rich status disagree, and grpcio-status's own reader raises ValueError on it.
+    err = _call_error(address, message)
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert err.details == "Deadline Exceeded"
+    assert err.detail is not None
+    assert (err.detail.category, err.detail.target) == (DETAIL.category, DETAIL.target)

@@ -1,0 +1,360 @@
+"""End to end: AsyncLLM over gRPC against real vLLM on the tiny local model.
+
+One worker process holds the engines for the whole module (an engine costs ~2.7 GB and ~12 s): a
+published LoRA-enabled engine named `engine`, plus the engines the tests create themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+import pytest
+
+from bridge_server.client.client import BridgeClient, CallError, Multiplexer, Target
+from bridge_server.tools.tiny_model import ensure_tiny_model
+from tests.conftest import WorkerProcess, start_worker
+
+E = "vllm.AsyncLLMEngine"
+LONG = 2000   # tokens: seconds of generation, so a test can act on a stream before it ends
+
+
+def engine_args(model: Path, **extra: Any) -> dict[str, Any]:
+    return {"model": str(model), "dtype": "float32", "max_model_len": 2048, "enforce_eager": True,
+            "max_num_seqs": 16, "enable_log_requests": True, **extra}
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def engine_worker(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[WorkerProcess]:
+    objects = [{"name": "engine", "target": f"{E}.from_engine_args",
+                "kwargs": {"engine_args": engine_args(model, enable_lora=True, max_lora_rank=8)}}]
+    w = start_worker(tmp_path_factory.mktemp("engine"), "--objects", json.dumps(objects), name="engine")
+    yield w
+    w.stop()
+
+
+@pytest.fixture()
+def bridge(engine_worker: WorkerProcess) -> Iterator[BridgeClient]:
+    with BridgeClient(engine_worker.address) as c:
+        yield c
+
+
+def greedy(n: int, **extra: Any) -> dict[str, Any]:
+    return {"temperature": 0.0, "max_tokens": n, "ignore_eos": True, **extra}
+
+
+def generate_together(mux: Multiplexer, prompts: list[str], tag: str) -> dict[str, list[dict[str, Any]]]:
+    """Each prompt's items, all generated at once over one Multiplex stream (a thread per prompt)."""
+    results: dict[str, list[dict[str, Any]]] = {}
+
+    def one(i: int, prompt: str) -> None:
+        results[prompt] = list(mux.stream(Target.method("engine", "generate"), prompt, greedy(24), f"{tag}-{i}"))
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def assert_same_generations(results: dict[str, list[dict[str, Any]]], plain: dict[str, dict[str, Any]]) -> None:
+    """Every stream ended once, with the tokens of the same prompt generated on its own."""
+    for p, items in results.items():
+        assert items[-1]["finished"] is True and [i["finished"] for i in items[:-1]] == [False] * (len(items) - 1)
+        assert items[-1]["outputs"][0]["token_ids"] == plain[p]["outputs"][0]["token_ids"]
+
+
+def engine_processes(worker: WorkerProcess) -> set[int]:
+    """The worker's live engine-core processes (one that exits while being looked at is not)."""
+    live = set()
+    for p in psutil.Process(worker.proc.pid).children(recursive=True):
+        try:
+            if "EngineCore" in " ".join(p.cmdline() + [p.name()]):
+                live.add(p.pid)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            pass
+    return live
+
+
+def unfinished(client: BridgeClient, engine: Any = "engine") -> int:
+    processor = client.call(Target.get(engine, "output_processor"))
+    return int(client.call(Target.method(processor, "get_num_unfinished_requests")))
+
+
+def wait_until(predicate: Any, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def assert_aborted_in_engine(worker: WorkerProcess, client: BridgeClient, request_id: str) -> None:
+    """The engine itself says the request was aborted, and nothing of it is left running."""
+    assert wait_until(lambda: f"Request {request_id} aborted" in worker.log.read_text()), \
+        f"the engine never aborted {request_id}"
+    assert wait_until(lambda: unfinished(client) == 0)
+
+
+def in_process_token_ids(model: Path, prompt: str, n: int) -> list[int]:
+    """The same request on an in-process AsyncLLM, as the reference."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    async def run() -> list[int]:
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(model, enable_lora=True, max_lora_rank=8)))
+        try:
+            last = None
+            async for out in engine.generate(prompt, SamplingParams(**greedy(n)), "reference"):
+                last = out
+            assert last is not None
+            return list(last.outputs[0].token_ids)
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(run())
+
+
+def test_generate_streams_the_same_tokens_as_in_process_vllm(bridge: BridgeClient, model: Path) -> None:
+    items = list(bridge.stream(Target.method("engine", "generate"), "The quick brown fox", greedy(24), "same-1"))
+    assert len(items) >= 2                       # streamed, not one reply at the end
+    last = items[-1]
+    assert last["request_id"] == "same-1" and last["finished"] is True
+    out = last["outputs"][0]
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 24
+    assert all(type(t) is int for t in out["token_ids"])
+    assert out["token_ids"] == in_process_token_ids(model, "The quick brown fox", 24)
+
+
+def test_a_stream_interval_coalesces_items_without_losing_tokens(bridge: BridgeClient) -> None:
+    every = list(bridge.stream(Target.method("engine", "generate"), "coalesce", greedy(64), "every"))
+    coalesced = list(bridge.stream(Target.method("engine", "generate"), "coalesce", greedy(64), "coalesced",
+                                   stream_interval_s=0.05))
+    assert len(coalesced) < len(every) and len(coalesced) >= 1
+    assert coalesced[-1]["outputs"][0]["token_ids"] == every[-1]["outputs"][0]["token_ids"]
+    assert coalesced[-1]["finished"] is True
+    # With DELTA outputs (the enum member travels as a typed enum value) the pieces still add up to
+    # every token exactly once.
+    from vllm.sampling_params import RequestOutputKind
+    deltas = list(bridge.stream(Target.method("engine", "generate"), "coalesce",
+                                greedy(64, output_kind=RequestOutputKind.DELTA), "coalesced-delta",
+                                stream_interval_s=0.05))
+    assert len(deltas) < 64
+    assert sum((d["outputs"][0]["token_ids"] for d in deltas), []) == every[-1]["outputs"][0]["token_ids"]
+
+
+def test_concurrent_generations_share_the_engine(bridge: BridgeClient) -> None:
+    results: dict[int, list[int]] = {}
+
+    def one(i: int) -> None:
+        items = list(bridge.stream(Target.method("engine", "generate"), f"prompt number {i}", greedy(32), f"cc-{i}"))
+        results[i] = items[-1]["outputs"][0]["token_ids"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == list(range(8)) and all(len(ids) == 32 for ids in results.values())
+
+
+def test_client_cancel_aborts_the_request_in_the_engine(bridge: BridgeClient, engine_worker: WorkerProcess) -> None:
+    stream = bridge.stream(Target.method("engine", "generate"), "cancel me", greedy(LONG), "cancel-client")
+    first = next(stream)
+    assert first["finished"] is False
+    stream.close()     # cancels the gRPC call
+    assert_aborted_in_engine(engine_worker, bridge, "cancel-client")
+
+
+def test_deadline_aborts_the_request_in_the_engine(bridge: BridgeClient, engine_worker: WorkerProcess) -> None:
+    with pytest.raises(CallError) as err:
+        for _ in bridge.stream(Target.method("engine", "generate"), "too slow", greedy(LONG), "cancel-deadline",
+                               timeout=0.15):
+            pass
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_aborted_in_engine(engine_worker, bridge, "cancel-deadline")
+
+
+def test_stream_idle_timeout_aborts_the_request_in_the_engine(bridge: BridgeClient,
+                                                              engine_worker: WorkerProcess) -> None:
+    received = []
+    with pytest.raises(CallError) as err:
+        for item in bridge.stream(Target.method("engine", "generate"), "idle", greedy(LONG), "cancel-idle",
+                                  stream_timeout_s=0.001):
+            received.append(item)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "waiting for the next item" in err.value.details
+    assert received and not received[-1]["finished"]
+    assert_aborted_in_engine(engine_worker, bridge, "cancel-idle")
+
+
+def test_abort_from_a_second_call_ends_the_stream_with_finish_reason_abort(bridge: BridgeClient) -> None:
+    with BridgeClient(bridge.address) as other:
+        other.call(Target.method("engine", "check_health"))    # connected before the race starts
+        stream = bridge.stream(Target.method("engine", "generate"), "abort me", greedy(LONG), "to-abort")
+        next(stream)
+        assert other.call(Target.method("engine", "abort"), "to-abort") is None
+        rest = list(stream)
+    assert rest and rest[-1]["outputs"][0]["finish_reason"] == "abort"
+    assert len(rest[-1]["outputs"][0]["token_ids"]) < LONG
+    assert wait_until(lambda: unfinished(bridge) == 0)
+
+
+def test_tokenizer_ref_encodes_like_the_engine(bridge: BridgeClient) -> None:
+    tokenizer = bridge.call(Target.method("engine", "get_tokenizer"))
+    ids = bridge.call(Target.method(tokenizer, "encode"), "Hello world")
+    items = list(bridge.stream(Target.method("engine", "generate"), "Hello world", greedy(1), "tok-1"))
+    assert ids == items[-1]["prompt_token_ids"]
+    assert bridge.call(Target.method(tokenizer, "decode"), ids[1:]) == "Hello world"
+
+
+def test_engine_control_methods(bridge: BridgeClient) -> None:
+    assert bridge.call(Target.method("engine", "check_health")) is None
+    assert bridge.call(Target.method("engine", "get_supported_tasks")) == ("generate",)
+    assert bridge.call(Target.method("engine", "is_paused")) is False
+    bridge.call(Target.method("engine", "pause_generation"))
+    assert bridge.call(Target.method("engine", "is_paused")) is True
+    bridge.call(Target.method("engine", "resume_generation"))
+    assert bridge.call(Target.method("engine", "is_paused")) is False
+    assert bridge.call(Target.method("engine", "reset_prefix_cache")) is True
+    assert bridge.call(Target.get("engine", "errored")) is False
+    assert bridge.call(Target.get("engine", "is_running")) is True
+    assert bridge.call(Target.method("engine", "is_sleeping")) is False
+    with pytest.raises(CallError) as err:     # CPU vLLM has no profiler configured: vLLM's own error
+        bridge.call(Target.method("engine", "start_profile"))
+    assert err.value.category == "python_error" and "rofiler" in err.value.details
+
+
+def test_lora_adapters_load_pin_generate_and_unload(bridge: BridgeClient, model: Path) -> None:
+    lora = {"lora_name": "tiny", "lora_int_id": 1, "lora_path": str(model / "lora")}
+    assert bridge.call(Target.method("engine", "add_lora"), lora) is True
+    assert bridge.call(Target.method("engine", "list_loras")) == {1}
+    assert bridge.call(Target.method("engine", "pin_lora"), 1) is True
+    base = list(bridge.stream(Target.method("engine", "generate"), "Once upon", greedy(16), "lora-base"))
+    with_lora = list(bridge.stream(Target.method("engine", "generate"), "Once upon", greedy(16), "lora-on",
+                                   kwargs={"lora_request": lora}))
+    assert with_lora[-1]["outputs"][0]["token_ids"] != base[-1]["outputs"][0]["token_ids"]
+    assert bridge.call(Target.method("engine", "remove_lora"), 1) is True
+    assert bridge.call(Target.method("engine", "list_loras")) == set()
+
+
+def test_encode_with_an_unsupported_task_is_refused_and_the_engine_lives(bridge: BridgeClient) -> None:
+    with pytest.raises(CallError) as err:
+        list(bridge.stream(Target.method("engine", "encode"), "embed me", {"task": "embed"}, "enc-1"))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "supported tasks: generate" in err.value.details and err.value.reason == "unsupported task"
+    with pytest.raises(CallError):
+        list(bridge.stream(Target.method("engine", "encode"), "embed me", {}, "enc-2"))   # task None
+    assert bridge.call(Target.method("engine", "check_health")) is None
+    assert bridge.call(Target.get("engine", "errored")) is False
+    assert list(bridge.stream(Target.method("engine", "generate"), "still alive", greedy(2), "alive"))[-1]["finished"]
+
+
+def test_an_engine_built_from_a_map_generates_and_shutdown_leaves_no_process(bridge: BridgeClient, model: Path,
+                                                                             engine_worker: WorkerProcess) -> None:
+    before = engine_processes(engine_worker)
+    engine = bridge.call(f"{E}.from_engine_args", engine_args(model), timeout_profile="ml_inference")
+    assert engine.type_name == "vllm.v1.engine.async_llm.AsyncLLM"
+    started = engine_processes(engine_worker) - before
+    assert len(started) == 1
+    items = list(bridge.stream(Target.method(engine, "generate"), "from a map", greedy(8), "map-1"))
+    assert len(items[-1]["outputs"][0]["token_ids"]) == 8
+    assert bridge.call(Target.method(engine, "shutdown")) is None
+    assert wait_until(lambda: not (engine_processes(engine_worker) & started))
+
+
+def test_encode_on_a_pooling_engine_returns_a_vector_and_releasing_it_stops_the_engine(
+        bridge: BridgeClient, model: Path, engine_worker: WorkerProcess) -> None:
+    before = engine_processes(engine_worker)
+    pooling = bridge.call(f"{E}.from_engine_args", engine_args(model, runner="pooling"), session_id="pooling")
+    started = engine_processes(engine_worker) - before
+    assert bridge.call(Target.method(pooling, "get_supported_tasks"), session_id="pooling") != ("generate",)
+    items = list(bridge.stream(Target.method(pooling, "encode"), "embed me", {"task": "embed"}, "emb-1",
+                               session_id="pooling"))
+    vector = items[-1]["outputs"]["data"]
+    assert vector.shape == (128,) and vector.dtype.is_floating_point
+    assert bridge.release(session_id="pooling") == 1
+    assert wait_until(lambda: not (engine_processes(engine_worker) & started))
+
+
+# --- Multiplex: many generations over one stream ------------------------------------------------
+
+def test_multiplexed_generations_match_plain_streams_and_share_replies(bridge: BridgeClient) -> None:
+    prompts = [f"multiplexed prompt {i}" for i in range(8)]
+    plain = {p: list(bridge.stream(Target.method("engine", "generate"), p, greedy(24), f"plain-{i}"))[-1]
+             for i, p in enumerate(prompts)}
+    with bridge.multiplex() as mux:
+        results = generate_together(mux, prompts, "mux")
+        # A plain call over the same stream, between and after the streams.
+        assert mux.call(Target.method("engine", "check_health")) is None
+        events = sum(len(items) for items in results.values())
+        replies = mux.replies
+    assert sorted(results) == sorted(prompts)
+    assert_same_generations(results, plain)
+    for items in results.values():
+        assert all(type(t) is int for t in items[-1]["outputs"][0]["token_ids"])
+    # Items that the engine produced in the same step went out together.
+    assert replies < events
+
+
+def test_multiplexed_cancel_aborts_in_the_engine_and_other_calls_go_on(bridge: BridgeClient,
+                                                                       engine_worker: WorkerProcess) -> None:
+    with bridge.multiplex() as mux:
+        doomed = mux.stream(Target.method("engine", "generate"), "cancel me", greedy(LONG), "mux-cancel")
+        assert next(doomed)["finished"] is False
+        doomed.close()    # sends a cancel for that call only
+        assert_aborted_in_engine(engine_worker, bridge, "mux-cancel")
+        ok = list(mux.stream(Target.method("engine", "generate"), "still here", greedy(4), "mux-after"))
+        assert ok[-1]["finished"] is True and len(ok[-1]["outputs"][0]["token_ids"]) == 4
+
+
+def test_multiplexed_errors_end_one_call_with_the_plain_status(bridge: BridgeClient) -> None:
+    with bridge.multiplex() as mux:
+        with pytest.raises(CallError) as err:
+            list(mux.stream(Target.method("engine", "generate"), "x", {"max_tokens": "many"}, "mux-bad"))
+        with pytest.raises(CallError) as plain:
+            list(bridge.stream(Target.method("engine", "generate"), "x", {"max_tokens": "many"}, "plain-bad"))
+        assert err.value.code == plain.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.category == plain.value.category and "max_tokens" in err.value.details
+        with pytest.raises(CallError) as err:
+            mux.call(Target.method("engine", "no_such_method"))
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        # A per-call deadline ends that call only, and aborts its request in the engine.
+        with pytest.raises(CallError) as err:
+            list(mux.stream(Target.method("engine", "generate"), "slow", greedy(LONG), "mux-deadline",
+                            timeout=0.2))
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert mux.call(Target.method("engine", "check_health")) is None
+    assert wait_until(lambda: unfinished(bridge) == 0)
+
+
+@pytest.mark.parametrize("way", ["stream", "multiplex"])
+def test_a_slow_reader_gets_merged_items_not_a_backlog(bridge: BridgeClient, way: str) -> None:
+    """The reader stops after one item while the engine generates every token: the worker does not
+    queue an item per token meanwhile (vLLM merges a waiting request's outputs), yet no token is lost.
+    The client keeps gRPC's receive window at its initial 64 KiB (no BDP growth), so what the
+    transport holds is small and what the worker holds shows."""
+    with BridgeClient(bridge.address, channel_options=[("grpc.http2.bdp_probe", 0)]) as client, \
+            client.multiplex() as mux:
+        source = mux if way == "multiplex" else client
+        stream = source.stream(Target.method("engine", "generate"), "slow reader", greedy(LONG), f"slow-{way}")
+        assert next(stream)["finished"] is False
+        assert wait_until(lambda: unfinished(bridge) == 0, timeout=120), "the engine never finished"
+        rest = list(stream)
+    assert rest[-1]["finished"] is True and len(rest[-1]["outputs"][0]["token_ids"]) == LONG
+    # What was already on its way (gRPC's flow-control window) arrives one by one; the rest is merged.
+    assert len(rest) < LONG // 10, len(rest)

@@ -1,0 +1,210 @@
+"""The worker's lane (`bridge_server/worker/lane.py`) over a real unix socket to a real worker process: it
+answers as the worker's own gRPC service does, and a bad peer loses its connection, not the worker."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_status import rpc_status
+
+from bridge_server.client.client import BridgeClient
+from bridge_server.pool.lane import LaneClosed, open_lane
+from tests.conftest import WorkerProcess, start_worker
+from tests.pool.harness import Gate, open_gates
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+D = "vllm.distributed"
+CALL = "/vllm_bridge.v1.Bridge/Call"
+
+
+@pytest.fixture(scope="module")
+def laned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WorkerProcess, str]]:
+    tmp = tmp_path_factory.mktemp("lane")
+    path = str(tmp / "w.lane")
+    w = start_worker(tmp, "--lane", path, name="laned")
+    yield w, path
+    w.stop()
+
+
+def request(target: Any, *args: Any) -> bytes:
+    with BridgeClient("127.0.0.1:1") as c:     # encodes only; never connects
+        req, _ = c.request(target, args)
+    return req.SerializeToString()
+
+
+async def over_lane(path: str, calls: list[bytes], metadata: tuple[tuple[str, str], ...]) -> list[Any]:
+    lane = await open_lane(path)
+    try:
+        running = [lane.start(call, metadata) for call in calls]     # all at once, on one connection
+        return [await lc.next() for lc in running]
+    finally:
+        lane.close()
+
+
+CASES = [
+    ("a value", (f"{D}.get_pp_indices", 64, 1, 4)),
+    ("unknown name", (f"{D}.devide", 6, 3)),
+    ("too many args", (f"{D}.divide", 6, 3, 1)),
+    ("wrong type", (f"{D}.divide", "six", 3)),
+]
+
+
+def test_the_lane_answers_every_call_as_the_grpc_service_does(laned: tuple[WorkerProcess, str]) -> None:
+    worker, path = laned
+    calls = [request(*case) for _, case in CASES]
+    metadata = (("x-bridge-session", "lane-test"),)
+    events = asyncio.run(over_lane(path, calls, metadata))
+    with grpc.insecure_channel(worker.address) as channel:
+        rpc = channel.unary_unary(CALL)
+        for (name, _), call, event in zip(CASES, calls, events):
+            try:
+                reply = rpc(call, metadata=metadata)
+            except grpc.RpcError as err:
+                assert event.WhichOneof("kind") == "error", name
+                assert event.error.code == err.code().value[0], name
+                assert event.error.message == err.details(), name
+                status = rpc_status.from_call(err)  # type: ignore[arg-type]
+                assert status is not None
+                detail = pb.ErrorDetail()
+                status.details[0].Unpack(detail)
+                assert (event.error.detail.category, event.error.detail.parameter, event.error.detail.target) == \
+                    (detail.category, detail.parameter, detail.target), name
+            else:
+                assert event.WhichOneof("kind") == "value", name
+                assert pb.CallReply.FromString(reply).value == pb.Value.FromString(event.value), name
+
+
+def test_an_unreadable_frame_closes_that_connection_and_the_worker_serves_on(
+        laned: tuple[WorkerProcess, str]) -> None:
+    worker, path = laned
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        garbage = b"\xff\xff\xff not a MuxRequest"
+        s.sendall(struct.pack("<I", len(garbage)) + garbage)
+        s.settimeout(10)
+        assert s.recv(1) == b""            # the worker closed it
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        s.sendall(struct.pack("<I", 0xFFFFFFF0))    # a frame over the size limit
+        s.settimeout(10)
+        assert s.recv(1) == b""
+    (event,) = asyncio.run(over_lane(path, [request(f"{D}.divide", 6, 3)], ()))
+    assert pb.Value.FromString(event.value).int == 2
+    with BridgeClient(worker.address) as c:
+        assert c.call(f"{D}.divide", 6, 3) == 2
+    assert "unreadable request" in worker.log.read_text()
+
+
+def test_the_time_a_call_has_left_ends_it_in_the_worker(laned: tuple[WorkerProcess, str]) -> None:
+    """`time_left_ms` (what a router sends for a caller's deadline) is enforced by the worker: a
+    blocked call ends with its DEADLINE_EXCEEDED error at that time. A negative one is refused."""
+    worker, path = laned
+    gate = Gate()
+
+    async def run() -> tuple[Any, float]:
+        lane = await open_lane(path)
+        try:
+            t0 = time.monotonic()
+            event = await asyncio.wait_for(lane.start(request(*gate.args()), (), timeout_s=0.5).next(), 10)
+            return event, time.monotonic() - t0
+        finally:
+            lane.close()
+
+    try:
+        event, took = asyncio.run(run())
+    finally:
+        open_gates([gate])      # the worker's thread, abandoned in C code, may finish now
+    assert event.WhichOneof("kind") == "error", event
+    assert event.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], event.error
+    assert 0.4 < took < 3, took
+    call = pb.CallRequest.FromString(request(f"{D}.divide", 6, 3))
+    with grpc.insecure_channel(worker.address) as channel:
+        replies = list(channel.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
+                                             pb.MuxReply.FromString)(
+            iter([pb.MuxRequest(start=pb.MuxStart(id=1, call=call, time_left_ms=-5))])))
+    (refused,) = [e for r in replies for e in r.events]
+    assert refused.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "start.time_left_ms" in refused.error.message and "-5" in refused.error.message, refused.error
+
+
+def test_a_call_running_when_the_worker_dies_raises_lane_closed(tmp_path: Path) -> None:
+    path = str(tmp_path / "w.lane")
+    worker = start_worker(tmp_path, "--lane", path, name="lane-dies")
+    gate = Gate()     # a call that blocks in the worker until the gate opens (it never does here)
+
+    async def run() -> BaseException | None:
+        lane = await open_lane(path)
+        waiting = asyncio.get_running_loop().create_task(lane.start(request(*gate.args()), ()).next())
+        while not gate.running():
+            await asyncio.sleep(0.05)
+        worker.proc.kill()
+        try:
+            await asyncio.wait_for(waiting, 10)
+        except BaseException as exc:   # noqa: BLE001 - what it raises is the point
+            return exc
+        return None
+
+    try:
+        err = asyncio.run(run())
+    finally:
+        worker.stop()
+    assert isinstance(err, LaneClosed), repr(err)
+
+
+def test_frames_split_anywhere_by_the_socket_are_put_back_together() -> None:
+    """The unit of the framing alone: a large frame and small ones, cut into chunks at arbitrary
+    points (as a socket delivers them), come out whole and in order."""
+    import random
+
+    from bridge_server.wire.framing import Framed as _Framed
+
+    got: list[bytes] = []
+    framed = _Framed(got.append, lambda reason: got.append(b"LOST " + reason.encode()))
+    frames = [bytes(random.Random(1).randbytes(5 * 1024 * 1024)), b"", b"small", b"x" * 70_000]
+    wire = b"".join(struct.pack("<I", len(f)) + f for f in frames)
+    rng = random.Random(7)
+    pos = 0
+    while pos < len(wire):
+        step = rng.choice([1, 3, 4, 5, 1000, 65536, 1 << 20])
+        framed.data_received(wire[pos:pos + step])
+        pos += step
+    assert got == frames
+
+
+def test_a_start_is_sent_in_parts_that_read_as_one_request() -> None:
+    """The unit of the router's start message alone: the call (with the time it has left) and its
+    options (encoded once per set) are concatenated, and the worker reads them as one `MuxRequest`
+    with the caller's x-bridge-* options only, and each call's own time left."""
+    from bridge_server.pool.lane import Lane
+
+    class Wire:
+        def __init__(self) -> None:
+            self.frames: list[bytes] = []
+
+        def write(self, data: bytes) -> None:
+            (size,) = struct.unpack_from("<I", data)
+            assert size == len(data) - 4
+            self.frames.append(data[4:])
+
+    wire = Wire()
+    lane = Lane("unused")
+    lane.framed.connection_made(wire)   # type: ignore[arg-type]
+    call = request(f"{D}.divide", 6, 3)
+    md = (("x-bridge-session", "s1"), ("x-bridge-timeout-ms", "60000"), ("user-agent", "grpc-python"))
+    lane.start(call, md, timeout_s=1.5)
+    lane.start(call, md, stream=True, window=8, timeout_s=0.25)    # the same options, another time left
+    lane.start(call, md)                                            # no deadline of the router's own
+    first, second, third = (pb.MuxRequest.FromString(f).start for f in wire.frames)
+    assert (first.id, first.stream, first.window, first.call.SerializeToString()) == (1, False, 0, call)
+    assert (second.id, second.stream, second.window) == (2, True, 8)
+    assert [s.time_left_ms for s in (first, second, third)] == [1500.0, 250.0, 0.0]
+    for start in (first, second, third):
+        assert dict(start.metadata) == {"x-bridge-session": "s1", "x-bridge-timeout-ms": "60000"}

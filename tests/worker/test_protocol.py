@@ -1,0 +1,284 @@
+"""End to end: refs, sessions, deadlines, bad input and the standard services, over real sockets on
+real worker processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from bridge_server.client.client import BridgeClient, CallError, Target
+from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.protocol import MD_TIMEOUT_PROFILE, parse_metadata
+from tests.conftest import WorkerProcess, free_port, start_worker
+from vllm_bridge.v1 import bridge_pb2 as pb
+from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
+
+D = "vllm.distributed"
+FC = "vllm.forward_context"
+
+
+def test_a_ref_is_usable_from_another_session_and_refused_with_a_reason_once_released(worker: WorkerProcess) -> None:
+    with BridgeClient(worker.address) as a, BridgeClient(worker.address) as b:
+        dp = a.call(f"{FC}.DPMetadata", torch.tensor(7), torch.tensor([5, 7, 3]), session_id="elixir-pid-1")
+        assert dp.session_id == "elixir-pid-1" and dp.id.startswith(dp.worker_id + ".")
+        # Another Elixir process (another session) presents the same ref.
+        assert b.call(Target.method(dp, "cu_tokens_across_sp"), 1, session_id="elixir-pid-2").tolist() == [5, 12, 15]
+        assert a.release(dp) == 1
+        with pytest.raises(CallError) as err:
+            b.call(Target.method(dp, "cu_tokens_across_sp"), 1)
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        assert dp.id in err.value.details and "released by the client" in err.value.details
+
+
+def test_releasing_a_session_releases_its_refs_only(worker: WorkerProcess) -> None:
+    with BridgeClient(worker.address) as c:
+        mine = [c.call("vllm.config.ParallelConfig", session_id="s-release") for _ in range(3)]
+        other = c.call("vllm.config.ParallelConfig", session_id="s-keep")
+        assert c.release(session_id="s-release") == 3
+        for ref in mine:
+            with pytest.raises(CallError) as err:
+                c.call(Target.get(ref, "world_size"))
+            assert "released with its session 's-release'" in err.value.details
+        assert c.call(Target.get(other, "world_size")) == 1
+
+
+def test_session_cap_and_idle_ttl_evict_refs_with_a_reason(tmp_path: Path) -> None:
+    w = start_worker(tmp_path, "--session-cap", "2", "--ref-ttl", "1")
+    try:
+        with BridgeClient(w.address) as c:
+            refs = [c.call("vllm.config.ParallelConfig", session_id="capped") for _ in range(3)]
+            with pytest.raises(CallError) as err:
+                c.call(Target.get(refs[0], "world_size"))
+            assert "exceeded its cap of 2 refs" in err.value.details
+            assert c.call(Target.get(refs[2], "world_size")) == 1
+            time.sleep(7)   # TTL 1 s, swept every 5 s
+            with pytest.raises(CallError) as err:
+                c.call(Target.get(refs[2], "world_size"))
+            assert "expired: idle for more than 1 s" in err.value.details
+    finally:
+        w.stop()
+
+
+@pytest.fixture()
+def slow_worker(tmp_path: Path) -> Iterator[WorkerProcess]:
+    w = start_worker(tmp_path, name="slow")
+    yield w
+    w.stop()
+
+
+def _rendezvous_peer(port: int) -> None:
+    """Rank 1 of a 2-rank gloo group: completes the rendezvous rank 0 is blocked in."""
+    from vllm.distributed import stateless_init_torch_distributed_process_group
+    stateless_init_torch_distributed_process_group("127.0.0.1", port, 1, 2, "gloo")
+
+
+def test_the_worker_enforces_a_deadline_during_a_slow_call_and_keeps_serving(slow_worker: WorkerProcess) -> None:
+    port = free_port()
+    with BridgeClient(slow_worker.address) as c:
+        # Rank 0 of a 2-rank group blocks until rank 1 arrives: a real slow vLLM call. No gRPC deadline is
+        # set by the client here, only the bridge's timeout option, so the DEADLINE_EXCEEDED is the worker's.
+        start = time.monotonic()
+        with pytest.raises(CallError) as err:
+            c.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1", port, 0, 2, "gloo",
+                   timeout_s=1.0)
+        elapsed = time.monotonic() - start
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and err.value.category == "timeout"
+        assert "stateless_init_torch_distributed_process_group" in err.value.details
+        assert elapsed < 5
+        # The same through the gRPC deadline.
+        with pytest.raises(CallError) as err:
+            c.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1", free_port(), 0, 2, "gloo",
+                   timeout=1.0)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert c.call(f"{D}.divide", 10, 5) == 2
+        assert c.call(Target.get(c.call("vllm.config.ParallelConfig"), "world_size")) == 1
+    peer = threading.Thread(target=_rendezvous_peer, args=(port,), daemon=True)
+    peer.start()
+    peer.join(30)
+
+
+def test_state_changing_calls_run_one_at_a_time_while_other_calls_flow(slow_worker: WorkerProcess) -> None:
+    port = free_port()
+    init = f"tcp://127.0.0.1:{port}"
+    results: list[object] = []
+    with BridgeClient(slow_worker.address) as c:
+        # A: rank 0 of a world of 2 blocks in the exclusive lane until rank 1 joins.
+        a = threading.Thread(target=lambda: results.append(c.call(
+            f"{D}.init_distributed_environment", kwargs=dict(world_size=2, rank=0, distributed_init_method=init,
+                                                             local_rank=0, backend="gloo"), timeout=60)))
+        a.start()
+        time.sleep(1.0)
+        # B touches process-wide state too: it waits behind A, and its deadline passes while it waits.
+        with pytest.raises(CallError) as err:
+            c.call(f"{FC}.is_forward_context_available", timeout_s=0.5)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "waiting for the exclusive lane" in err.value.details
+        # C is pure: it runs meanwhile.
+        assert c.call(f"{D}.divide", 8, 2) == 4
+        peer = subprocess.Popen([sys.executable, "-c", (
+            "from vllm.distributed import init_distributed_environment as i; "
+            f"i(world_size=2, rank=1, distributed_init_method={init!r}, local_rank=0, backend='gloo')")])
+        a.join(60)
+        peer.wait(60)
+        assert results == [None]
+        assert c.call(f"{D}.get_world_group") is not None
+        assert c.call(f"{FC}.is_forward_context_available") is False
+
+
+def test_a_timeout_profile_applies_when_the_call_has_no_deadline(client: BridgeClient) -> None:
+    assert client.call(f"{D}.divide", 9, 3, timeout_profile="batch_job") == 3
+    with pytest.raises(CallError) as err:
+        client.call(f"{D}.divide", 9, 3, timeout_profile="forever")
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and MD_TIMEOUT_PROFILE in err.value.details
+
+
+BAD_CALLS = [
+    ("unknown name", lambda c: c.call(f"{D}.devide", 6, 3), grpc.StatusCode.NOT_FOUND, "did you mean vllm.distributed.divide"),
+    ("too many args", lambda c: c.call(f"{D}.divide", 6, 3, 1), grpc.StatusCode.INVALID_ARGUMENT, "too many positional arguments"),
+    ("missing arg", lambda c: c.call(f"{D}.divide", 6), grpc.StatusCode.INVALID_ARGUMENT, "'denominator'"),
+    ("unknown kwarg", lambda c: c.call(f"{D}.divide", 6, 3, kwargs={"denom": 1}), grpc.StatusCode.INVALID_ARGUMENT, "'denom'"),
+    ("wrong type", lambda c: c.call(f"{D}.divide", "six", 3), grpc.StatusCode.INVALID_ARGUMENT, "TypeError"),
+    ("bad map for a config", lambda c: c.call(f"{FC}.DPMetadata.make", {"no_such_field": 1}, 7, torch.tensor([7])),
+     grpc.StatusCode.INVALID_ARGUMENT, "cannot build ParallelConfig"),
+    ("private member", lambda c: c.call(Target.method(c.call("vllm.config.ParallelConfig"), "_secret")),
+     grpc.StatusCode.PERMISSION_DENIED, "not part of the documented surface"),
+    ("unknown ref", lambda c: c.call(Target.method(pb.Ref(id="w0.nope"), "x")), grpc.StatusCode.NOT_FOUND, "w0.nope"),
+    ("unknown object", lambda c: c.call(Target.method("no-such-object", "generate")), grpc.StatusCode.NOT_FOUND,
+     "no published object 'no-such-object'"),
+    ("method as function", lambda c: c.call(f"{FC}.DPMetadata.sp_local_sizes", 2), grpc.StatusCode.INVALID_ARGUMENT,
+     "call it on a ref"),
+    ("args to an attribute", lambda c: c.call(f"{FC}.track_batchsize", 1), grpc.StatusCode.INVALID_ARGUMENT,
+     "takes no arguments"),
+    ("bad affinity", lambda c: c.call(f"{D}.divide", 6, 3, affinity="sometimes"), grpc.StatusCode.INVALID_ARGUMENT,
+     "unknown affinity"),
+]
+
+
+@pytest.mark.parametrize("case,call,code,needle", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_gets_a_clear_error_and_the_worker_keeps_its_state(client: BridgeClient, case: str, call: object,
+                                                                     code: grpc.StatusCode, needle: str) -> None:
+    kept = client.call("vllm.config.ParallelConfig", kwargs={"data_parallel_size": 3})
+    with pytest.raises(CallError) as err:
+        call(client)  # type: ignore[operator]
+    assert err.value.code == code, err.value.details
+    assert needle in err.value.details, err.value.details
+    assert client.call(Target.get(kept, "data_parallel_size")) == 3
+
+
+def test_parsed_options_are_remembered_but_a_refusal_is_given_every_time() -> None:
+    """The unit of option parsing alone: the same pairs give the same options (remembered), a
+    malformed value is refused on each call that sends it, never remembered as anything."""
+    md = (("x-bridge-session", "s"), ("x-bridge-timeout-ms", "2500"), ("user-agent", "test"))
+    first = parse_metadata(md)
+    assert (first.session_id, first.timeout_s, first.session_sent) == ("s", 2.5, True)
+    assert parse_metadata(list(md)) is first
+    assert parse_metadata((("x-bridge-pool", "p"),)).session_sent is False
+    bad = (("x-bridge-timeout-ms", "soon"),)
+    for _ in range(2):
+        with pytest.raises(BridgeError) as err:
+            parse_metadata(bad)
+        assert err.value.parameter == "x-bridge-timeout-ms" and "'soon'" in err.value.message
+
+
+def test_malformed_values_on_the_wire_are_refused_by_path(worker: WorkerProcess) -> None:
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = pb_grpc.BridgeStub(channel)
+        cases = [
+            (pb.Value(tensor=pb.Tensor(dtype="float32", shape=[4], data=b"\x00" * 3)), "args[0]"),
+            (pb.Value(tensor=pb.Tensor(dtype="float33", shape=[1], data=b"\x00" * 4)), "float33"),
+            (pb.Value(big_int="12x"), "args[0]"),
+            (pb.Value(), "args[0]"),
+            (pb.Value(set=pb.Items(items=[pb.Value(list=pb.Items())])), "args[0]"),
+        ]
+        for value, needle in cases:
+            req = pb.CallRequest(target=pb.Target(kind=pb.Target.FUNCTION, name=f"{D}.divide"), args=[value, value])
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Call(req)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert needle in err.value.details(), err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Call(pb.CallRequest(target=pb.Target(kind=pb.Target.METHOD, name="x")))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "receiver" in err.value.details()
+
+
+def test_stock_health_and_reflection_services_answer(worker: WorkerProcess) -> None:
+    with grpc.insecure_channel(worker.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "vllm_bridge.v1.Bridge"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in replies[0].list_services_response.service}
+        assert {"vllm_bridge.v1.Bridge", "grpc.health.v1.Health"} <= names
+
+
+def test_many_concurrent_calls_are_served_at_once(worker: WorkerProcess) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+    with BridgeClient(worker.address) as c, ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda i: c.call(f"{D}.get_pp_indices", 64, i % 4, 4), range(256)))
+    assert results == [((i % 4) * 16, (i % 4) * 16 + 16) for i in range(256)]
+
+
+@pytest.mark.parametrize("case,call,code,needle", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_over_multiplex_fails_that_call_alone_with_the_same_error(client: BridgeClient, case: str,
+                                                                            call: object, code: grpc.StatusCode,
+                                                                            needle: str) -> None:
+    with client.multiplex() as mux:
+        kept = mux.call("vllm.config.ParallelConfig", kwargs={"data_parallel_size": 3})
+        with pytest.raises(CallError) as err:
+            call(mux)  # type: ignore[operator]
+        assert err.value.code == code, err.value.details
+        assert needle in err.value.details, err.value.details
+        assert mux.call(Target.get(kept, "data_parallel_size")) == 3
+
+
+def test_multiplex_runs_calls_together_and_finishes_them_after_the_client_half_closes(worker: WorkerProcess) -> None:
+    def start(call_id: int, *args: int, name: str = f"{D}.get_pp_indices") -> pb.MuxRequest:
+        call = pb.CallRequest(target=pb.Target(kind=pb.Target.FUNCTION, name=name),
+                              args=[pb.Value(int=a) for a in args])
+        return pb.MuxRequest(start=pb.MuxStart(id=call_id, call=call))
+
+    requests = [start(i, 64, i % 4, 4) for i in range(1, 65)]
+    requests.append(pb.MuxRequest())             # neither start nor cancel: ends the stream
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = pb_grpc.BridgeStub(channel)
+        events: dict[int, list[pb.MuxEvent]] = {}
+        replies = stub.Multiplex(iter(requests[:64]))   # the iterator ends: a half-close
+        count = 0
+        for reply in replies:
+            count += 1
+            for e in reply.events:
+                events.setdefault(e.id, []).append(e)
+        assert sorted(events) == list(range(1, 65)) and count <= 64
+        for i in range(1, 65):
+            (e,) = events[i]
+            assert tuple(v.int for v in e.value.tuple.items) == ((i % 4) * 16, (i % 4) * 16 + 16)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Multiplex(iter(requests[-1:])))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "start, cancel or credit" in err.value.details()
+
+
+def test_the_plain_asyncio_loop_serves_too(tmp_path: Path) -> None:
+    """Workers run on uvloop by default; `--loop asyncio` is the fallback and must serve the same."""
+    w = start_worker(tmp_path, "--loop", "asyncio", name="asyncio-loop")
+    try:
+        with BridgeClient(w.address) as c:
+            assert c.call(f"{D}.divide", 6, 3) == 2
+            with c.multiplex() as mux:
+                assert mux.call(f"{D}.get_pp_indices", 64, 1, 4) == (16, 32)
+            with pytest.raises(CallError) as err:
+                c.call(f"{D}.divide", 6, 3, 1)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        w.stop()

@@ -1,0 +1,129 @@
+"""End to end: the documented vllm.forward_context / vllm.distributed surface, called over a real gRPC
+socket on a real worker process running real vLLM."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from bridge_server.client.client import BridgeClient, CallError, Target
+from tests.conftest import free_port
+
+FC = "vllm.forward_context"
+D = "vllm.distributed"
+
+
+def test_forward_context_is_set_read_and_cleared_through_a_context_manager_ref(client: BridgeClient) -> None:
+    assert client.call(f"{FC}.is_forward_context_available") is False
+    assert client.call(f"{FC}._forward_context") is None
+    config = client.call("vllm.config.VllmConfig")
+    manager = client.call(f"{FC}.set_forward_context", None, config, kwargs={"virtual_engine": 0})
+    assert manager.type_name.endswith("_GeneratorContextManager")
+
+    client.call(Target.method(manager, "__enter__"))
+    try:
+        assert client.call(f"{FC}.is_forward_context_available") is True
+        context = client.call(f"{FC}.get_forward_context")
+        # ForwardContext is a dataclass: it comes by value, as a record naming its type.
+        assert context["virtual_engine"] == 0
+        assert context["attn_metadata"] is None
+        live = client.call(f"{FC}._forward_context")      # module attribute, read live
+        assert live is not None and live["virtual_engine"] == 0
+    finally:
+        client.call(Target.method(manager, "__exit__"))
+
+    assert client.call(f"{FC}.is_forward_context_available") is False
+    assert client.call(f"{FC}._forward_context") is None
+    with pytest.raises(CallError) as err:
+        client.call(f"{FC}.get_forward_context")
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.detail.python_type == "AssertionError"
+    assert f"{FC}.get_forward_context" in err.value.details and "Forward context is not set" in err.value.details
+
+
+def test_dp_metadata_methods_compute_the_documented_sizes(client: BridgeClient) -> None:
+    dp = client.call(f"{FC}.DPMetadata", torch.tensor(7), torch.tensor([5, 7, 3]))
+    assert dp.type_name == "vllm.forward_context.DPMetadata"
+
+    sp = client.call(Target.method(dp, "sp_local_sizes"), 2)
+    assert client.call(Target.method(sp, "__enter__")) == [3, 3, 4, 4, 2, 2]
+    assert client.call(Target.get(dp, "local_sizes")) == [3, 3, 4, 4, 2, 2]
+    client.call(Target.method(sp, "__exit__"))
+    assert client.call(Target.get(dp, "local_sizes")) is None
+
+    chunked = client.call(Target.method(dp, "chunked_sizes"), 1, 4, 1)
+    assert client.call(Target.method(chunked, "__enter__")) == [1, 3, 1]
+    client.call(Target.method(chunked, "__exit__"))
+
+    cu = client.call(Target.method(dp, "cu_tokens_across_sp"), 1)
+    assert isinstance(cu, torch.Tensor) and cu.tolist() == [5, 12, 15] and cu.dtype == torch.int64
+
+
+def test_dp_metadata_make_accepts_a_config_ref_or_a_map(client: BridgeClient) -> None:
+    config = client.call("vllm.config.ParallelConfig", kwargs={"data_parallel_size": 2, "data_parallel_rank": 1})
+    made = client.call(f"{FC}.DPMetadata.make", config, 7, torch.tensor([5, 7]))
+    assert made["max_tokens_across_dp_cpu"].item() == 7
+    # A map where the signature wants a ParallelConfig is built into one.
+    from_map = client.call(f"{FC}.DPMetadata.make", {"data_parallel_size": 2, "data_parallel_rank": 1}, 7,
+                           torch.tensor([5, 7]))
+    assert torch.equal(from_map["num_tokens_across_dp_cpu"], made["num_tokens_across_dp_cpu"])
+    with pytest.raises(CallError) as err:   # vLLM's bare assertion still says which call failed
+        client.call(f"{FC}.DPMetadata.make", client.call("vllm.config.ParallelConfig"), 7, torch.tensor([7]))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "DPMetadata.make" in err.value.details and "AssertionError" in err.value.details
+
+
+def test_coordinate_batch_across_dp_returns_the_documented_tuple(client: BridgeClient) -> None:
+    result = client.call(f"{FC}.coordinate_batch_across_dp", 8, False, False, client.call("vllm.config.ParallelConfig"))
+    assert result == (False, None, 0) and isinstance(result, tuple)
+
+
+def test_distributed_environment_with_gloo_and_collectives_on_tensors_by_value(client: BridgeClient) -> None:
+    client.call(f"{D}.init_distributed_environment", kwargs=dict(
+        world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}", local_rank=0,
+        backend="gloo"))
+    client.call(f"{D}.initialize_model_parallel", 1, 1)
+    assert client.call(f"{D}.model_parallel_is_initialized") is True
+    assert client.call(f"{D}.get_tensor_model_parallel_rank") == 0
+    assert client.call(f"{D}.get_tensor_model_parallel_world_size") == 1
+    group = client.call(f"{D}.get_tp_group")
+    assert group.type_name.endswith("GroupCoordinator")
+    assert client.call(Target.get(group, "world_size")) == 1
+
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    reduced = client.call(f"{D}.tensor_model_parallel_all_reduce", t)
+    assert torch.equal(reduced, t)
+    gathered = client.call(f"{D}.tensor_model_parallel_all_gather", t, -1)
+    assert gathered.shape == (2, 3) and torch.equal(gathered, t)
+    bf16 = torch.tensor([1.5, -2.25], dtype=torch.bfloat16)
+    assert torch.equal(client.call(f"{D}.tensor_model_parallel_all_reduce", bf16), bf16)
+
+
+def test_distributed_pure_helpers(client: BridgeClient) -> None:
+    assert client.call(f"{D}.get_pp_indices", 32, 0, 2) == (0, 16)
+    assert client.call(f"{D}.divide", 6, 3) == 2
+    assert type(client.call(f"{D}.divide", 6, 3)) is int
+    with pytest.raises(CallError) as err:
+        client.call(f"{D}.ensure_divisibility", 7, 2)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.category == "python_error" and err.value.detail.python_type == "AssertionError"
+    assert "7 is not divisible by 2" in err.value.details and "ensure_divisibility" in err.value.details
+    assert "Traceback" in err.value.detail.traceback
+
+
+def test_describe_lists_every_entry_with_parameters(client: BridgeClient) -> None:
+    catalog = client.describe()
+    by_name = {e.name: e for e in catalog.entries}
+    divide = by_name[f"{D}.divide"]
+    assert [p.name for p in divide.parameters] == ["numerator", "denominator"]
+    assert [p.doc_type for p in divide.parameters] == ["term()", "term()"]     # as the document says
+    assert divide.documented_in == "003_7ef0e01ebdeb04f0.txt"
+    sfc = by_name[f"{FC}.set_forward_context"]
+    assert sfc.exclusive and [p.name for p in sfc.parameters][:3] == ["attn_metadata", "vllm_config", "virtual_engine"]
+    assert sfc.parameters[2].has_default and sfc.parameters[2].default_repr == "0"
+    assert by_name[f"{FC}._forward_context"].kind == by_name[f"{FC}._forward_context"].MODULE_ATTR
+    assert by_name[f"{FC}.DPMetadata"].kind == by_name[f"{FC}.DPMetadata"].CONSTRUCTOR
+    assert catalog.vllm_version.startswith("0.14.0")
+    only_dp = client.describe(prefix=f"{FC}.DPMetadata")
+    assert only_dp.entries and all(e.name.startswith(f"{FC}.DPMetadata") for e in only_dp.entries)
