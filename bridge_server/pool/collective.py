@@ -21,7 +21,8 @@ import grpc
 
 from bridge_server.pool.poolstate import Backend, Flight, PoolRouter, pool_error
 from bridge_server.pool.router import Route, Router, read_route
-from bridge_server.wire.errors import BridgeError, detail_from_rpc_error
+from bridge_server.wire.errors import BridgeError, detail_from_rpc_error, target_label
+from bridge_server.wire.protocol import parse_request
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 CALL = "/vllm_bridge.v1.Bridge/Call"
@@ -106,13 +107,14 @@ def _payloads(request: pb.CollectiveRequestView, pool: PoolRouter) -> tuple[list
     else:
         raise BridgeError.validation("Collective: give `call` (the same call on every rank) or `per_rank`",
                                      parameter="call")
-    return payloads, _target_name(payloads[0])
-
-
-def _target_name(payload: bytes) -> str:
-    """For messages: the target of a serialized CallRequest, without parsing its arguments' values
-    (the unknown argument fields are skipped, not decoded)."""
-    return pb.CallTargetView.FromString(payload).target.name or "call"
+    calls = [parse_request(pb.CallRequest, p, f"Collective: the call for rank {r}") for r, p in enumerate(payloads)]
+    targets = {(c.target.kind, c.target.name) for c in calls}   # receivers may differ: each rank's own ref
+    if len(targets) > 1:
+        # Ranks inside different collectives wait for each other forever: refused before any starts.
+        names = ", ".join(f"rank {r}: {target_label(c.target)}" for r, c in enumerate(calls))
+        raise BridgeError.validation(f"Collective: every rank must run the same target; got {names}",
+                                     parameter="per_rank")
+    return payloads, target_label(calls[0].target)
 
 
 def _remaining(route: Route) -> float | None:
@@ -124,7 +126,7 @@ async def run_collective(router: Router, request: bytes, context: grpc.aio.Servi
     """Returns (pool name, CollectiveReply bytes); raises BridgeError."""
     route = read_route(context.invocation_metadata(), context.time_remaining())
     pool = router.pool(route.opts.pool)
-    payloads, label = _payloads(pb.CollectiveRequestView.FromString(request), pool)
+    payloads, label = _payloads(parse_request(pb.CollectiveRequestView, request, "Collective"), pool)
     try:
         await asyncio.wait_for(pool.collective_lock.acquire(), _remaining(route))
     except TimeoutError:

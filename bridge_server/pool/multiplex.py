@@ -28,7 +28,7 @@ from bridge_server.pool.lane import STREAM_WINDOW, LaneCall, LaneClosed
 from bridge_server.pool.poolstate import Backend, Flight, Plan, PoolRouter
 from bridge_server.pool.router import Route, Router, read_route, time_left
 from bridge_server.wire.errors import BridgeError
-from bridge_server.wire.protocol import time_left_s
+from bridge_server.wire.protocol import parse_request, time_left_s
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["forward_multiplex"]
@@ -180,6 +180,11 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
 
     def handle_start(start: Any) -> None:
         client_id = start.id
+        if client_id == 0:
+            refuse(0, BridgeError.validation(
+                "Multiplex: call id 0 is reserved (for errors about requests that name no call); ids start at 1",
+                parameter="start.id"))
+            return
         if client_id in running or client_id in queued:
             refuse(client_id, BridgeError.validation(
                 f"Multiplex: call id {client_id} is still running; ids must be unique among running calls",
@@ -187,8 +192,9 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             return
         md = (*defaults, *start.metadata.items())     # the RPC's options, overlaid with the call's
         try:
+            call = parse_request(pb.CallRequest, start.call, f"Multiplex: call {client_id}")
             limits = [t for t in (context.time_remaining(), time_left_s(start.time_left_ms)) if t is not None]
-            route = read_route(md, min(limits) if limits else None)
+            route = read_route(md, min(limits) if limits else None, call)
             plan = router.plan(route)
             backend = plan.pool.take(plan)
         except BridgeError as err:
@@ -202,7 +208,11 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
 
     async def read() -> None:
         async for raw in requests:
-            request = pb.MuxRequestView.FromString(raw)
+            try:
+                request = parse_request(pb.MuxRequestView, raw, "Multiplex")
+            except BridgeError as err:     # no call id can be read: id 0, which no call uses
+                refuse(0, err)
+                continue
             kind = request.WhichOneof("kind")
             if kind == "start":
                 handle_start(request.start)
@@ -217,8 +227,8 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                 if run is not None and run.lc is not None and not run.own_window:
                     run.lc.credit(request.credit.events)
             else:
-                raise BridgeError.validation("Multiplex: a request must hold start, cancel or credit",
-                                             parameter="kind")
+                refuse(0, BridgeError.validation("Multiplex: a request must hold start, cancel or credit",
+                                                 parameter="kind"))
         await idle.wait()         # half-closed: every call runs to its end
 
     failed: list[BaseException] = []

@@ -28,7 +28,7 @@ import grpc
 from bridge_server.wire.codec import Encoder
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import BridgeError
-from bridge_server.worker.binding import bind_arguments, member_signature
+from bridge_server.worker.binding import Checks, bind_arguments, member_checks, member_signature, namespace_of
 from bridge_server.worker.catalog import Catalog, Entry, Kind
 from bridge_server.worker.deadlines import Deadlines, Watchdog, with_deadline
 from bridge_server.worker.refs import RefRegistry
@@ -47,10 +47,12 @@ class Plan:
     fn: Callable[..., Any] | None         # called with the bound arguments; None: a read
     read: Callable[[], Any] | None = None
     signature: inspect.Signature | None = None
+    checks: Checks | None = None          # the parameters' type checks
     entry: Entry | None = None
     exclusive: bool = False
     inline: bool = False
     is_async: bool = False
+    streams: bool = False                 # a generator: Stream's, never Call's
     result_ref: bool = False
     profile: str = "default"
     receiver: object = None
@@ -110,13 +112,18 @@ class Invoker:
 
     def _plan_entry(self, e: Entry) -> Plan:
         common = dict(label=e.name, entry=e, exclusive=e.exclusive, inline=e.inline, profile=e.profile,
-                      is_async=e.is_async, result_ref=e.result_ref)
+                      is_async=e.is_async, streams=e.streams, result_ref=e.result_ref)
         if e.kind is Kind.MODULE_ATTR:
             return Plan(fn=None, read=e.resolve, **common)  # type: ignore[arg-type]
+        documented = {p.name: p.type for p in e.doc.params} if e.doc else {}
         if e.kind is Kind.CONSTRUCTOR:
-            return Plan(fn=e.override or e.owner, signature=e.signature, **common)  # type: ignore[arg-type]
+            fn = e.override or e.owner
+            return Plan(fn=fn, signature=e.signature, checks=Checks(namespace_of(fn), documented),
+                        **common)  # type: ignore[arg-type]
         if e.kind in (Kind.FUNCTION, Kind.CLASSMETHOD):
-            return Plan(fn=e.resolve(), signature=e.signature, **common)  # type: ignore[arg-type]
+            fn = e.resolve()
+            return Plan(fn=fn, signature=e.signature, checks=Checks(namespace_of(fn), documented),
+                        **common)  # type: ignore[arg-type]
         raise BridgeError.validation(f"{e.name} is a {e.kind.name.lower()} of {e.class_name}: call it on a ref "
                                      f"(target kind METHOD or GET_ATTR with name {e.attr!r})", target=e.name)
 
@@ -151,9 +158,14 @@ class Invoker:
         if not callable(member):
             raise BridgeError.validation(f"{label} is an attribute, not a method: use GET_ATTR", target=label)
         is_async = inspect.iscoroutinefunction(member) or inspect.isasyncgenfunction(member)
+        streams = inspect.isasyncgenfunction(member) or inspect.isgeneratorfunction(member)
         sig = member_signature(type(obj), name, member)
-        return Plan(label=label, fn=member, signature=sig, entry=entry, exclusive=exclusive, is_async=is_async,
-                    profile=profile, receiver=obj, fill_exit_args=name in _EXIT_METHODS,
+        documented = tuple((p.name, p.type) for p in entry.doc.params) if entry and entry.doc else ()
+        cls: type = type(obj)
+        checks = member_checks(cls, name, documented) if inspect.ismethod(member) else None
+        return Plan(label=label, fn=member, signature=sig, checks=checks, entry=entry, exclusive=exclusive,
+                    is_async=is_async,
+                    streams=streams, profile=profile, receiver=obj, fill_exit_args=name in _EXIT_METHODS,
                     result_ref=entry.result_ref if entry else False)
 
     # -------------------------------------------------------------------------------------- binding
@@ -173,7 +185,7 @@ class Invoker:
             args = [None, None, None]
         if plan.signature is None:
             return args, kwargs
-        return bind_arguments(plan.label, plan.signature, args, kwargs, self.catalog.short_types)
+        return bind_arguments(plan.label, plan.signature, args, kwargs, self.catalog.short_types, plan.checks)
 
     # ------------------------------------------------------------------------------------ execution
     async def run(self, plan: Plan, args: list[Any], kwargs: dict[str, Any], deadline: float | None) -> Any:
@@ -251,6 +263,10 @@ class Invoker:
     async def call(self, request: pb.CallRequest, session_id: str, deadlines: Deadlines,
                    plan: Plan | None = None) -> pb.Value:
         plan = plan or self.plan(request.target)
+        if plan.streams:
+            raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
+                              f"{plan.label} yields its results one by one: call it with Stream (or a Multiplex "
+                              f"start with stream set), not Call", target=plan.label, reason="use Stream")
         args, kwargs = await self.prepare(plan, *self.decode(request))
         result = await self.run_checked(plan, args, kwargs, deadlines.call)
         if request.target.kind == pb.Target.SET_ATTR:
@@ -341,6 +357,8 @@ class Invoker:
                         raise BridgeError.timeout(f"{plan.label}: deadline exceeded while {doing}",
                                                   target=plan.label) from None
                     raise
+                except Exception as exc:   # the called code failed: a python_error, mapped as for Call
+                    raise BridgeError.from_exception(exc, plan.label) from exc
                 finally:
                     watchdog.disarm()
                 if done_exc is StopIteration and item is sentinel:

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from bridge_server.wire.errors import BridgeError, server_error, target_label
 from bridge_server.wire.protocol import parse_metadata, time_left_s
@@ -138,12 +139,29 @@ class MuxSession:
         self.idle = asyncio.Event()
         self.idle.set()
 
+    def handle_bytes(self, raw: bytes) -> None:
+        """Handles one request as read off the wire. Bytes that are not a `MuxRequest` end only the
+        call they name (or, when no call id can be read from them, get an error event for id 0,
+        which no call uses), so one bad message never takes a shared stream or lane down."""
+        try:
+            request = pb.MuxRequest.FromString(raw)
+        except (DecodeError, RecursionError, ValueError) as exc:
+            self._refuse(_call_id_of(raw), BridgeError.validation(
+                f"Multiplex: a request is not a valid vllm_bridge.v1.MuxRequest ({len(raw)} bytes): {exc}",
+                parameter="request"))
+            return
+        self.handle(request)
+
     def handle(self, request: pb.MuxRequest) -> None:
-        """Raises BridgeError for a request that is none of start, cancel and credit."""
         kind = request.WhichOneof("kind")
         out = self.out
         if kind == "start":
             start = request.start
+            if start.id == 0:
+                self._refuse(0, BridgeError.validation(
+                    "Multiplex: call id 0 is reserved (for errors about requests that name no call); ids start at 1",
+                    parameter="start.id"))
+                return
             if start.id in self.running:
                 self._refuse(start.id, BridgeError.validation(
                     f"Multiplex: call id {start.id} is still running; ids must be unique among running calls",
@@ -168,7 +186,8 @@ class MuxSession:
         elif kind == "credit":
             out.grant(request.credit.id, request.credit.events)
         else:
-            raise BridgeError.validation("Multiplex: a request must hold start, cancel or credit", parameter="kind")
+            self._refuse(0, BridgeError.validation("Multiplex: a request must hold start, cancel or credit",
+                                                   parameter="kind"))
 
     def _answer_now(self, start: pb.MuxStart) -> bool:
         """Answers a call of a trivial helper (an inline plan) on the spot, as `_run` would, and says
@@ -213,7 +232,18 @@ class MuxSession:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def multiplex(invoker: Invoker, requests: AsyncIterator[pb.MuxRequest],
+def _call_id_of(raw: bytes) -> int:
+    """The call a malformed request names, read through the view that leaves the call unparsed
+    (most bad requests carry a bad call, not a bad id); 0 when even that cannot be read."""
+    try:
+        view = pb.MuxRequestView.FromString(raw)
+    except (DecodeError, RecursionError, ValueError):
+        return 0
+    kind = view.WhichOneof("kind")
+    return view.start.id if kind == "start" else view.credit.id if kind == "credit" else 0
+
+
+async def multiplex(invoker: Invoker, requests: AsyncIterator[bytes],
                     defaults: Sequence[tuple[str, str | bytes]],
                     rpc_remaining: Callable[[], float | None]) -> AsyncIterator[pb.MuxReply]:
     """Serves one Multiplex RPC until the client has half-closed and every call has ended.
@@ -224,8 +254,8 @@ async def multiplex(invoker: Invoker, requests: AsyncIterator[pb.MuxRequest],
 
     async def read() -> None:
         try:
-            async for request in requests:
-                session.handle(request)
+            async for raw in requests:
+                session.handle_bytes(raw)
         finally:
             out.ready.set()
 
@@ -240,7 +270,7 @@ async def multiplex(invoker: Invoker, requests: AsyncIterator[pb.MuxRequest],
             else:
                 out.ready.clear()
             if reader.done():
-                reader.result()   # a malformed request ends the stream with its error
+                reader.result()   # the stream itself failed (a malformed request only fails its call)
                 if not session.running and not out.reply.events:
                     return
     finally:

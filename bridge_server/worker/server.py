@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from bridge_server.wire.errors import BridgeError, server_error, target_label
 from bridge_server.wire.jsonvalue import from_json
-from bridge_server.wire.protocol import GRPC_OPTIONS, MD_WORKER_REFS, parse_metadata
+from bridge_server.wire.protocol import MD_WORKER_REFS, SERVER_OPTIONS, parse_metadata, parse_request
 from bridge_server.worker.catalog import Catalog, build_catalog, describe
 from bridge_server.worker.deadlines import resolve_deadlines
 from bridge_server.worker.invoke import Invoker
@@ -31,7 +31,6 @@ from bridge_server.worker.lane import LaneServer, serve_lane
 from bridge_server.worker.mux import multiplex
 from bridge_server.worker.refs import RefRegistry
 from vllm_bridge.v1 import bridge_pb2 as pb
-from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
 
 log = logging.getLogger("vllm_bridge.worker")
 
@@ -74,26 +73,55 @@ class DistributedRank:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
 
 
-class BridgeService(pb_grpc.BridgeServicer):
+class BridgeService:
+    """The `Bridge` RPCs of one worker. Requests arrive as bytes and are parsed here, so that bytes
+    that are not the RPC's message end that call with INVALID_ARGUMENT saying so (gRPC's own
+    deserializer would answer UNKNOWN with a generic text)."""
+
     def __init__(self, invoker: Invoker) -> None:
         self.invoker = invoker
         self._catalog = describe(invoker.catalog)
 
-    async def Call(self, request: pb.CallRequest, context: grpc.aio.ServicerContext) -> pb.CallReply:  # noqa: N802
+    def handler(self) -> grpc.GenericRpcHandler:
+        def unary(fn: Any, reply: Any) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(fn, response_serializer=reply.SerializeToString)
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Call": unary(self.Call, pb.CallReply),
+            "Stream": grpc.unary_stream_rpc_method_handler(self.Stream,
+                                                           response_serializer=pb.StreamItem.SerializeToString),
+            "Multiplex": grpc.stream_stream_rpc_method_handler(self.Multiplex,
+                                                               response_serializer=pb.MuxReply.SerializeToString),
+            "Collective": unary(self.Collective, pb.CollectiveReply),
+            "Release": unary(self.Release, pb.ReleaseReply),
+            "Describe": unary(self.Describe, pb.Catalog),
+        })
+
+    def _refs_trailer(self, context: grpc.aio.ServicerContext) -> None:
+        context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
+
+    async def _call(self, request: pb.CallRequest, context: grpc.aio.ServicerContext) -> pb.CallReply:
+        opts = parse_metadata(context.invocation_metadata())
+        plan = self.invoker.plan(request.target)
+        deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
+        return pb.CallReply(value=await self.invoker.call(request, opts.session_id, deadlines, plan))
+
+    async def Call(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.CallReply:  # noqa: N802
+        label = "Call"
         try:
-            opts = parse_metadata(context.invocation_metadata())
-            plan = self.invoker.plan(request.target)
-            deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
-            reply = pb.CallReply(value=await self.invoker.call(request, opts.session_id, deadlines, plan))
-            context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
+            request = parse_request(pb.CallRequest, raw, "Call")
+            label = target_label(request.target)
+            reply = await self._call(request, context)
+            self._refs_trailer(context)
             return reply
         except Exception as exc:
-            await context.abort_with_status(server_error(exc, target_label(request.target)).to_status())
+            await context.abort_with_status(server_error(exc, label).to_status())
             raise  # unreachable: abort raises
 
-    async def Stream(self, request: pb.CallRequest,  # noqa: N802
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StreamItem]:
+    async def Stream(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StreamItem]:  # noqa: N802
+        label = "Stream"
         try:
+            request = parse_request(pb.CallRequest, raw, "Stream")
+            label = target_label(request.target)
             opts = parse_metadata(context.invocation_metadata())
             plan = self.invoker.plan(request.target)
             deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
@@ -104,41 +132,57 @@ class BridgeService(pb_grpc.BridgeServicer):
                 encoder.encode_into(item, out.value)
                 yield out
                 index += 1
-            context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
+            self._refs_trailer(context)
         except Exception as exc:
-            await context.abort_with_status(server_error(exc, target_label(request.target)).to_status())
+            await context.abort_with_status(server_error(exc, label).to_status())
 
-    async def Multiplex(self, request_iterator: AsyncIterator[pb.MuxRequest],  # noqa: N802
+    async def Multiplex(self, requests: AsyncIterator[bytes],  # noqa: N802
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxReply]:
         try:
-            async for reply in multiplex(self.invoker, request_iterator, tuple(context.invocation_metadata() or ()),
+            async for reply in multiplex(self.invoker, requests, tuple(context.invocation_metadata() or ()),
                                          context.time_remaining):
                 yield reply
-            context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
+            self._refs_trailer(context)
         except Exception as exc:
             await context.abort_with_status(server_error(exc, "Multiplex").to_status())
 
-    async def Collective(self, request: pb.CollectiveRequest,  # noqa: N802
-                         context: grpc.aio.ServicerContext) -> pb.CollectiveReply:
+    async def Collective(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.CollectiveReply:  # noqa: N802
         """A worker on its own is a group of one rank: the call runs once. Pools fan out in the router."""
-        if len(request.per_rank) > 1:
-            await context.abort_with_status(BridgeError.validation(
-                f"Collective: this worker is a group of 1 rank, got calls for {len(request.per_rank)} ranks",
-                parameter="per_rank").to_status())
-        call = request.per_rank[0] if request.per_rank else request.call
-        return pb.CollectiveReply(results=[await self.Call(call, context)])
+        label = "Collective"
+        try:
+            request = parse_request(pb.CollectiveRequest, raw, "Collective")
+            if len(request.per_rank) > 1:
+                raise BridgeError.validation(
+                    f"Collective: this worker is a group of 1 rank, got calls for {len(request.per_rank)} ranks",
+                    parameter="per_rank")
+            call = request.per_rank[0] if request.per_rank else request.call
+            label = target_label(call.target)
+            reply = pb.CollectiveReply(results=[await self._call(call, context)])
+            self._refs_trailer(context)
+            return reply
+        except Exception as exc:
+            await context.abort_with_status(server_error(exc, label).to_status())
+            raise  # unreachable: abort raises
 
-    async def Release(self, request: pb.ReleaseRequest,  # noqa: N802
-                      context: grpc.aio.ServicerContext) -> pb.ReleaseReply:
-        refs = self.invoker.refs
-        released = refs.release(list(request.ref_ids))
-        if request.session_id:
-            released += refs.release_session(request.session_id)
-        context.set_trailing_metadata(((MD_WORKER_REFS, str(len(refs))),))
-        return pb.ReleaseReply(released=released)
+    async def Release(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ReleaseReply:  # noqa: N802
+        try:
+            request = parse_request(pb.ReleaseRequest, raw, "Release")
+            refs = self.invoker.refs
+            released = refs.release(list(request.ref_ids))
+            if request.session_id:
+                released += refs.release_session(request.session_id)
+            self._refs_trailer(context)
+            return pb.ReleaseReply(released=released)
+        except Exception as exc:
+            await context.abort_with_status(server_error(exc, "Release").to_status())
+            raise  # unreachable: abort raises
 
-    async def Describe(self, request: pb.DescribeRequest,  # noqa: N802
-                       context: grpc.aio.ServicerContext) -> pb.Catalog:
+    async def Describe(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.Catalog:  # noqa: N802
+        try:
+            request = parse_request(pb.DescribeRequest, raw, "Describe")
+        except Exception as exc:
+            await context.abort_with_status(server_error(exc, "Describe").to_status())
+            raise  # unreachable: abort raises
         if not request.prefix:
             return self._catalog
         return pb.Catalog(entries=[e for e in self._catalog.entries if e.name.startswith(request.prefix)],
@@ -215,8 +259,8 @@ def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
                        finalize=catalog.finalize)
     invoker = Invoker(catalog, refs, objects=dict(objects or {}), tensor_max_bytes=config.tensor_max_bytes,
                       shared_threads=config.shared_threads)
-    server = grpc.aio.server(options=GRPC_OPTIONS + config.extra_options)
-    pb_grpc.add_BridgeServicer_to_server(BridgeService(invoker), server)
+    server = grpc.aio.server(options=SERVER_OPTIONS + config.extra_options)
+    server.add_generic_rpc_handlers([BridgeService(invoker).handler()])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
