@@ -22,7 +22,7 @@ import grpc
 from bridge_server.pool.poolstate import Backend, Flight, PoolRouter, pool_error
 from bridge_server.pool.router import Route, Router, read_route
 from bridge_server.wire.errors import BridgeError, detail_from_rpc_error, target_label
-from bridge_server.wire.protocol import parse_request
+from bridge_server.wire.protocol import MD_COLLECTIVE, parse_request
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 CALL = "/vllm_bridge.v1.Bridge/Call"
@@ -135,7 +135,8 @@ async def run_collective(router: Router, request: bytes, context: grpc.aio.Servi
     try:
         backends = pool.group()
         upstream_timeout = _remaining(route) if route.explicit_deadline else None
-        tasks = [asyncio.create_task(_on_rank(r, b, payloads[r], forwarded, upstream_timeout))
+        metadata = [*forwarded, (MD_COLLECTIVE, "1")]
+        tasks = [asyncio.create_task(_on_rank(r, b, payloads[r], metadata, upstream_timeout))
                  for r, b in enumerate(backends)]
         try:
             return pool.name, await _gather(tasks, route, label, pool)

@@ -19,6 +19,10 @@ File layout (every key optional except a pool's `name`)::
     queue_size = 1024            # calls waiting for a slot, per pool
     affinity = "hint"            # hint | strict_queue | strict_fail_fast
     worker_args = ["--ref-ttl", "3600"]
+    warmup = true                # engines run once before they serve (no client pays the first use)
+    probe_interval_s = 5         # engine liveness: probed this often ...
+    probe_timeout_s = 20         # ... and dead when a probe is not answered within this
+    unhealthy_timeout_s = 300    # a worker not serving (NOT_SERVING) this long is replaced
     [pools.env]
     VLLM_CPU_KVCACHE_SPACE = "2"
     [[pools.objects]]
@@ -115,6 +119,10 @@ class PoolConfig:
     recycle_after_calls: int = 0         # 0: never
     recycle_after_s: float = 0.0         # 0: never
     drain_timeout_s: float = 60.0        # a recycled worker's calls finish and refs are released within this
+    warmup: bool = True                  # engines run once before their worker (or their creator) gets them
+    probe_interval_s: float = 5.0        # how often a worker probes its engines' liveness
+    probe_timeout_s: float = 20.0        # an engine that does not answer a probe for this long is dead
+    unhealthy_timeout_s: float = 300.0   # a worker not serving for this long is replaced (0: never)
     worker_grace_s: float = 10.0         # the worker's own grace on SIGTERM
     log_dir: str = ""                    # per-worker log files here; empty: inherit the server's
     distributed: DistributedConfig | None = None   # the workers are the ranks of one group
@@ -263,6 +271,8 @@ def validate(cfg: ServerConfig) -> ServerConfig:
         for key, value in vars(p).items():
             if key.endswith("_s") and isinstance(value, (int, float)) and value < 0:
                 raise ConfigError(f"pool {p.name!r}: {key} must be >= 0, got {value:g}")
+        if p.probe_interval_s <= 0 or p.probe_timeout_s <= 0:
+            raise ConfigError(f"pool {p.name!r}: probe_interval_s and probe_timeout_s must be > 0")
         if p.affinity not in AFFINITY_MODES:
             raise ConfigError(f"pool {p.name!r}: affinity {p.affinity!r}; expected one of {', '.join(AFFINITY_MODES)}")
         d = p.distributed

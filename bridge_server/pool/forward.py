@@ -32,7 +32,7 @@ from bridge_server.pool.multiplex import forward_multiplex
 from bridge_server.pool.poolstate import Backend, Flight, pool_error
 from bridge_server.pool.router import Router, read_route, time_left
 from bridge_server.wire.errors import STATUS_DETAILS_KEY, BridgeError, mux_error_status, status_code
-from bridge_server.wire.protocol import MD_WORKER_REFS, parse_request
+from bridge_server.wire.protocol import MD_WORKER_REFS, ROUTER_ONLY_KEYS, parse_request
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 log = logging.getLogger("vllm_bridge.router")
@@ -67,7 +67,10 @@ async def release_on(backend: Backend, request: pb.ReleaseRequest, metadata: Seq
 
 
 def _forwarded(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[tuple[str, str | bytes]]:
-    return [(k, v) for k, v in metadata or () if k not in _DROP_KEYS and not k.startswith(("grpc-", ":"))]
+    """The caller's metadata as it goes on to a worker: without transport keys, and without the
+    keys only the pool server may set."""
+    return [(k, v) for k, v in metadata or ()
+            if k not in _DROP_KEYS and k not in ROUTER_ONLY_KEYS and not k.startswith(("grpc-", ":"))]
 
 
 def _has_details(err: grpc.aio.AioRpcError) -> bool:

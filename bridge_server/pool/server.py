@@ -25,7 +25,7 @@ from bridge_server.pool.metrics import Metrics, PoolSnapshot
 from bridge_server.pool.router import Router
 from bridge_server.pool.supervisor import Supervisor
 from bridge_server.wire import eventloop
-from bridge_server.wire.protocol import GRPC_OPTIONS
+from bridge_server.wire.protocol import SERVER_OPTIONS
 from vllm_bridge.v1 import pool_pb2 as ppb
 from vllm_bridge.v1 import pool_pb2_grpc as ppb_grpc
 
@@ -64,7 +64,7 @@ class PoolServer:
         self.supervisor = Supervisor(config, self.router, self.metrics, self._changed)
         self.metrics.watch(self._snapshot)
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.server.add_generic_rpc_handlers([Forwarder(self.router, self.metrics).handler()])
         ppb_grpc.add_PoolServicer_to_server(_StatusService(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -152,7 +152,7 @@ class PoolServer:
             pool = reply.pools.add(name=name, state=ps.state, affinity=cfg.affinity, max_concurrent=cfg.max_concurrent,
                                    queue_length=len(pr.queue), queue_capacity=cfg.queue_size, restarts=ps.restarts,
                                    sessions=len(pr.sessions), in_flight=sum(b.in_flight for b in pr.backends),
-                                   detail=ps.degraded)
+                                   detail=ps.degraded or pr.unavailable)
             for slot in ps.slots:
                 procs = [wp for wp in ps.procs if wp.index == slot.index]
                 for wp in procs:
@@ -161,7 +161,8 @@ class PoolServer:
                                      address=wp.address, in_flight=b.in_flight if b else 0,
                                      max_concurrent=cfg.max_concurrent, calls=b.calls if b else 0,
                                      sessions=b.sessions if b else 0, refs=b.refs if b else -1,
-                                     uptime_s=now - wp.started, restarts=slot.restarts, last_exit=slot.last_exit)
+                                     uptime_s=now - wp.started, restarts=slot.restarts, last_exit=slot.last_exit,
+                                     detail=wp.detail, replaced=wp.replaced)
                 if not procs:
                     pool.workers.add(id=slot.last_id, index=slot.index, generation=slot.generation, state=slot.state,
                                      max_concurrent=cfg.max_concurrent, refs=-1, restarts=slot.restarts,

@@ -112,8 +112,10 @@ class BridgeError(Exception):
             where = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
             text = f"{py_type} with no message{where}"
         code = next((c for t in type(exc).__mro__ if (c := _PY_STATUS.get(t.__name__))), grpc.StatusCode.UNKNOWN)
-        return cls(code, "python_error", f"{target}: {py_type}: {text}", target=target, python_type=py_type,
-                   traceback="".join(tb.format_exception(exc)))
+        dead = py_type == "EngineDeadError"    # the engine, not the call, failed: say so the same way every time
+        return cls(code, "engine" if dead else "python_error", f"{target}: {py_type}: {text}", target=target,
+                   python_type=py_type, traceback="".join(tb.format_exception(exc)),
+                   reason="engine dead" if dead else "")
 
     def detail(self) -> pb.ErrorDetail:
         """The structured detail, every text within its bound (the traceback keeps its end, where

@@ -31,6 +31,11 @@ MD_RANK = "x-bridge-rank"
 # Sent back by a worker in the trailing metadata of every successful gRPC call: the live refs it
 # holds (the pool router reads the same count from its lanes' `MuxReply.worker_refs`).
 MD_WORKER_REFS = "x-bridge-worker-refs"
+# Set by the pool server on each rank's share of a Collective: in a distributed pool, calls that talk
+# to every rank run only then (on one rank alone they would wait forever for the others).
+MD_COLLECTIVE = "x-bridge-collective"
+# Keys only the pool server sets, on what it sends its workers: it drops them from what clients send.
+ROUTER_ONLY_KEYS = frozenset({MD_COLLECTIVE})
 
 DEFAULT_SESSION = "default"
 
@@ -106,6 +111,7 @@ class RuntimeOptions:
     refs: tuple[str, ...] = ()
     rank: int | None = None
     session_sent: bool = False               # the caller named a session (else it is DEFAULT_SESSION)
+    collective: bool = False                 # one rank's share of a Collective (set by the pool server)
 
 
 def _ms(key: str, raw: str) -> float | None:
@@ -169,6 +175,7 @@ def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
         refs=tuple(r for r in (refs or "").split(",") if r),
         rank=rank,
         session_sent=MD_SESSION in md,
+        collective=get(MD_COLLECTIVE) == "1",
     )
 
 

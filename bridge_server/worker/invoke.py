@@ -17,7 +17,7 @@ import difflib
 import functools
 import inspect
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -66,7 +66,11 @@ class Invoker:
     objects: dict[str, object] = field(default_factory=dict)    # published by name at start
     tensor_max_bytes: int = 16 * 1024 * 1024
     shared_threads: int = 16
+    distributed: bool = False   # a rank of a distributed pool: collective entries run only as Collectives
     abandoned: int = 0      # blocking calls still running after their caller gave up
+    wedged: str = ""        # a call abandoned in the exclusive lane, still running: it blocks the lane
+    # Called with what a result_ref entry (an engine's constructor) made, before the caller gets it.
+    adopt: Callable[[object], Awaitable[None]] | None = None
 
     def __post_init__(self) -> None:
         self._exclusive_lane = ThreadPoolExecutor(1, thread_name_prefix="bridge-exclusive")
@@ -121,7 +125,7 @@ class Invoker:
             return Plan(fn=fn, signature=e.signature, checks=Checks(namespace_of(fn), documented),
                         **common)  # type: ignore[arg-type]
         if e.kind in (Kind.FUNCTION, Kind.CLASSMETHOD):
-            fn = e.resolve()
+            fn = e.override or e.resolve()
             return Plan(fn=fn, signature=e.signature, checks=Checks(namespace_of(fn), documented),
                         **common)  # type: ignore[arg-type]
         raise BridgeError.validation(f"{e.name} is a {e.kind.name.lower()} of {e.class_name}: call it on a ref "
@@ -160,6 +164,8 @@ class Invoker:
         is_async = inspect.iscoroutinefunction(member) or inspect.isasyncgenfunction(member)
         streams = inspect.isasyncgenfunction(member) or inspect.isgeneratorfunction(member)
         sig = member_signature(type(obj), name, member)
+        if entry is not None and entry.override is not None:   # the adapter's version, receiver first
+            member, is_async = functools.partial(entry.override, obj), True
         documented = tuple((p.name, p.type) for p in entry.doc.params) if entry and entry.doc else ()
         cls: type = type(obj)
         checks = member_checks(cls, name, documented) if inspect.ismethod(member) else None
@@ -222,11 +228,16 @@ class Invoker:
             if not job.done() and not job.cancel():   # already running: cannot be pre-empted
                 loop = asyncio.get_running_loop()
                 self.abandoned += 1
-                job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._settle_abandoned))
+                exclusive = lane is self._exclusive_lane
+                if exclusive:   # everything that touches process-wide state now waits behind it
+                    self.wedged = f"{label} was abandoned at its deadline and still runs in the exclusive lane"
+                job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._settle_abandoned, exclusive))
             raise
 
-    def _settle_abandoned(self) -> None:
+    def _settle_abandoned(self, exclusive: bool) -> None:
         self.abandoned -= 1
+        if exclusive:
+            self.wedged = ""
 
     def encoder(self, session_id: str, exclusive: bool, stream: bool = False) -> Encoder:
         def make_ref(obj: object) -> pb.Ref:
@@ -260,9 +271,19 @@ class Invoker:
         except Exception as exc:
             raise BridgeError.from_exception(exc, plan.label) from exc
 
+    def _admit(self, plan: Plan, collective: bool) -> None:
+        """Refuses, before anything runs, a call that would block this rank's process group: in a
+        distributed pool an entry that talks to every rank runs only as a Collective."""
+        if self.distributed and not collective and plan.entry is not None and plan.entry.collective:
+            raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
+                              f"{plan.label} talks to every rank of the pool's process group: run it with the "
+                              f"Collective RPC (every rank at once); called on one rank it would wait forever",
+                              target=plan.label, reason="use Collective")
+
     async def call(self, request: pb.CallRequest, session_id: str, deadlines: Deadlines,
-                   plan: Plan | None = None) -> pb.Value:
+                   plan: Plan | None = None, collective: bool = False) -> pb.Value:
         plan = plan or self.plan(request.target)
+        self._admit(plan, collective)
         if plan.streams:
             raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
                               f"{plan.label} yields its results one by one: call it with Stream (or a Multiplex "
@@ -271,6 +292,8 @@ class Invoker:
         result = await self.run_checked(plan, args, kwargs, deadlines.call)
         if request.target.kind == pb.Target.SET_ATTR:
             result = None
+        elif plan.result_ref and result is not None and self.adopt is not None:
+            await with_deadline(self.adopt(result), deadlines.call, plan.label, "warming up what it made")
         return self.encode_result(plan, result, session_id)
 
     @staticmethod
@@ -311,9 +334,11 @@ class Invoker:
         return obj
 
     async def stream(self, request: pb.CallRequest, session_id: str, deadlines: Deadlines,
-                     interval_s: float | None = None, plan: Plan | None = None) -> AsyncIterator[tuple[Any, Encoder]]:
+                     interval_s: float | None = None, plan: Plan | None = None,
+                     collective: bool = False) -> AsyncIterator[tuple[Any, Encoder]]:
         """Yields each item with the encoder to encode it with (the caller encodes it in place)."""
         plan = plan or self.plan(request.target)
+        self._admit(plan, collective)
         args, kwargs = await self.prepare(plan, *self.decode(request))
         source = await self.run_checked(plan, args, kwargs, deadlines.call)
         encoder = self.encoder(session_id, plan.exclusive, stream=True)

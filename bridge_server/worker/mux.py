@@ -101,12 +101,12 @@ async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[st
         limits = [t for t in (opts.timeout_s, rpc_remaining(), time_left_s(start.time_left_ms)) if t is not None]
         deadlines = resolve_deadlines(opts, min(limits) if limits else None, plan.profile)
         if not start.stream:
-            value = await invoker.call(start.call, opts.session_id, deadlines, plan)
+            value = await invoker.call(start.call, opts.session_id, deadlines, plan, opts.collective)
             await out.wait_for_room(start.id)
             out.add(start.id).value.CopyFrom(value)
             return
         async for item, encoder in invoker.stream(start.call, opts.session_id, deadlines,
-                                                  opts.stream_interval_s, plan):
+                                                  opts.stream_interval_s, plan, opts.collective):
             await out.wait_for_room(start.id)
             event = out.add_item(start.id)
             try:

@@ -5,6 +5,11 @@ A worker is a complete server on its own (any supervisor, ours or systemd or Eli
 one). With `lane` set it also serves the pool router's lane (`lane.py`): the same Multiplex
 messages without HTTP/2, which is how the router sends it `Call` and `Stream`. The servicer only
 translates between gRPC and the invoker: options and deadlines in, values or a rich error status out.
+
+Its health tells the truth: NOT_SERVING until its published objects exist and are warmed up, and
+again whenever `liveness.py` finds that it cannot serve (a published engine dead and being created
+again, a call stuck in the exclusive lane). `vllm_bridge.v1.Pool/Status` says why, for its
+supervisor and for `vllm-bridge status` (a lone worker is a pool of one).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,13 +34,17 @@ from bridge_server.worker.catalog import Catalog, build_catalog, describe
 from bridge_server.worker.deadlines import resolve_deadlines
 from bridge_server.worker.invoke import Invoker
 from bridge_server.worker.lane import LaneServer, serve_lane
+from bridge_server.worker.liveness import Liveness, ObjectConfig
 from bridge_server.worker.mux import multiplex
 from bridge_server.worker.refs import RefRegistry
 from vllm_bridge.v1 import bridge_pb2 as pb
+from vllm_bridge.v1 import pool_pb2 as ppb
+from vllm_bridge.v1 import pool_pb2_grpc as ppb_grpc
 
 log = logging.getLogger("vllm_bridge.worker")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Bridge"].full_name
+POOL_SERVICE = ppb.DESCRIPTOR.services_by_name["Pool"].full_name
 
 
 @dataclass
@@ -52,6 +62,9 @@ class WorkerConfig:
     objects: list[dict[str, Any]] = field(default_factory=list)
     distributed: DistributedRank | None = None
     lane: str | None = None                # a unix socket path: also serve the router's lane there
+    warmup: bool = True                    # published (and client-made) engines run once before they serve
+    probe_interval_s: float = 5.0          # how often engines are probed (liveness.py)
+    probe_timeout_s: float = 20.0          # an engine that does not answer a probe for this long is dead
 
 
 @dataclass(frozen=True)
@@ -103,7 +116,8 @@ class BridgeService:
         opts = parse_metadata(context.invocation_metadata())
         plan = self.invoker.plan(request.target)
         deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
-        return pb.CallReply(value=await self.invoker.call(request, opts.session_id, deadlines, plan))
+        return pb.CallReply(value=await self.invoker.call(request, opts.session_id, deadlines, plan,
+                                                         opts.collective))
 
     async def Call(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.CallReply:  # noqa: N802
         label = "Call"
@@ -127,7 +141,7 @@ class BridgeService:
             deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
             index = 0
             async for item, encoder in self.invoker.stream(request, opts.session_id, deadlines,
-                                                            opts.stream_interval_s, plan):
+                                                            opts.stream_interval_s, plan, opts.collective):
                 out = pb.StreamItem(index=index)
                 encoder.encode_into(item, out.value)
                 yield out
@@ -194,6 +208,16 @@ def default_catalog() -> Catalog:
     return build_catalog(SPECS)
 
 
+class _StatusService(ppb_grpc.PoolServicer):
+    """`Pool/Status` of a lone worker: one pool, "worker", of one worker, this one."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+
+    async def Status(self, request: ppb.StatusRequest, context: grpc.aio.ServicerContext) -> ppb.StatusReply:  # noqa: N802
+        return self._worker.status()
+
+
 @dataclass
 class Worker:
     """A built, not yet started worker: its server, services and state."""
@@ -203,8 +227,11 @@ class Worker:
     invoker: Invoker
     health: health.aio.HealthServicer
     port: int
+    liveness: Liveness
     lane: LaneServer | None = None
-    _sweeper: asyncio.Task[None] | None = field(default=None, init=False)
+    started: float = field(default_factory=time.monotonic)
+    ready: bool = False
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
 
     async def start(self) -> None:
         """Serves at once (health NOT_SERVING) and reports SERVING once the configured objects exist."""
@@ -215,13 +242,30 @@ class Worker:
             self.lane = await serve_lane(self.invoker, self.config.lane)
         if self.config.distributed is not None:
             await self._join_group(self.config.distributed)
-        for spec in self.config.objects:
-            log.info("creating published object %r with %s", spec["name"], spec["target"])
-            await self.invoker.create_object(spec["name"], spec["target"], from_json(spec.get("args", [])),
-                                             from_json(spec.get("kwargs", {})))
+        await self.liveness.create_published()
+        self.ready = True
+        await self.report_health()
+        self._tasks = [asyncio.create_task(self._sweep()), asyncio.create_task(self.liveness.run())]
+
+    async def report_health(self) -> None:
+        serving = self.ready and not self.liveness.detail
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._sweeper = asyncio.create_task(self._sweep())
+            await self.health.set(name, status)
+        if self.ready:
+            log.log(logging.INFO if serving else logging.ERROR, "worker %s: %s", self.invoker.refs.worker_id,
+                    "serving" if serving else f"not serving: {self.liveness.detail}")
+
+    def status(self) -> ppb.StatusReply:
+        state = ("ready" if not self.liveness.detail else "unhealthy") if self.ready else "starting"
+        refs = self.invoker.refs
+        worker = ppb.WorkerStatus(id=refs.worker_id, pid=os.getpid(), state=state, address=self.config.listen,
+                                  refs=len(refs), sessions=refs.sessions(), uptime_s=time.monotonic() - self.started,
+                                  detail=self.liveness.detail, replaced=self.liveness.replaced)
+        pool = ppb.PoolStatus(name="worker", state="serving" if state == "ready" else state, workers=[worker],
+                              detail=self.liveness.detail)
+        return ppb.StatusReply(state=pool.state, pools=[pool], uptime_s=worker.uptime_s, listen=self.config.listen,
+                               pid=worker.pid, default_pool="worker")
 
     async def _join_group(self, d: DistributedRank) -> None:
         """Through the catalog, like any client call, so it runs in the exclusive lane."""
@@ -243,8 +287,8 @@ class Worker:
         await self.health.enter_graceful_shutdown()
         grace = self.config.grace_s if grace_s is None else grace_s
         await asyncio.gather(self.server.stop(grace), *([self.lane.stop(grace)] if self.lane else []))
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        for task in self._tasks:
+            task.cancel()
         self.invoker.refs.close()
         for obj in self.invoker.objects.values():
             self.invoker.catalog.finalize(obj)
@@ -258,17 +302,27 @@ def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
     refs = RefRegistry(worker_id, session_cap=config.session_cap, idle_ttl_s=config.idle_ttl_s,
                        finalize=catalog.finalize)
     invoker = Invoker(catalog, refs, objects=dict(objects or {}), tensor_max_bytes=config.tensor_max_bytes,
-                      shared_threads=config.shared_threads)
+                      shared_threads=config.shared_threads, distributed=config.distributed is not None)
     server = grpc.aio.server(options=SERVER_OPTIONS + config.extra_options)
     server.add_generic_rpc_handlers([BridgeService(invoker).handler()])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        (SERVICE_NAME, POOL_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"cannot listen on {config.listen}")
-    return Worker(config, server, invoker, health_servicer, port)
+    published = [ObjectConfig(o["name"], o["target"], from_json(o.get("args", [])), from_json(o.get("kwargs", {})))
+                 for o in config.objects]
+    holder: list[Worker] = []
+    liveness = Liveness(invoker, published, lambda: holder[0].report_health(), interval_s=config.probe_interval_s,
+                        probe_timeout_s=config.probe_timeout_s, warmup=config.warmup)
+    invoker.adopt = liveness.adopt
+    worker = Worker(config, server, invoker, health_servicer, port, liveness)
+    holder.append(worker)
+    ppb_grpc.add_PoolServicer_to_server(_StatusService(worker), server)
+    return worker
 
 
 async def serve_worker(config: WorkerConfig, ready_file: str | None = None) -> None:
