@@ -32,7 +32,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"vllm-bridge serve: {exc}", file=sys.stderr)
         return 2
-    rc = run(config, ready_file=args.ready_file)
+    rc = run(config, ready_file=args.ready_file, stdin_watch=args.stdin_watch)
     logging.shutdown()
     sys.stdout.flush()
     os._exit(rc)   # every worker is stopped; do not wait on gRPC's threads

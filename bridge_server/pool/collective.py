@@ -28,6 +28,9 @@ from vllm_bridge.v1 import bridge_pb2 as pb
 CALL = "/vllm_bridge.v1.Bridge/Call"
 # After a first rank fails, how long the others get to fail too before they count as stuck.
 SETTLE_S = 0.5
+# How long before the caller's deadline the router decides that ranks are stuck: its named error (and
+# the group's restart) must reach the caller before gRPC's bare DEADLINE_EXCEEDED does.
+MARGIN_S = 0.25
 
 
 class _RankFailed(Exception):
@@ -148,7 +151,11 @@ async def run_collective(router: Router, request: bytes, context: grpc.aio.Servi
 
 
 async def _gather(tasks: list[asyncio.Task[bytes]], route: Route, label: str, pool: PoolRouter) -> bytes:
-    done, pending = await asyncio.wait(tasks, timeout=_remaining(route), return_when=asyncio.FIRST_EXCEPTION)
+    # The router's own deadline comes first (the ranks' calls carry the caller's whole deadline): it
+    # decides whether ranks are stuck, and its named error must reach the caller before gRPC's own.
+    left = _remaining(route)
+    done, pending = await asyncio.wait(tasks, timeout=None if left is None else max(0.0, left - MARGIN_S),
+                                       return_when=asyncio.FIRST_EXCEPTION)
     failed = [t for t in done if t.exception() is not None]
     if failed and pending:        # the others may only be waiting for the failed rank: give them a moment
         more, pending = await asyncio.wait(pending, timeout=SETTLE_S)
@@ -174,7 +181,12 @@ async def _gather(tasks: list[asyncio.Task[bytes]], route: Route, label: str, po
         error.target = error.target or label
         raise error
     if pending:
+        # The ranks still inside it cannot be pre-empted (they wait in C code for peers that may never
+        # come), and every later collective would queue behind them: the group starts again.
         stuck = sorted(tasks.index(t) for t in pending)
-        raise BridgeError.timeout(f"collective {label}: deadline exceeded with rank(s) {', '.join(map(str, stuck))} "
-                                  f"still running", target=label)
+        ranks = ", ".join(map(str, stuck))
+        asyncio.get_running_loop().call_soon(   # after the caller is told, which is what its deadline waits for
+            pool.restart_group, f"collective {label} exceeded its deadline with rank(s) {ranks} still in it")
+        raise BridgeError.timeout(f"collective {label}: deadline exceeded with rank(s) {ranks} still running; "
+                                  f"the group is restarting", target=label)
     return pb.CollectiveReplyView(results=[t.result() for t in tasks]).SerializeToString()

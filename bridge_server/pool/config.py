@@ -9,6 +9,7 @@ File layout (every key optional except a pool's `name`)::
     listen = "127.0.0.1:50051"
     metrics_port = 9464          # 0: no metrics endpoint
     grace_s = 30                 # SIGTERM/SIGINT: time in-flight calls get to finish
+    min_ping_interval_s = 10     # clients may keepalive-ping an idle connection this often (no more)
     loop = "uvloop"              # the server's event loop: "uvloop" or "asyncio" (see wire/eventloop.py)
     default_pool = "default"     # calls that name no pool
 
@@ -47,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge_server.wire.eventloop import DEFAULT_LOOP, LOOPS
+from bridge_server.wire.protocol import MIN_PING_INTERVAL_S
 
 AFFINITY_MODES = ("hint", "strict_queue", "strict_fail_fast")
 POOL_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -136,6 +138,7 @@ class ServerConfig:
     grace_s: float = 30.0
     loop: str = DEFAULT_LOOP
     default_pool: str = ""               # empty: the first pool
+    min_ping_interval_s: float = MIN_PING_INTERVAL_S   # clients may keepalive-ping an idle connection this often
     pools: list[PoolConfig] = field(default_factory=list)
 
     def pool(self, name: str) -> PoolConfig:
@@ -291,6 +294,8 @@ def validate(cfg: ServerConfig) -> ServerConfig:
             raise ConfigError(f"pool {p.name!r}: object names repeat: {names}")
     if cfg.default_pool and cfg.default_pool not in seen:
         raise ConfigError(f"default_pool {cfg.default_pool!r} is not a pool; pools: {', '.join(seen)}")
+    if cfg.min_ping_interval_s <= 0:
+        raise ConfigError(f"min_ping_interval_s must be > 0, got {cfg.min_ping_interval_s:g}")
     if cfg.metrics_port < 0:
         raise ConfigError("metrics_port must be >= 0")
     if cfg.loop not in LOOPS:
@@ -307,6 +312,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port (0: off)")
     p.add_argument("--metrics-host", default=None)
     p.add_argument("--grace", type=float, default=None, help="seconds in-flight calls get on SIGTERM/SIGINT")
+    p.add_argument("--min-ping-interval", type=float, default=None, metavar="S",
+                   help=f"clients may send keepalive pings on an idle connection this often (default {MIN_PING_INTERVAL_S:g} s)")
     p.add_argument("--loop", choices=LOOPS, default=None, help=f"the server's event loop (default {DEFAULT_LOOP})")
     p.add_argument("--default-pool", default=None, help="the pool of calls that name none")
     p.add_argument("--workers", type=int, default=None, help="workers per pool (every pool)")
@@ -316,6 +323,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="POOL.KEY=VALUE",
                    help="override a pool key, VALUE in TOML syntax (POOL '*': every pool); repeatable")
     p.add_argument("--ready-file", default=None, help="write the bound port here once every pool is up")
+    p.add_argument("--stdin-watch", action="store_true",
+                   help="stop (as on SIGTERM) when stdin closes: for a parent that runs the server through a "
+                        "pipe (an Elixir Port), so that the server never outlives it")
 
 
 def _toml_value(text: str) -> Any:
@@ -327,7 +337,8 @@ def _toml_value(text: str) -> Any:
 
 def apply_overrides(cfg: ServerConfig, args: argparse.Namespace) -> ServerConfig:
     for attr, key in (("listen", "listen"), ("metrics_port", "metrics_port"), ("metrics_host", "metrics_host"),
-                      ("grace", "grace_s"), ("loop", "loop"), ("default_pool", "default_pool")):
+                      ("grace", "grace_s"), ("loop", "loop"), ("default_pool", "default_pool"),
+                      ("min_ping_interval", "min_ping_interval_s")):
         value = getattr(args, attr, None)
         if value is not None:
             setattr(cfg, key, _coerce(f"--{attr.replace('_', '-')}", value, getattr(ServerConfig(), key)))

@@ -28,7 +28,7 @@ from bridge_server.pool.lane import STREAM_WINDOW, LaneCall, LaneClosed
 from bridge_server.pool.poolstate import Backend, Flight, Plan, PoolRouter
 from bridge_server.pool.router import Route, Router, read_route, time_left
 from bridge_server.wire.errors import BridgeError
-from bridge_server.wire.protocol import parse_request, time_left_s
+from bridge_server.wire.protocol import MAX_MESSAGE_BYTES, parse_request, time_left_s
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["forward_multiplex"]
@@ -62,6 +62,24 @@ class _FlightHook:
         self.on_fail()
 
 
+def _within_limit(batch: Any) -> list[bytes]:
+    """A batch of events from several workers, as messages within gRPC's limit (each worker keeps
+    every single event within it)."""
+    data: bytes = batch.SerializeToString()
+    if len(data) <= MAX_MESSAGE_BYTES:
+        return [data]
+    frames, current, size = [], pb.MuxReplyView(), 0
+    for event in batch.events:
+        n = event.ByteSize() + 16
+        if current.events and size + n > MAX_MESSAGE_BYTES:
+            frames.append(current.SerializeToString())
+            current, size = pb.MuxReplyView(), 0
+        current.events.append(event)
+        size += n
+    frames.append(current.SerializeToString())
+    return frames
+
+
 async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
                             failure: Failure) -> AsyncGenerator[bytes, None]:
     """Yields the replies of one client Multiplex stream until it half-closes and every call ends.
@@ -82,7 +100,10 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         nonlocal batch, credit, flushing
         flushing = False
         if batch.events:
-            out.put_nowait((batch.SerializeToString(), list(credit.items())))
+            frames = _within_limit(batch)
+            for frame in frames[:-1]:
+                out.put_nowait((frame, []))
+            out.put_nowait((frames[-1], list(credit.items())))
             batch, credit = pb.MuxReplyView(), {}
 
     def add_event(client_id: int) -> Any:

@@ -155,9 +155,11 @@ class PoolSupervisor:
         if self.degraded:
             return "degraded"
         if self.config.distributed is not None:
+            if self.regrouping:
+                return "regrouping"
             if all(s.state == READY for s in self.slots) and all(p.state == READY for p in self.procs):
                 return "serving"
-            return "regrouping" if self.regrouping else "starting"
+            return "starting"
         if any(p.state == READY for p in self.procs):
             return "serving"
         return "unhealthy" if any(p.state in (UNHEALTHY, RECONNECTING) for p in self.procs) else "starting"
@@ -292,7 +294,7 @@ class PoolSupervisor:
                              make_stubs(channel), lane=lane)
         lane.on_closed = functools.partial(self._lane_closed, wp)
         self.router.add_backend(wp.backend)
-        self._task(self._watch_health(wp))
+        wp.health_watch = asyncio.get_running_loop().create_task(self._watch_health(wp))
         log.info("pool %s: worker %s ready (pid %d) in %.1f s", self.name, wp.id, wp.pid, time.monotonic() - wp.started)
         if self.degraded and (self.config.distributed is None or all(s.state == READY for s in self.slots)):
             log.warning("pool %s recovered: %s started again after the pool was degraded (%s)", self.name, wp.id,
@@ -308,6 +310,8 @@ class PoolSupervisor:
         assert wp.proc is not None
         rc = await wp.proc.wait()
         kill_group(wp.pid)       # vLLM's engine-core children and anything else in its group
+        if wp.health_watch is not None:
+            wp.health_watch.cancel()
         desc = describe_exit(rc)
         if wp.exit_description:
             desc = f"{wp.exit_description}; {desc}"
@@ -495,6 +499,8 @@ class PoolSupervisor:
         await self.stop_proc(wp)
 
     async def stop_proc(self, wp: WorkerProc) -> None:
+        if wp.health_watch is not None:
+            wp.health_watch.cancel()         # an open Watch would hold the worker's graceful stop
         if wp.backend is not None:
             wp.backend.state = DRAINING      # no new calls while it stops
         await terminate(wp, self.config.worker_grace_s)

@@ -89,6 +89,7 @@ class WorkerProc:
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     recycle: asyncio.Event = field(default_factory=asyncio.Event)
     extra_args: list[str] = field(default_factory=list)   # e.g. its rank in a distributed pool
+    health_watch: asyncio.Task[None] | None = None   # follows its health while it serves
     detail: str = ""                  # why it is not serving, as it says (its own Pool/Status)
     replaced: int = 0                 # engines it created again after they died, as it says
 

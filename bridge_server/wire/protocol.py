@@ -51,12 +51,15 @@ AFFINITY_MODES = ("hint", "strict_queue", "strict_fail_fast")
 # waiting for its first item) every MIN_PING_INTERVAL_S or more without being cut off; gRPC's
 # default server policy counts any ping within 5 minutes as abuse and closes the connection after
 # two. Pinging more often than this still counts against the client, so a ping flood is cut.
-MIN_PING_INTERVAL_S = 10
-SERVER_OPTIONS: list[tuple[str, int]] = GRPC_OPTIONS + [
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_S * 1000),
-    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_S * 1000),
-]
+MIN_PING_INTERVAL_S = 10.0
+
+
+def server_options(min_ping_interval_s: float = MIN_PING_INTERVAL_S) -> list[tuple[str, int]]:
+    """The gRPC options of every server of ours."""
+    ms = int(min_ping_interval_s * 1000)
+    return GRPC_OPTIONS + [("grpc.keepalive_permit_without_calls", 1),
+                           ("grpc.http2.min_recv_ping_interval_without_data_ms", ms),
+                           ("grpc.http2.min_ping_interval_without_data_ms", ms)]
 
 M = TypeVar("M", bound=Message)
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import msgspec
 import pydantic
+import typing_extensions
 
 from bridge_server.wire.errors import BridgeError, clip, quote
 
@@ -194,14 +195,14 @@ def _is_record_class(tp: Any) -> bool:
 def _adapt(tp: Any, nested: bool) -> Any:
     """The annotation as checked: an enum may also be given by one of its values (vLLM's structs
     accept that), and a nested record class by a map (its enclosing class builds it)."""
-    if isinstance(tp, (typing.ForwardRef, str)):   # a name not resolvable here: that branch unchecked
+    if tp is Any or isinstance(tp, (typing.ForwardRef, str)):   # Any (a class in 3.11), or a name not resolvable here
         return Any
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         values = tuple(m.value for m in tp)
         if values and all(type(v) in (int, str) for v in values):
             return typing.Union[tp, typing.Literal[values]]  # type: ignore[valid-type]
         return tp
-    if isinstance(tp, type) and tp.__module__ != "builtins" and not typing.is_typeddict(tp):
+    if isinstance(tp, type) and tp.__module__ != "builtins" and not typing_extensions.is_typeddict(tp):
         # Any other class by isinstance alone: some of vLLM's classes bring pydantic schemas of
         # their own (SamplingParams validates as a dict), which would refuse their own instances.
         instance = pydantic.InstanceOf[tp]

@@ -164,11 +164,11 @@ class Invoker:
         is_async = inspect.iscoroutinefunction(member) or inspect.isasyncgenfunction(member)
         streams = inspect.isasyncgenfunction(member) or inspect.isgeneratorfunction(member)
         sig = member_signature(type(obj), name, member)
-        if entry is not None and entry.override is not None:   # the adapter's version, receiver first
-            member, is_async = functools.partial(entry.override, obj), True
         documented = tuple((p.name, p.type) for p in entry.doc.params) if entry and entry.doc else ()
         cls: type = type(obj)
         checks = member_checks(cls, name, documented) if inspect.ismethod(member) else None
+        if entry is not None and entry.override is not None:   # the adapter's version, receiver first
+            member, is_async = functools.partial(entry.override, obj), True
         return Plan(label=label, fn=member, signature=sig, checks=checks, entry=entry, exclusive=exclusive,
                     is_async=is_async,
                     streams=streams, profile=profile, receiver=obj, fill_exit_args=name in _EXIT_METHODS,

@@ -61,7 +61,8 @@ class _Served:
             return     # resume_writing flushes; meanwhile the calls wait for room in the outbox
         reply = out.take()
         reply.worker_refs = len(self.session.invoker.refs)
-        self.framed.send(reply.SerializeToString())
+        for frame in out.frames(reply, self.session.running):
+            self.framed.send(frame)
 
 
 @dataclass

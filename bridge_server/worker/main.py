@@ -15,6 +15,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from bridge_server.wire import eventloop
+from bridge_server.wire.protocol import MIN_PING_INTERVAL_S
 
 if TYPE_CHECKING:   # imported when a worker runs, not when the `vllm-bridge` parser is built
     from bridge_server.worker.server import WorkerConfig
@@ -47,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how often every engine is probed for liveness (default %(default)s s)")
     p.add_argument("--probe-timeout", type=float, default=20.0, metavar="S",
                    help="an engine that does not answer a probe for this long is dead (default %(default)s s)")
+    p.add_argument("--min-ping-interval", type=float, default=MIN_PING_INTERVAL_S, metavar="S",
+                   help="clients may send keepalive pings on an idle connection this often (default %(default)s s)")
     g = p.add_argument_group("distributed pools: join a torch.distributed group at start")
     g.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"])
     g.add_argument("--dist-world-size", type=int, default=1)
@@ -67,7 +70,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(distributed=dist, listen=args.listen, worker_id=args.worker_id, session_cap=args.session_cap,
                         idle_ttl_s=args.ref_ttl, tensor_max_bytes=args.tensor_max_bytes, grace_s=args.grace,
                         objects=json.loads(args.objects), lane=args.lane, warmup=args.warmup,
-                        probe_interval_s=args.probe_interval, probe_timeout_s=args.probe_timeout)
+                        probe_interval_s=args.probe_interval, probe_timeout_s=args.probe_timeout,
+                        min_ping_interval_s=args.min_ping_interval)
 
 
 def _take_the_group_down(signum: int, frame: object) -> None:

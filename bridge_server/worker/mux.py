@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from bridge_server.wire.errors import BridgeError, server_error, target_label
-from bridge_server.wire.protocol import parse_metadata, time_left_s
+from bridge_server.wire.protocol import MAX_MESSAGE_BYTES, parse_metadata, time_left_s
 from bridge_server.worker.deadlines import resolve_deadlines
 from bridge_server.worker.invoke import Invoker
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -34,6 +34,7 @@ from vllm_bridge.v1 import bridge_pb2 as pb
 __all__ = ["MuxSession", "Outbox", "multiplex"]
 
 MAX_PENDING = 4096   # events gathered for the next reply before every producer waits
+MAX_REPLY_BYTES = MAX_MESSAGE_BYTES   # one reply message (gRPC's limit; the lane's frames allow a little more)
 PER_CALL = 2         # events of one call gathered before that call waits
 
 
@@ -49,6 +50,7 @@ class Outbox:
     ready: asyncio.Event = field(default_factory=asyncio.Event)    # something to write
     room: asyncio.Event = field(default_factory=asyncio.Event)     # the writer took a reply
     on_first: Callable[[], None] | None = None                     # called when an empty reply gets an event
+    dropped: set[int] = field(default_factory=set)                 # calls ended for a result over the limit
 
     async def wait_for_room(self, call_id: int) -> None:
         while (self.pending.get(call_id, 0) >= self.per_call or len(self.reply.events) >= self.max_pending
@@ -68,7 +70,10 @@ class Outbox:
         return self.add(call_id)
 
     def add(self, call_id: int) -> pb.MuxEvent:
-        """A new event, already in the reply: the caller fills it before its next await."""
+        """A new event, already in the reply: the caller fills it before its next await (for a call
+        already ended for a result over the limit, a detached event that goes nowhere)."""
+        if call_id in self.dropped:
+            return pb.MuxEvent(id=call_id)
         self.ready.set()
         if self.on_first is not None and not self.reply.events:
             self.on_first()
@@ -89,6 +94,38 @@ class Outbox:
         self.ready.clear()
         self.room.set()
         return reply
+
+    def frames(self, reply: pb.MuxReply, running: Mapping[int, asyncio.Task[None]]) -> list[bytes]:
+        """The reply as serialized messages, each within the message limit. Serializing is all it
+        costs in the common case; a reply over the limit is split, and an event that alone is over it
+        (a result too large to send) ends its call with RESOURCE_EXHAUSTED instead, so one oversized
+        result never takes down the stream or lane that every other call shares."""
+        data: bytes = reply.SerializeToString()
+        if len(data) <= MAX_REPLY_BYTES:
+            return [data]
+        out: list[bytes] = []
+        current = pb.MuxReply(worker_refs=reply.worker_refs)
+        for event in reply.events:
+            if event.id in self.dropped:
+                continue
+            size = event.ByteSize()
+            if size > MAX_REPLY_BYTES - 1024:
+                self.dropped.add(event.id)
+                task = running.get(event.id)
+                if task is not None:
+                    task.cancel()
+                event = pb.MuxEvent(id=event.id, error=BridgeError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, "worker",
+                    f"the result of call {event.id} is {size:,} bytes, over the limit of {MAX_REPLY_BYTES:,} bytes for "
+                    f"one message: return it as a ref, or in parts", reason="result too large").to_mux_error())
+                size = event.ByteSize()
+            if current.events and current.ByteSize() + size + 16 > MAX_REPLY_BYTES:
+                out.append(current.SerializeToString())
+                current = pb.MuxReply(worker_refs=reply.worker_refs)
+            current.events.append(event)
+        if current.events:
+            out.append(current.SerializeToString())
+        return out
 
 
 async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[str, str | bytes]],
@@ -116,6 +153,8 @@ async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[st
                 raise
         out.add(start.id).end.SetInParent()
     except asyncio.CancelledError:
+        if start.id in out.dropped:     # ended for a result over the limit: its error has gone already
+            raise
         out.add(start.id).error.CopyFrom(BridgeError(
             grpc.StatusCode.CANCELLED, "cancelled", f"{label}: cancelled by the client",
             target=label, reason="cancelled").to_mux_error())
@@ -220,6 +259,7 @@ class MuxSession:
         if self.running.get(call_id) is task:
             del self.running[call_id]
             self.out.credit.pop(call_id, None)
+            self.out.dropped.discard(call_id)
             if not self.running:
                 self.idle.set()
         self.out.ready.set()   # a writer may be waiting for everything to end
@@ -245,7 +285,7 @@ def _call_id_of(raw: bytes) -> int:
 
 async def multiplex(invoker: Invoker, requests: AsyncIterator[bytes],
                     defaults: Sequence[tuple[str, str | bytes]],
-                    rpc_remaining: Callable[[], float | None]) -> AsyncIterator[pb.MuxReply]:
+                    rpc_remaining: Callable[[], float | None]) -> AsyncIterator[bytes]:
     """Serves one Multiplex RPC until the client has half-closed and every call has ended.
     `defaults` are the RPC's metadata, `rpc_remaining` its deadline."""
     out = Outbox()
@@ -266,7 +306,8 @@ async def multiplex(invoker: Invoker, requests: AsyncIterator[bytes],
             if out.reply.events:
                 reply = out.take()
                 reply.worker_refs = len(refs)
-                yield reply
+                for frame in out.frames(reply, session.running):
+                    yield frame
             else:
                 out.ready.clear()
             if reader.done():

@@ -29,7 +29,13 @@ from grpc_reflection.v1alpha import reflection
 
 from bridge_server.wire.errors import BridgeError, server_error, target_label
 from bridge_server.wire.jsonvalue import from_json
-from bridge_server.wire.protocol import MD_WORKER_REFS, SERVER_OPTIONS, parse_metadata, parse_request
+from bridge_server.wire.protocol import (
+    MD_WORKER_REFS,
+    MIN_PING_INTERVAL_S,
+    parse_metadata,
+    parse_request,
+    server_options,
+)
 from bridge_server.worker.catalog import Catalog, build_catalog, describe
 from bridge_server.worker.deadlines import resolve_deadlines
 from bridge_server.worker.invoke import Invoker
@@ -65,6 +71,7 @@ class WorkerConfig:
     warmup: bool = True                    # published (and client-made) engines run once before they serve
     probe_interval_s: float = 5.0          # how often engines are probed (liveness.py)
     probe_timeout_s: float = 20.0          # an engine that does not answer a probe for this long is dead
+    min_ping_interval_s: float = MIN_PING_INTERVAL_S   # clients may keepalive-ping an idle connection this often
 
 
 @dataclass(frozen=True)
@@ -102,8 +109,7 @@ class BridgeService:
             "Call": unary(self.Call, pb.CallReply),
             "Stream": grpc.unary_stream_rpc_method_handler(self.Stream,
                                                            response_serializer=pb.StreamItem.SerializeToString),
-            "Multiplex": grpc.stream_stream_rpc_method_handler(self.Multiplex,
-                                                               response_serializer=pb.MuxReply.SerializeToString),
+            "Multiplex": grpc.stream_stream_rpc_method_handler(self.Multiplex),   # replies serialized by mux.py
             "Collective": unary(self.Collective, pb.CollectiveReply),
             "Release": unary(self.Release, pb.ReleaseReply),
             "Describe": unary(self.Describe, pb.Catalog),
@@ -151,7 +157,7 @@ class BridgeService:
             await context.abort_with_status(server_error(exc, label).to_status())
 
     async def Multiplex(self, requests: AsyncIterator[bytes],  # noqa: N802
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxReply]:
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         try:
             async for reply in multiplex(self.invoker, requests, tuple(context.invocation_metadata() or ()),
                                          context.time_remaining):
@@ -303,7 +309,7 @@ def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
                        finalize=catalog.finalize)
     invoker = Invoker(catalog, refs, objects=dict(objects or {}), tensor_max_bytes=config.tensor_max_bytes,
                       shared_threads=config.shared_threads, distributed=config.distributed is not None)
-    server = grpc.aio.server(options=SERVER_OPTIONS + config.extra_options)
+    server = grpc.aio.server(options=server_options(config.min_ping_interval_s) + config.extra_options)
     server.add_generic_rpc_handlers([BridgeService(invoker).handler()])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -161,6 +161,44 @@ def test_killing_a_rank_mid_collective_fails_it_fast_and_the_group_comes_back(se
     assert [x.tolist() for x in out] == [[2.0, 2.0]] * 2
 
 
+def test_a_collective_called_on_one_rank_is_refused_and_the_group_serves_on(server: PoolServer,
+                                                                             tp: BridgeClient) -> None:
+    """A plain Call of an entry that talks to every rank would wait in gloo for a peer that never
+    joins, and every later collective of the pool behind it: refused before it starts, on any rank."""
+    restarts = server.pool("tp").restarts
+    for rank in (0, 1):
+        t0 = time.monotonic()
+        with pytest.raises(CallError) as err:
+            tp.call(f"{D}.tensor_model_parallel_all_reduce", torch.ones(2), rank=rank, timeout=10)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "Collective" in err.value.details
+        assert err.value.reason == "use Collective" and time.monotonic() - t0 < 2
+    with pytest.raises(grpc.RpcError):   # nor can a client claim to be a collective's share
+        tp.stub.Call(tp.request(f"{D}.tensor_model_parallel_all_reduce", (torch.ones(2),))[0], timeout=10,
+                     metadata=(("x-bridge-pool", "tp"), ("x-bridge-collective", "1")))
+    out = tp.collective(f"{D}.tensor_model_parallel_all_reduce", per_rank=per_rank(torch.ones(2), torch.ones(2)),
+                        timeout=30)
+    assert [x.tolist() for x in out] == [[2.0, 2.0]] * 2
+    assert tp.call(f"{D}.divide", 6, 3) == 2      # what talks to no other rank still runs anywhere
+    assert server.pool("tp").restarts == restarts and server.pool("tp").state == "serving"
+
+
+def test_a_collective_stuck_past_its_deadline_restarts_the_group(server: PoolServer, tp: BridgeClient) -> None:
+    """Ranks stuck inside a collective (here both wait for peers of their own that never come)
+    cannot be pre-empted: at the deadline the caller is told, and the group starts again, NOT_SERVING
+    meanwhile, instead of every later collective timing out behind them."""
+    restarts = server.pool("tp").restarts
+    calls = [(("127.0.0.1", free_port(), 0, 2, "gloo"), {}), (("127.0.0.1", free_port(), 0, 2, "gloo"), {})]
+    with pytest.raises(CallError) as err:
+        tp.collective(GATE_TARGET, per_rank=calls, timeout=2)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "restarting" in err.value.details
+    assert server.pool("tp").state in ("regrouping", "starting")
+    wait_until(lambda: server.pool("tp").state == "serving" and server.pool("tp").restarts >= restarts + 2, 90,
+               "the group back")
+    out = tp.collective(f"{D}.tensor_model_parallel_all_reduce", per_rank=per_rank(torch.ones(2), torch.ones(2)),
+                        timeout=30)
+    assert [x.tolist() for x in out] == [[2.0, 2.0]] * 2
+
+
 def test_collective_argument_errors(tp: BridgeClient, server: PoolServer, tmp_path: Path) -> None:
     with pytest.raises(CallError) as err:
         tp.collective(f"{D}.divide", per_rank=[((6, 3), {})])
