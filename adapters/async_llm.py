@@ -49,22 +49,25 @@ def _alive(engine: Any, args: Mapping[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------------ liveness
-async def _probe(engine: Any, timeout_s: float) -> str | None:
-    """Why the engine can no longer serve, or None. A utility call travels the same path as a
-    request (in through the core's input thread, back through the output handler), so an answer
-    within `timeout_s` shows both are alive; the core process's own death vLLM notices itself."""
+def _dead(engine: Any) -> str | None:
+    """Why the engine can no longer serve, when vLLM knows (its core process exited) or we decided."""
     if (cause := _causes.get(engine)) is not None:
         return cause
     if getattr(engine, "errored", False):
         return f"the engine core exited ({getattr(engine, 'dead_error', 'no error recorded')})"
+    return None
+
+
+async def _answers(engine: Any, timeout_s: float) -> bool:
+    """A utility call travels the same path as a request (in through the core's input thread, back
+    through the output handler): an answer shows both are alive."""
     try:
         await asyncio.wait_for(engine.is_sleeping(), timeout_s)
     except asyncio.TimeoutError:
-        return (f"the engine core did not answer within {timeout_s:g} s: its input or output path has "
-                f"died (a request it could not decode, say)")
-    except Exception as exc:   # EngineDeadError and the like
-        return f"the engine core exited ({type(exc).__name__}: {exc})"
-    return None
+        return False
+    except Exception:   # EngineDeadError and the like: `_dead` says so next
+        return False
+    return True
 
 
 def _kill(engine: Any, cause: str) -> None:
@@ -250,7 +253,7 @@ ASYNC_LLM = AdapterSpec(
     guards={"*": _alive, "encode": _encode_guard},
     overrides={"new": _new, "generate": _generate, "encode": _encode},
     finalizer=_shutdown,
-    lifecycle=Lifecycle(probe=_probe, kill=_kill, warmup=_warmup),
+    lifecycle=Lifecycle(dead=_dead, answers=_answers, kill=_kill, warmup=_warmup),
     constructors=(
         Constructor("vllm.AsyncEngineArgs", "vllm", "AsyncEngineArgs"),
         Constructor("vllm.SamplingParams", "vllm", "SamplingParams"),

@@ -41,9 +41,11 @@ class Lifecycle:
     """For instances of an adapter's class that can die under the worker (an engine whose core
     process exits or stops answering): how to tell, what to do then, and how to warm one up."""
 
-    # The cause, when the instance can no longer serve; None while it can. Awaited every few seconds,
-    # with the time an answer may take (seconds).
-    probe: Callable[[Any, float], Awaitable[str | None]]
+    # Why the instance can no longer serve, when that is certain (its process exited); else None.
+    dead: Callable[[Any], str | None]
+    # Whether it answers a round trip within the time given (seconds): one that does not, and makes no
+    # progress meanwhile, twice in a row, is dead. Awaited every few seconds.
+    answers: Callable[[Any, float], Awaitable[bool]]
     # Makes a dead instance fail fast from now on (its calls, and those in flight, with `cause`) and
     # frees what it holds; it is replaced (published) or left for its refs to be released.
     kill: Callable[[Any, str], None]

@@ -22,7 +22,7 @@ File layout (every key optional except a pool's `name`)::
     worker_args = ["--ref-ttl", "3600"]
     warmup = true                # engines run once before they serve (no client pays the first use)
     probe_interval_s = 5         # engine liveness: probed this often ...
-    probe_timeout_s = 20         # ... and dead when a probe is not answered within this
+    probe_timeout_s = 10         # ... and dead when two probes in a row go unanswered this long
     unhealthy_timeout_s = 300    # a worker not serving (NOT_SERVING) this long is replaced
     [pools.env]
     VLLM_CPU_KVCACHE_SPACE = "2"
@@ -123,7 +123,7 @@ class PoolConfig:
     drain_timeout_s: float = 60.0        # a recycled worker's calls finish and refs are released within this
     warmup: bool = True                  # engines run once before their worker (or their creator) gets them
     probe_interval_s: float = 5.0        # how often a worker probes its engines' liveness
-    probe_timeout_s: float = 20.0        # an engine that does not answer a probe for this long is dead
+    probe_timeout_s: float = 10.0        # two probes unanswered this long (no progress meanwhile): dead
     unhealthy_timeout_s: float = 300.0   # a worker not serving for this long is replaced (0: never)
     worker_grace_s: float = 10.0         # the worker's own grace on SIGTERM
     log_dir: str = ""                    # per-worker log files here; empty: inherit the server's

@@ -71,6 +71,7 @@ class Invoker:
     wedged: str = ""        # a call abandoned in the exclusive lane, still running: it blocks the lane
     # Called with what a result_ref entry (an engine's constructor) made, before the caller gets it.
     adopt: Callable[[object], Awaitable[None]] | None = None
+    _activity: dict[int, float] = field(default_factory=dict)   # id(receiver) -> when it last yielded an item
 
     def __post_init__(self) -> None:
         self._exclusive_lane = ThreadPoolExecutor(1, thread_name_prefix="bridge-exclusive")
@@ -78,6 +79,10 @@ class Invoker:
         self._exclusive_lock = asyncio.Lock()
         self._decoder = Decoder(resolve_ref=self._resolve_ref, resolve_type=self.catalog.resolve_type)
         self._entry_plans: dict[str, Plan] = {}   # catalog targets carry no receiver: plan them once
+
+    def active_since(self, obj: object, since: float) -> bool:
+        """Whether a stream on `obj` yielded an item after `since` (time.monotonic()): progress."""
+        return self._activity.get(id(obj), 0.0) > since
 
     def close(self) -> None:
         self._shared_lane.shutdown(wait=False, cancel_futures=True)
@@ -343,7 +348,9 @@ class Invoker:
         source = await self.run_checked(plan, args, kwargs, deadlines.call)
         encoder = self.encoder(session_id, plan.exclusive, stream=True)
         lane = self._exclusive_lane if plan.exclusive else self._shared_lane
+        activity, receiver = self._activity, id(plan.receiver)
         async for item in self._iterate(source, plan, deadlines, lane, interval_s):
+            activity[receiver] = time.monotonic()
             yield item, encoder
 
     async def _iterate(self, source: Any, plan: Plan, deadlines: Deadlines, lane: ThreadPoolExecutor,

@@ -12,9 +12,13 @@ A call abandoned at its deadline while it runs in the exclusive lane (C code wai
 never comes) blocks every later call that touches process-wide state; the worker reports NOT_SERVING
 while it runs, so that a supervisor can replace the worker (or restart a distributed pool's group).
 
+A probe that goes unanswered is not proof: a busy or starved engine answers late. An engine counts
+as dead when vLLM says so (its core exited), or when two probes in a row go unanswered while it makes
+no progress on anything (no stream of it yields an item meanwhile).
+
 Bounds: a dead core is seen within `interval_s`; one that stops answering within `interval_s` plus
-the probe's timeout; a published engine then serves again after its creation and warm-up (about
-15-25 s for the tiny model on our CPUs). If it cannot be created again within `max_tries` tries, the
+twice the probe's timeout; a published engine then serves again after its creation and warm-up (about
+10-25 s for the tiny model on our CPUs). If it cannot be created again within `max_tries` tries, the
 worker stops, and its supervisor starts a new one.
 """
 
@@ -24,6 +28,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -51,13 +56,14 @@ class Liveness:
     published: list[ObjectConfig]
     on_health: Callable[[], Awaitable[None]]      # called when `detail` changes
     interval_s: float = 5.0
-    probe_timeout_s: float = 20.0
+    probe_timeout_s: float = 10.0
     warmup: bool = True
     max_tries: int = 4
     detail: str = ""              # why the worker is not serving, when it is not
     replaced: int = 0             # published objects created again since the worker started
     _adopted: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     _replacing: set[str] = field(default_factory=set)
+    _strikes: dict[int, int] = field(default_factory=dict)      # unanswered probes in a row, by id()
 
     # --------------------------------------------------------------------------------- creation
     async def create_published(self) -> None:
@@ -119,9 +125,32 @@ class Liveness:
         lifecycle = self.invoker.catalog.lifecycle(obj)
         assert lifecycle is not None
         try:
-            return await lifecycle.probe(obj, self.probe_timeout_s)
+            cause = lifecycle.dead(obj)
+            if cause is not None:
+                return cause
+            started = time.monotonic()
+            if await lifecycle.answers(obj, self.probe_timeout_s):
+                self._strikes.pop(id(obj), None)
+                return None
+            cause = lifecycle.dead(obj)
         except Exception as exc:
             return f"its probe failed: {type(exc).__name__}: {exc}"
+        if cause is not None:
+            return cause
+        if self.invoker.active_since(obj, started):
+            log.warning("%s did not answer a probe within %g s, but makes progress: busy, not dead",
+                        type(obj).__qualname__, self.probe_timeout_s)
+            self._strikes.pop(id(obj), None)
+            return None
+        strikes = self._strikes[id(obj)] = self._strikes.get(id(obj), 0) + 1
+        if strikes < 2:
+            log.warning("%s did not answer a probe within %g s and makes no progress (once)",
+                        type(obj).__qualname__, self.probe_timeout_s)
+            return None
+        self._strikes.pop(id(obj), None)
+        return (f"the engine core answered no probe within {self.probe_timeout_s:g} s, twice in a row, and "
+                f"made no progress meanwhile: its input or output path has died (a request it could not "
+                f"decode, say)")
 
     def _kill(self, obj: object, cause: str) -> None:
         lifecycle = self.invoker.catalog.lifecycle(obj)

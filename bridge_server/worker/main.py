@@ -46,8 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for vLLM's first-use compilation)")
     p.add_argument("--probe-interval", type=float, default=5.0, metavar="S",
                    help="how often every engine is probed for liveness (default %(default)s s)")
-    p.add_argument("--probe-timeout", type=float, default=20.0, metavar="S",
-                   help="an engine that does not answer a probe for this long is dead (default %(default)s s)")
+    p.add_argument("--probe-timeout", type=float, default=10.0, metavar="S",
+                   help="an engine that answers no probe within this, twice in a row, while making no progress, is dead "
+                        "(default %(default)s s)")
     p.add_argument("--min-ping-interval", type=float, default=MIN_PING_INTERVAL_S, metavar="S",
                    help="clients may send keepalive pings on an idle connection this often (default %(default)s s)")
     g = p.add_argument_group("distributed pools: join a torch.distributed group at start")

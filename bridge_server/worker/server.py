@@ -70,7 +70,7 @@ class WorkerConfig:
     lane: str | None = None                # a unix socket path: also serve the router's lane there
     warmup: bool = True                    # published (and client-made) engines run once before they serve
     probe_interval_s: float = 5.0          # how often engines are probed (liveness.py)
-    probe_timeout_s: float = 20.0          # an engine that does not answer a probe for this long is dead
+    probe_timeout_s: float = 10.0          # two probes unanswered this long (no progress meanwhile): dead
     min_ping_interval_s: float = MIN_PING_INTERVAL_S   # clients may keepalive-ping an idle connection this often
 
 
