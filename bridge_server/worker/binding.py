@@ -29,13 +29,15 @@ import re
 import sys
 import types as pytypes
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import grpc
 import msgspec
 import pydantic
 import typing_extensions
 
+from adapters.spec import Policy, RecordRule
 from bridge_server.wire.errors import BridgeError, clip, quote
 
 _TYPEERROR_PARAM = re.compile(r"'(\w+)'")
@@ -45,8 +47,18 @@ _DOC_TYPES: dict[str, Any] = {"integer()": int, "float()": float, "number()": fl
                               "boolean()": bool, "map()": dict, "binary()": bytes}
 
 
+@dataclasses.dataclass(frozen=True)
+class Building:
+    """How maps become records: the classes a map may be built into (by bare name, to match against
+    annotations), what a client may set on each (`RecordRule`), and the operator's policy."""
+
+    types: Mapping[str, type]
+    rule: Callable[[type], RecordRule | None] = lambda cls: None
+    policy: Policy = Policy()
+
+
 def bind_arguments(label: str, signature: inspect.Signature, args: list[Any], kwargs: dict[str, Any],
-                   types: Mapping[str, type], checks: Checks | None = None) -> tuple[list[Any], dict[str, Any]]:
+                   building: Building, checks: Checks | None = None) -> tuple[list[Any], dict[str, Any]]:
     """The arguments as the callee will receive them; INVALID_ARGUMENT naming the parameter if not."""
     try:
         bound = signature.bind(*args, **kwargs)
@@ -57,7 +69,7 @@ def bind_arguments(label: str, signature: inspect.Signature, args: list[Any], kw
     for pname, value in bound.arguments.items():
         param = signature.parameters[pname]
         if isinstance(value, dict) and param.kind is not inspect.Parameter.VAR_KEYWORD:
-            built = _build_argument(label, param, value, types)
+            built = _build_argument(label, param, value, building)
             if built is not value:
                 bound.arguments[pname] = value = built
         if checks is not None:
@@ -240,21 +252,33 @@ def _describe(exc: pydantic.ValidationError, expected: str, value: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------------ records
-def _build_argument(label: str, param: inspect.Parameter, value: dict[Any, Any], types: Mapping[str, type]) -> Any:
+def _build_argument(label: str, param: inspect.Parameter, value: dict[Any, Any], building: Building) -> Any:
     """A map given where the signature expects one of the catalog's classes is built into it."""
     annotation = param.annotation if isinstance(param.annotation, str) else repr(param.annotation)
-    for short, cls in types.items():
+    for short, cls in building.types.items():
         if re.search(rf"\b{short}\b", annotation):
-            return _build_record(label, param.name, cls, value)
+            return _build_record(label, param.name, cls, value, building)
     return value
 
 
-def _build_record(label: str, where: str, cls: type, value: dict[Any, Any], depth: int = 0) -> Any:
-    """Builds `cls` from a map. Keys are checked against the class's signature first (vLLM's pydantic
-    configs silently drop unknown fields, and a misspelt option must not be ignored), then each given
-    field's type; a map for a field whose type is a record class (SamplingParams' structured_outputs)
-    is built the same way, so the class never holds a plain map where it expects a record."""
-    fields = {str(k): v for k, v in value.items()}
+def _build_record(label: str, where: str, cls: type, value: dict[Any, Any], building: Building, depth: int = 0) -> Any:
+    """Builds `cls` from a map, once `check_record` has passed it."""
+    fields = check_record(label, where, cls, {str(k): v for k, v in value.items()}, building, depth)
+    what = f"{label}: parameter {where}: cannot build {cls.__name__} from the map given"
+    try:
+        return cls(**fields)
+    except Exception as exc:  # the class's own validation says what is wrong
+        why = _field_types_error(cls, fields) or f"{type(exc).__name__}: {exc}"
+        raise BridgeError.validation(f"{what}: {why}", target=label, parameter=where) from None
+
+
+def check_record(label: str, where: str, cls: type, fields: dict[str, Any], building: Building,
+                 depth: int = 0) -> dict[str, Any]:
+    """The fields a client gives for a record class, as they may be passed to it (maps for nested
+    record fields built). Keys are checked against the class's signature first (vLLM's pydantic
+    configs silently drop unknown fields, and a misspelt option must not be ignored), then against
+    what the adapter's `RecordRule` lets a client set (PERMISSION_DENIED), then each field's type,
+    then the rule's check of the values against the operator's policy."""
     what = f"{label}: parameter {where}: cannot build {cls.__name__} from the map given"
     try:
         _class_signature(cls).bind(**fields)
@@ -262,19 +286,25 @@ def _build_record(label: str, where: str, cls: type, value: dict[Any, Any], dept
         raise BridgeError.validation(f"{what}: {exc}", target=label, parameter=where) from None
     except ValueError:
         pass   # no introspectable signature: let the class judge
+    rule = building.rule(cls)
+    if rule is not None and rule.fields is not None:
+        for key in fields:
+            if key not in rule.fields:
+                raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                                  f"{what}: field {key} is not one a client may set on {cls.__name__} (it may: "
+                                  f"{', '.join(sorted(rule.fields))})", target=label, parameter=f"{where}.{key}",
+                                  reason="not allowed")
     for field, item in fields.items():
         nested = _nested_record(cls, field) if isinstance(item, dict) and depth < 4 else None
         if nested is not None:
-            fields[field] = item = _build_record(label, f"{where}.{field}", nested, item, depth + 1)
+            fields[field] = item = _build_record(label, f"{where}.{field}", nested, item, building, depth + 1)
         problem = _field_problem(cls, field, item)
         if problem is not None:
             raise BridgeError.validation(f"{what}: field {field}: {problem}", target=label,
                                          parameter=f"{where}.{field}")
-    try:
-        return cls(**fields)
-    except Exception as exc:  # the class's own validation says what is wrong
-        why = _field_types_error(cls, fields) or f"{type(exc).__name__}: {exc}"
-        raise BridgeError.validation(f"{what}: {why}", target=label, parameter=where) from None
+    if rule is not None and rule.check is not None:
+        rule.check(fields, building.policy)
+    return fields
 
 
 @functools.lru_cache(maxsize=2048)
