@@ -58,14 +58,20 @@ class Building:
 
 
 def bind_arguments(label: str, signature: inspect.Signature, args: list[Any], kwargs: dict[str, Any],
-                   building: Building, checks: Checks | None = None) -> tuple[list[Any], dict[str, Any]]:
-    """The arguments as the callee will receive them; INVALID_ARGUMENT naming the parameter if not."""
+                   building: Building, checks: Checks | None = None,
+                   constructs: type | None = None) -> tuple[list[Any], dict[str, Any]]:
+    """The arguments as the callee will receive them; INVALID_ARGUMENT naming the parameter if not.
+    For a constructor of a record class (`constructs`), its `RecordRule` applies to the arguments as
+    it would to a map's fields."""
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
         m = _TYPEERROR_PARAM.search(str(exc))
         raise BridgeError.validation(f"{label}{_short_sig(signature)}: {exc}", target=label,
                                      parameter=m.group(1) if m else "") from None
+    rule = building.rule(constructs) if constructs is not None else None
+    if rule is not None and constructs is not None:
+        _allowed_fields(label, "", constructs, bound.arguments, rule)
     for pname, value in bound.arguments.items():
         param = signature.parameters[pname]
         if isinstance(value, dict) and param.kind is not inspect.Parameter.VAR_KEYWORD:
@@ -76,6 +82,8 @@ def bind_arguments(label: str, signature: inspect.Signature, args: list[Any], kw
             given = checks.check(label, param, value)
             if given is not value:
                 bound.arguments[pname] = given
+    if rule is not None and rule.check is not None:
+        rule.check(bound.arguments, building.policy)
     return list(bound.args), dict(bound.kwargs)
 
 
@@ -287,13 +295,8 @@ def check_record(label: str, where: str, cls: type, fields: dict[str, Any], buil
     except ValueError:
         pass   # no introspectable signature: let the class judge
     rule = building.rule(cls)
-    if rule is not None and rule.fields is not None:
-        for key in fields:
-            if key not in rule.fields:
-                raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
-                                  f"{what}: field {key} is not one a client may set on {cls.__name__} (it may: "
-                                  f"{', '.join(sorted(rule.fields))})", target=label, parameter=f"{where}.{key}",
-                                  reason="not allowed")
+    if rule is not None:
+        _allowed_fields(label, where, cls, fields, rule)
     for field, item in fields.items():
         nested = _nested_record(cls, field) if isinstance(item, dict) and depth < 4 else None
         if nested is not None:
@@ -305,6 +308,17 @@ def check_record(label: str, where: str, cls: type, fields: dict[str, Any], buil
     if rule is not None and rule.check is not None:
         rule.check(fields, building.policy)
     return fields
+
+
+def _allowed_fields(label: str, where: str, cls: type, fields: Mapping[str, Any], rule: RecordRule) -> None:
+    if rule.fields is None:
+        return
+    for key in fields:
+        if key not in rule.fields:
+            raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                              f"{label}: {f'parameter {where}: ' if where else ''}field {key} is not one a client may "
+                              f"set on {cls.__name__} (it may: {', '.join(sorted(rule.fields))})", target=label,
+                              parameter=f"{where}.{key}" if where else key, reason="not allowed")
 
 
 @functools.lru_cache(maxsize=2048)

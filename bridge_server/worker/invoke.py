@@ -46,7 +46,6 @@ from bridge_server.worker.binding import (
     Building,
     Checks,
     bind_arguments,
-    check_record,
     member_checks,
     member_signature,
     namespace_of,
@@ -293,13 +292,9 @@ class Invoker:
             args = [None, None, None]
         if plan.signature is None:
             return args, kwargs
-        args, kwargs = bind_arguments(plan.label, plan.signature, args, kwargs, self._building, plan.checks)
         entry = plan.entry
-        if entry is not None and entry.kind is Kind.CONSTRUCTOR and isinstance(entry.owner, type) and \
-                self.catalog.rule(entry.owner) is not None:
-            fields = _bound_map(plan, args, kwargs, defaults=False)
-            check_record(plan.label, "", entry.owner, dict(fields), self._building)
-        return args, kwargs
+        constructs = entry.owner if entry is not None and entry.kind is Kind.CONSTRUCTOR else None
+        return bind_arguments(plan.label, plan.signature, args, kwargs, self._building, plan.checks, constructs)
 
     # ------------------------------------------------------------------------------------ execution
     async def run(self, plan: Plan, args: list[Any], kwargs: dict[str, Any], deadline: float | None) -> Any:
@@ -575,12 +570,11 @@ def _as_documented(returns: str, result: Any) -> Any:
     return result
 
 
-def _bound_map(plan: Plan, args: list[Any], kwargs: dict[str, Any], defaults: bool = True) -> Mapping[str, Any]:
+def _bound_map(plan: Plan, args: list[Any], kwargs: dict[str, Any]) -> Mapping[str, Any]:
     if plan.signature is None:
         return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
     bound = plan.signature.bind_partial(*args, **kwargs)
-    if defaults:
-        bound.apply_defaults()
+    bound.apply_defaults()
     return bound.arguments
 
 
