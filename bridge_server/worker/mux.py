@@ -51,6 +51,7 @@ class Outbox:
     room: asyncio.Event = field(default_factory=asyncio.Event)     # the writer took a reply
     on_first: Callable[[], None] | None = None                     # called when an empty reply gets an event
     dropped: set[int] = field(default_factory=set)                 # calls ended for a result over the limit
+    max_bytes: int = MAX_REPLY_BYTES                                # one reply message at most
 
     async def wait_for_room(self, call_id: int) -> None:
         while (self.pending.get(call_id, 0) >= self.per_call or len(self.reply.events) >= self.max_pending
@@ -101,7 +102,8 @@ class Outbox:
         (a result too large to send) ends its call with RESOURCE_EXHAUSTED instead, so one oversized
         result never takes down the stream or lane that every other call shares."""
         data: bytes = reply.SerializeToString()
-        if len(data) <= MAX_REPLY_BYTES:
+        limit = self.max_bytes
+        if len(data) <= limit:
             return [data]
         out: list[bytes] = []
         current = pb.MuxReply(worker_refs=reply.worker_refs)
@@ -109,17 +111,17 @@ class Outbox:
             if event.id in self.dropped:
                 continue
             size = event.ByteSize()
-            if size > MAX_REPLY_BYTES - 1024:
+            if size > limit - 1024:
                 self.dropped.add(event.id)
                 task = running.get(event.id)
                 if task is not None:
                     task.cancel()
                 event = pb.MuxEvent(id=event.id, error=BridgeError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED, "worker",
-                    f"the result of call {event.id} is {size:,} bytes, over the limit of {MAX_REPLY_BYTES:,} bytes for "
+                    f"the result of call {event.id} is {size:,} bytes, over the limit of {limit:,} bytes for "
                     f"one message: return it as a ref, or in parts", reason="result too large").to_mux_error())
                 size = event.ByteSize()
-            if current.events and current.ByteSize() + size + 16 > MAX_REPLY_BYTES:
+            if current.events and current.ByteSize() + size + 16 > limit:
                 out.append(current.SerializeToString())
                 current = pb.MuxReply(worker_refs=reply.worker_refs)
             current.events.append(event)

@@ -261,6 +261,12 @@ name = "p"
 workers = 1
 max_sessions = 3
 max_refs_per_client = 5
+
+[[pools]]
+name = "g"
+workers = 1
+max_engines_per_client = 1
+model_dirs = ["{ensure_tiny_model()}"]
 """
     s = start_pool_server(tmp, config, tls_ca=pki["ca"], token=TOKENS.split("\n")[0].partition(":")[2])
     yield s
@@ -339,6 +345,26 @@ def test_each_limit_is_refused_with_its_name(secured: PoolServer, pki: dict[str,
             alice.call("vllm.config.ParallelConfig", session_id="cap-3")
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_sessions" in err.value.details
         alice.release(*kept)
+
+
+def test_a_client_makes_at_most_its_share_of_engines(secured: PoolServer, pki: dict[str, str]) -> None:
+    """Each engine costs GBs: a client may make max_engines_per_client of them per worker (here 1);
+    the next is refused before it starts, and releasing one makes room again."""
+    args = {"model": str(ensure_tiny_model()), "dtype": "float32", "max_model_len": 256, "enforce_eager": True,
+            "num_gpu_blocks_override": 64, "max_num_seqs": 4}
+    with client_as(secured, pki, "alice", options=None) as alice, client_as(secured, pki, "bob") as bob:
+        engine = alice.call(f"{E}.from_engine_args", args, pool="g", timeout=120)
+        t0 = time.monotonic()
+        with pytest.raises(CallError) as err:
+            alice.call(f"{E}.from_engine_args", args, pool="g", timeout=120)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_engines_per_client" in err.value.details
+        assert time.monotonic() - t0 < 5
+        denied(lambda: bob.call(Target.method(engine, "check_health"), pool="g"))   # not his either
+        assert alice.call(Target.method(engine, "check_health"), pool="g") is None
+        assert alice.release(engine) == 1
+        with pytest.raises(CallError) as err:     # gone with its last ref; alice may make another now
+            alice.call(Target.method(engine, "check_health"), pool="g")
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
 
 
 def test_mutual_tls_names_its_client(tmp_path: Path, pki: dict[str, str]) -> None:
