@@ -1,7 +1,7 @@
 """The pool configuration: a TOML file, the built-in default, and command-line overrides.
 
 One place decides what a pool is, so that the supervisor, the router and the CLI agree on names,
-defaults and limits. Only the standard library is imported here: the CLI builds its parser from this
+defaults and limits. Neither vLLM nor torch is imported here: the CLI builds its parser from this
 module, and `vllm-bridge status` must not pay for importing vLLM.
 
 File layout (every key optional except a pool's `name`)::
@@ -54,6 +54,7 @@ from typing import Any
 
 from bridge_server.wire.eventloop import DEFAULT_LOOP, LOOPS
 from bridge_server.wire.protocol import MIN_PING_INTERVAL_S
+from bridge_server.wire.security import add_arguments as add_security_arguments
 
 AFFINITY_MODES = ("hint", "strict_queue", "strict_fail_fast")
 POOL_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -353,16 +354,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="override a pool key, VALUE in TOML syntax (POOL '*': every pool); repeatable")
     p.add_argument("--ready-file", default=None, help="write the bound port here once every pool is up")
     s = p.add_argument_group("security (README, Security)")
-    s.add_argument("--token-file", default=None, metavar="FILE",
-                   help="bearer tokens callers must send (one per line, `token` or `name:token`)")
-    s.add_argument("--tls-cert", default=None, metavar="FILE", help="serve TLS with this certificate (PEM)")
-    s.add_argument("--tls-key", default=None, metavar="FILE", help="... and this key (PEM)")
-    s.add_argument("--tls-client-ca", default=None, metavar="FILE",
-                   help="mutual TLS: callers present a certificate signed by this CA")
-    s.add_argument("--insecure", action="store_true", default=None,
-                   help="listen beyond this machine without TLS and client authentication anyway")
-    s.add_argument("--auth-health", action="store_true", default=None,
-                   help="health and reflection need a token too (by default they are open)")
+    add_security_arguments(s, unset=True)
     s.add_argument("--max-request-bytes", type=int, default=None, metavar="N", help="the largest request")
     p.add_argument("--stdin-watch", action="store_true",
                    help="stop (as on SIGTERM) when stdin closes: for a parent that runs the server through a "

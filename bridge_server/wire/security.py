@@ -206,6 +206,22 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return _deny(handler)
 
 
+def add_arguments(group: Any, unset: bool) -> None:
+    """The options of `vllm-bridge serve` and `vllm-bridge worker` that say what a server asks of
+    its callers. `unset`: flags default to None, for a config file's keys to fill in."""
+    flag = None if unset else False
+    group.add_argument("--token-file", default=None, metavar="FILE",
+                       help="bearer tokens callers must send (one per line, `token` or `name:token`)")
+    group.add_argument("--tls-cert", default=None, metavar="FILE", help="serve TLS with this certificate (PEM)")
+    group.add_argument("--tls-key", default=None, metavar="FILE", help="... and this key (PEM)")
+    group.add_argument("--tls-client-ca", default=None, metavar="FILE",
+                       help="mutual TLS: callers present a certificate signed by this CA")
+    group.add_argument("--insecure", action="store_true", default=flag,
+                       help="listen beyond this machine without TLS and client authentication anyway")
+    group.add_argument("--auth-health", action="store_true", default=flag,
+                       help="health and reflection need a token too (by default they are open)")
+
+
 # ------------------------------------------------------------------------------------------ exposure
 def is_local(listen: str) -> bool:
     """Whether an address can be reached from this machine only: a unix socket or a loopback host."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from bridge_server.wire import eventloop
 from bridge_server.wire.protocol import MIN_PING_INTERVAL_S
 from bridge_server.wire.security import SecurityError
+from bridge_server.wire.security import add_arguments as add_security_arguments
 
 if TYPE_CHECKING:   # imported when a worker runs, not when the `vllm-bridge` parser is built
     from bridge_server.wire.security import ServerSecurity
@@ -54,16 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-ping-interval", type=float, default=MIN_PING_INTERVAL_S, metavar="S",
                    help="clients may send keepalive pings on an idle connection this often (default %(default)s s)")
     s = p.add_argument_group("security: who may call, over what, and what a client may make (README, Security)")
-    s.add_argument("--token-file", default=None, metavar="FILE",
-                   help="bearer tokens callers must send (one per line, `token` or `name:token`)")
-    s.add_argument("--tls-cert", default=None, metavar="FILE", help="serve TLS with this certificate (PEM)")
-    s.add_argument("--tls-key", default=None, metavar="FILE", help="... and this key (PEM)")
-    s.add_argument("--tls-client-ca", default=None, metavar="FILE",
-                   help="mutual TLS: callers present a certificate signed by this CA")
-    s.add_argument("--insecure", action="store_true",
-                   help="listen beyond this machine without TLS and client authentication anyway")
-    s.add_argument("--auth-health", action="store_true",
-                   help="health and reflection need a token too (by default they are open)")
+    add_security_arguments(s, unset=False)
     s.add_argument("--collective-rpc-method", action="append", default=[], metavar="NAME",
                    help="a worker method AsyncLLMEngine.collective_rpc may name (repeatable; default none)")
     s.add_argument("--model-dir", action="append", default=[], metavar="DIR",
