@@ -71,6 +71,30 @@ async def _answers(engine: Any, timeout_s: float) -> bool:
     return True
 
 
+_asleep: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+async def _serving(engine: Any, method: str) -> None:
+    """A request to an engine its operator paused would wait, silently, until it resumes (or the
+    caller's deadline); one to an engine put to sleep would find its memory gone. Either fails at
+    once, UNAVAILABLE (a state that passes), saying why."""
+    why = "asleep (wake_up wakes it)" if _asleep.get(engine) else \
+        "paused (resume_generation resumes it)" if await engine.is_paused() else None
+    if why is not None:
+        raise BridgeError(grpc.StatusCode.UNAVAILABLE, "engine", f"{PREFIX}.{method}: the engine is {why}",
+                          target=f"{PREFIX}.{method}", reason="engine idle")
+
+
+async def _sleep(engine: Any, level: int = 1) -> None:
+    _asleep[engine] = True
+    await engine.sleep(level)
+
+
+async def _wake_up(engine: Any, tags: list[str] | None = None) -> None:
+    await engine.wake_up(tags)
+    _asleep[engine] = False
+
+
 def _kill(engine: Any, cause: str) -> None:
     """From now on the engine counts as dead: every call fails at once with `cause`, the requests in
     flight end with it too, and its core process is stopped (off the event loop)."""
@@ -182,14 +206,79 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
         pool = _tokenizing[engine] = ThreadPoolExecutor(1, thread_name_prefix="bridge-tokenize")
     return await asyncio.get_running_loop().run_in_executor(
         pool, lambda: engine.input_processor.process_inputs(
-            request_id, prompt, params, None, kwargs.get("lora_request"), tokenization,
+            request_id, prompt, params, kwargs.get("arrival_time"), kwargs.get("lora_request"), tokenization,
             kwargs.get("trace_headers"), kwargs.get("priority", 0), kwargs.get("data_parallel_rank")))
 
 
-def _generate_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
+# ------------------------------------------------------------------------------------------ requests
+# Who started each request id on an engine (vLLM lets several requests share an external id, and an
+# abort ends all of them): a client aborts only its own. Ids of requests that ended are dropped when
+# the table has grown past what the engine holds.
+_owners: weakref.WeakKeyDictionary[Any, dict[str, set[str]]] = weakref.WeakKeyDictionary()
+
+
+def _live_ids(engine: Any) -> Any:
+    processor = getattr(engine, "output_processor", None)
+    return getattr(processor, "external_req_ids", None)
+
+
+def _own(engine: Any, request_id: Any, identity: str) -> None:
+    if not isinstance(request_id, str):
+        return
+    try:
+        owners = _owners.setdefault(engine, {})
+    except TypeError:   # not weakly referenceable: nothing to track ownership on
+        return
+    live = _live_ids(engine)
+    if live is not None and len(owners) > 2 * len(live) + 1024:
+        for rid in [r for r in owners if r not in live]:
+            del owners[rid]
+    owners.setdefault(request_id, set()).add(identity)
+
+
+def _request_guard(method: str, params_name: str) -> Any:
+    """For each entry that starts a request (`generate`, `encode`, `add_request`): the engine is
+    alive, the prompt within limits and able to fit, a pooling task one the engine supports (its
+    core dies on another), and the request id noted as the caller's."""
+    async def guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
+        _alive(engine, args)
+        await _serving(engine, method)
+        params = args.get(params_name)
+        _check_prompt(engine, method, args.get("prompt"), params, args.get("tokenization_kwargs"), ctx.policy)
+        if params is not None and type(params).__name__ == "PoolingParams":
+            await _check_task(engine, method, params_name, params)
+        _own(engine, args.get("request_id"), ctx.identity)
+    return guard
+
+
+async def _check_task(engine: Any, method: str, params_name: str, params: Any) -> None:
+    """vLLM's engine core dies on a pooling task the model does not support: check before sending."""
+    task = getattr(params, "task", None)
+    supported = tuple(await engine.get_supported_tasks())
+    if task is None or task not in supported:
+        raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
+                          f"{PREFIX}.{method}: parameter {params_name}: task {task!r} is not supported by this "
+                          f"engine; supported tasks: {', '.join(supported) or 'none'}",
+                          target=f"{PREFIX}.{method}", parameter=params_name, reason="unsupported task")
+
+
+def _abort_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
+    """A client ends its own requests only. vLLM's internal ids are its own business."""
     _alive(engine, args)
-    _check_prompt(engine, "generate", args.get("prompt"), args.get("sampling_params"),
-                  args.get("tokenization_kwargs"), ctx.policy)
+    label = f"{PREFIX}.abort"
+    if args.get("internal"):
+        raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                          f"{label}: parameter internal: vLLM's internal request ids are not a client's to abort; "
+                          f"give the request ids the requests were started with", target=label,
+                          parameter="internal", reason="not allowed")
+    ids = args.get("request_id")
+    owners, live = _owners.get(engine, {}), _live_ids(engine)
+    for rid in [ids] if isinstance(ids, str) else list(ids or ()):
+        others = owners.get(rid, set()) - {ctx.identity} if isinstance(rid, str) else set()
+        if others and (live is None or rid in live):
+            raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                              f"{label}: request {quote(rid)} was started by another client; a client aborts "
+                              f"its own requests only", target=label, parameter="request_id", reason="not yours")
 
 
 async def _generate(engine: Any, prompt: Any, sampling_params: Any, request_id: str,
@@ -215,18 +304,18 @@ async def _encode(engine: Any, prompt: Any, pooling_params: Any, request_id: str
     return result
 
 
-async def _encode_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
-    """vLLM's engine core dies on a pooling task the model does not support: check before sending."""
-    _alive(engine, args)
-    params = args.get("pooling_params")
-    _check_prompt(engine, "encode", args.get("prompt"), params, args.get("tokenization_kwargs"), ctx.policy)
-    task = getattr(params, "task", None)
-    supported = tuple(await engine.get_supported_tasks())
-    if task is None or task not in supported:
-        raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
-                          f"{PREFIX}.encode: parameter pooling_params: task {task!r} is not supported by this "
-                          f"engine; supported tasks: {', '.join(supported) or 'none'}",
-                          target=f"{PREFIX}.encode", parameter="pooling_params", reason="unsupported task")
+async def _add_request(engine: Any, request_id: str, prompt: Any, params: Any, arrival_time: float | None = None,
+                       lora_request: Any = None, tokenization_kwargs: Any = None, trace_headers: Any = None,
+                       priority: int = 0, data_parallel_rank: int | None = None, prompt_text: str | None = None) -> Any:
+    """`add_request`, with the same care for long prompts as `generate` (vLLM's own tokenizes on
+    the event loop)."""
+    options = dict(arrival_time=arrival_time, lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
+                   trace_headers=trace_headers, priority=priority, data_parallel_rank=data_parallel_rank)
+    prepared = await _prepared(engine, prompt, params, request_id, options)
+    if prepared is not prompt:
+        return await engine.add_request(request_id, prepared, params, data_parallel_rank=data_parallel_rank,
+                                        prompt_text=_prompt_text(prompt))
+    return await engine.add_request(request_id, prompt, params, prompt_text=prompt_text, **options)
 
 
 def _collective_rpc_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
@@ -369,10 +458,18 @@ ASYNC_LLM = AdapterSpec(
     profiles={"new": "ml_inference", "from_engine_args": "ml_inference", "from_vllm_config": "ml_inference",
               "generate": "streaming", "encode": "streaming", "wait_for_requests_to_drain": "ml_inference",
               "add_lora": "ml_inference"},
-    guards={"*": _alive, "generate": _generate_guard, "encode": _encode_guard, "collective_rpc": _collective_rpc_guard,
-            "shutdown": _shutdown_guard, "new": _creation_guard, "from_engine_args": _creation_guard,
-            "from_vllm_config": _creation_guard},
-    overrides={"new": _new, "generate": _generate, "encode": _encode},
+    guards={"*": _alive, "generate": _request_guard("generate", "sampling_params"),
+            "encode": _request_guard("encode", "pooling_params"), "add_request": _request_guard("add_request", "params"),
+            "abort": _abort_guard, "collective_rpc": _collective_rpc_guard, "shutdown": _shutdown_guard,
+            "new": _creation_guard, "from_engine_args": _creation_guard, "from_vllm_config": _creation_guard},
+    overrides={"new": _new, "generate": _generate, "encode": _encode, "add_request": _add_request, "sleep": _sleep,
+               "wake_up": _wake_up},
+    # Requests of the caller's own, and reads. Not here (operators only, on a published engine):
+    # pause/resume, sleep/wake_up, cache resets, pin/remove LoRA, profiling, scaling, collective_rpc,
+    # shutdown, logging (do_log_stats, wait_for_requests_to_drain), and vLLM's private entries.
+    per_client=frozenset({"generate", "encode", "add_request", "abort", "add_lora", "list_loras", "check_health",
+                          "get_supported_tasks", "get_tokenizer", "is_paused", "is_sleeping", "is_tracing_enabled",
+                          "from_engine_args", "from_vllm_config"}),
     finalizer=_shutdown,
     lifecycle=Lifecycle(dead=_dead, answers=_answers, kill=_kill, warmup=_warmup),
     record_rules=(

@@ -25,7 +25,13 @@ class Policy:
     lora_dirs: tuple[str, ...] = ()        # where LoRA adapters may be loaded from (model_dirs too)
     rendezvous_hosts: frozenset[str] = frozenset({"127.0.0.1", "localhost", "::1"})   # process groups meet here
     engine_args_allowed: frozenset[str] = frozenset()   # engine arguments allowed beyond the safe ones
-    max_prompt_chars: int = 1_000_000      # a longer prompt is refused (RESOURCE_EXHAUSTED)
+    max_prompt_chars: int = 1_000_000      # a longer prompt, or any longer string, is refused (RESOURCE_EXHAUSTED)
+    # Identities that may change a published object for every client (pause or put an engine to
+    # sleep, unload its adapters, ...); "*": every caller. None by default: see AdapterSpec.per_client.
+    operators: frozenset[str] = frozenset()
+
+    def operator(self, identity: str) -> bool:
+        return "*" in self.operators or (bool(identity) and identity in self.operators)
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,12 @@ class AdapterSpec:
     # Entries that communicate with every rank of the process group: in a distributed pool they run
     # only as Collectives (all ranks at once); called on one rank they would wait forever.
     collectives: frozenset[str] = frozenset()
+    # A published instance (an engine the server creates at start) is shared by every client. Of its
+    # methods, these any client may call: they act on the caller's own requests, or only read. The
+    # others change the instance for everyone (pause it, put it to sleep, reset its caches, unload
+    # adapters), and only an operator (Policy.operators) may call them on a published instance; on an
+    # instance a client made, its own, everything documented is open to that client.
+    per_client: frozenset[str] = frozenset()
     record_rules: tuple[RecordRule, ...] = ()
     exposures: tuple[Exposure, ...] = ()
     constructors: tuple[Constructor, ...] = ()

@@ -28,7 +28,8 @@ File layout (every key optional except a pool's `name`)::
     unhealthy_timeout_s = 300    # a worker not serving (NOT_SERVING) this long is replaced
     model_dirs = ["/models"]     # what clients may do and make: model_dirs, lora_dirs, rendezvous_hosts,
     max_engines_per_client = 2   # collective_rpc_methods, engine_args_allowed, max_engines_per_client,
-                                 # max_sessions, max_refs_per_client, max_prompt_chars (README, Security)
+                                 # max_sessions, max_refs_per_client, max_prompt_chars, operators
+                                 # (README, Security)
     [pools.env]
     VLLM_CPU_KVCACHE_SPACE = "2"
     [[pools.objects]]
@@ -140,6 +141,7 @@ class PoolConfig:
     lora_dirs: list[str] = field(default_factory=list)     # LoRA adapters load from under these (and model_dirs)
     rendezvous_hosts: list[str] = field(default_factory=lambda: ["127.0.0.1", "localhost", "::1"])
     engine_args_allowed: list[str] = field(default_factory=list)   # engine arguments beyond the safe ones
+    operators: list[str] = field(default_factory=list)   # identities that may change published engines ("*": all)
     max_engines_per_client: int = 2      # engines one client may make per worker (published ones aside)
     max_sessions: int = 10_000           # sessions per worker
     max_refs_per_client: int = 100_000   # refs one client may hold per worker
@@ -242,7 +244,7 @@ def _set_pool_key(pool: PoolConfig, key: str, value: Any) -> None:
     elif key == "distributed":
         value = _distributed(where, value)
     elif key in ("worker_args", "collective_rpc_methods", "model_dirs", "lora_dirs", "rendezvous_hosts",
-                 "engine_args_allowed"):
+                 "engine_args_allowed", "operators"):
         value = [str(a) for a in _coerce(where, value, [])]
     else:
         value = _coerce(where, value, getattr(PoolConfig(name="x"), key))

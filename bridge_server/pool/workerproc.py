@@ -120,7 +120,7 @@ def worker_command(wp: WorkerProc, cfg: PoolConfig, max_request_bytes: int = 64 
             "--max-request-bytes", str(max_request_bytes)]
     for option, values in (("--collective-rpc-method", cfg.collective_rpc_methods), ("--model-dir", cfg.model_dirs),
                            ("--lora-dir", cfg.lora_dirs), ("--rendezvous-host", cfg.rendezvous_hosts),
-                           ("--engine-arg-allowed", cfg.engine_args_allowed)):
+                           ("--engine-arg-allowed", cfg.engine_args_allowed), ("--operator", cfg.operators)):
         for value in values:
             cmd += [option, value]
     if cfg.objects:

@@ -16,14 +16,22 @@ import types
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import grpc
 import msgspec
 import pydantic
 import torch
 
 from bridge_server.wire.codec import TORCH_DTYPES, CodecError, qualified_name, short_repr
+from bridge_server.wire.errors import BridgeError
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["Decoder"]
+
+
+class _TooLong(Exception):
+    def __init__(self, chars: int) -> None:
+        self.chars = chars
+
 
 _SCALAR_KINDS: dict[str | None, Callable[[pb.Value], object]] = {
     kind: operator.attrgetter(kind) for kind in ("bool", "int", "float", "str", "bytes", "atom")
@@ -40,25 +48,60 @@ class Decoder:
     # What an enum of a type the decoder cannot rebuild becomes; None: refuse it. Clients, which do
     # not hold the server's classes, pass a function that keeps the type and member names.
     unknown_enum: Callable[[pb.Enum], object] | None = None
+    # The server's check of a record's fields before its class is built (what a client may set on
+    # it, and each field's type): the same check a map given for that class gets, so that a record
+    # is never a way around it. Returns the fields to build with. None: build as given (clients).
+    check_record: Callable[[type, dict[str, object], str], dict[str, object]] | None = None
+    # The longest string a client may send (0: no limit). Text is what vLLM tokenizes, and
+    # tokenizing costs time and memory in proportion: a server bounds it where it is read, for every
+    # parameter alike, rather than in each function that happens to take text.
+    max_str_chars: int = 0
 
     _KINDS: ClassVar[dict[str, Callable[[Decoder, pb.Value, str], object]]]
+    _scalars: dict[str | None, Callable[[pb.Value], object]] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        scalars = _SCALAR_KINDS
+        if self.max_str_chars > 0:
+            limit = self.max_str_chars
+
+            def text(value: pb.Value) -> str:
+                s: str = value.str
+                if len(s) > limit:
+                    raise _TooLong(len(s))
+                return s
+
+            scalars = {**_SCALAR_KINDS, "str": text}
+        object.__setattr__(self, "_scalars", scalars)
 
     def decode(self, value: pb.Value, path: str = "value") -> object:
         kind = value.WhichOneof("kind")
-        get = _SCALAR_KINDS.get(kind)
+        get = self._scalars.get(kind)
         if get is not None:
-            return get(value)
+            try:
+                return get(value)
+            except _TooLong as exc:
+                raise self._too_long(path, exc.chars) from None
         if kind is None:
             raise CodecError(path, "a Value with a kind set", "an empty Value")
         return self._KINDS[kind](self, value, path)
 
     def _items(self, items: Any, path: str) -> list[object]:
         out: list[object] = []
-        append, scalars = out.append, _SCALAR_KINDS
-        for i, item in enumerate(items):
-            get = scalars.get(item.WhichOneof("kind"))  # scalars need neither a path string nor dispatch
-            append(get(item) if get is not None else self.decode(item, f"{path}[{i}]"))
+        append, scalars = out.append, self._scalars
+        i = 0
+        try:
+            for i, item in enumerate(items):
+                get = scalars.get(item.WhichOneof("kind"))  # scalars need neither a path string nor dispatch
+                append(get(item) if get is not None else self.decode(item, f"{path}[{i}]"))
+        except _TooLong as exc:
+            raise self._too_long(f"{path}[{i}]", exc.chars) from None
         return out
+
+    def _too_long(self, path: str, chars: int) -> BridgeError:
+        return BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                           f"{path}: a string of {chars:,} characters is over this server's limit of "
+                           f"{self.max_str_chars:,} (max_prompt_chars)", parameter=path, reason="max_prompt_chars")
 
     def _hashables(self, items: Any, path: str, kind: str) -> list[object]:
         out = self._items(items, path)
@@ -120,6 +163,8 @@ class Decoder:
         cls = self.resolve_type(rec.type_name)
         if cls is None:
             return fields  # not allow-listed: the fields still arrive, as a plain dict
+        if self.check_record is not None:
+            fields = self.check_record(cls, fields, path)   # before the class's own code sees them
         try:
             return _build(cls, fields, path)
         except CodecError:

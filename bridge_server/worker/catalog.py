@@ -59,6 +59,7 @@ class Entry:
     guard: Guard | None = None
     override: Callable[..., Any] | None = None    # an adapter's replacement for the Python callable
     collective: bool = False        # communicates with every rank: only as a Collective in a distributed pool
+    per_client: bool = True         # any client may call it on a published instance (AdapterSpec.per_client)
 
     def resolve(self) -> Any:
         """The live object: read at call time, so module attributes reflect the current state."""
@@ -216,6 +217,7 @@ def _class_entry(spec: AdapterSpec, cls: type, doc: DocEntry, surface: DocSurfac
     return Entry(name=f"{spec.prefix}.{doc.name}", kind=kind, attr=attr, signature=sig, streams=streams,
                  is_async=is_async, profile=spec.profiles.get(doc.name, "streaming" if streams else "default"),
                  override=spec.overrides.get(doc.name), collective=doc.name in spec.collectives,
+                 per_client=kind is not Kind.METHOD or doc.name in spec.per_client,
                  **common)  # type: ignore[arg-type]
 
 

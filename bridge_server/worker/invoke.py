@@ -46,6 +46,7 @@ from bridge_server.worker.binding import (
     Building,
     Checks,
     bind_arguments,
+    check_record,
     member_checks,
     member_signature,
     namespace_of,
@@ -101,6 +102,7 @@ class Plan:
     profile: str = "default"
     receiver: object = None
     published: bool = False               # the receiver is a published object (shared by every client)
+    operator_only: bool = False           # it changes a published object for every client
     fill_exit_args: bool = False
 
 
@@ -142,8 +144,19 @@ class Invoker:
         decoder = self._decoders.get(identity)
         if decoder is None:
             decoder = self._decoders[identity] = Decoder(resolve_ref=functools.partial(self._argument_ref, identity),
-                                                         resolve_type=self.catalog.resolve_type)
+                                                         resolve_type=self.catalog.resolve_type,
+                                                         check_record=self._record_fields,
+                                                         max_str_chars=self.policy.max_prompt_chars)
         return decoder
+
+    def _record_fields(self, cls: type, fields: dict[str, object], path: str) -> dict[str, object]:
+        """A Record value's fields pass the checks a map given for its class passes (`RecordRule`,
+        field types, the operator's policy) before the class is built from them."""
+        try:
+            return check_record(f"a record of {cls.__name__}", path, cls, fields, self._building)
+        except BridgeError as exc:
+            exc.target = ""     # `decode` names the call
+            raise
 
     def _argument_ref(self, identity: str, ref: pb.Ref) -> object:
         obj = self.refs.get(ref.id, identity).obj
@@ -156,9 +169,9 @@ class Invoker:
     def _receiver(self, target: pb.Target, caller: Caller) -> tuple[object, bool, bool]:
         """(receiver, exclusive, published)"""
         which = target.WhichOneof("receiver")
-        if which == "ref":
+        if which == "ref":   # a ref may hold a published object too: what it is decides, not how it is named
             entry = self.refs.get(target.ref.id, caller.identity)
-            return entry.obj, entry.exclusive, False
+            return entry.obj, entry.exclusive, any(entry.obj is o for o in self.objects.values())
         if which == "object":
             if target.object not in self.objects:
                 raise BridgeError.not_found(
@@ -251,7 +264,8 @@ class Invoker:
         profile = entry.profile if entry else "default"
         if kind == pb.Target.SET_ATTR:
             return Plan(label=label, fn=functools.partial(setattr, obj, name), exclusive=exclusive,
-                        signature=inspect.Signature([inspect.Parameter("value", inspect.Parameter.POSITIONAL_ONLY)]))
+                        signature=inspect.Signature([inspect.Parameter("value", inspect.Parameter.POSITIONAL_ONLY)]),
+                        receiver=obj, published=published, operator_only=published)
         try:
             member = getattr(obj, name)
         except AttributeError:
@@ -272,13 +286,21 @@ class Invoker:
             member, is_async = functools.partial(entry.override, obj), True
         return Plan(label=label, fn=member, signature=sig, checks=checks, entry=entry, exclusive=exclusive,
                     is_async=is_async, streams=streams, profile=profile, receiver=obj, published=published,
+                    operator_only=published and (entry is None or not entry.per_client),
                     fill_exit_args=name in _EXIT_METHODS, result_ref=entry.result_ref if entry else False)
 
     # -------------------------------------------------------------------------------------- binding
-    def decode(self, request: pb.CallRequest, caller: Caller = Caller()) -> tuple[list[Any], dict[str, Any]]:
+    def decode(self, request: pb.CallRequest, caller: Caller = Caller(),
+               label: str = "") -> tuple[list[Any], dict[str, Any]]:
         decoder = self._decoder(caller.identity)
-        args = [decoder.decode(v, f"args[{i}]") for i, v in enumerate(request.args)]
-        kwargs = {k: decoder.decode(v, f"kwargs[{clip(k, 40)!r}]") for k, v in request.kwargs.items()}
+        try:
+            args = [decoder.decode(v, f"args[{i}]") for i, v in enumerate(request.args)]
+            kwargs = {k: decoder.decode(v, f"kwargs[{clip(k, 40)!r}]") for k, v in request.kwargs.items()}
+        except BridgeError as exc:   # a refusal while decoding names the value; say whose call it was
+            if label and not exc.target:
+                exc.message, exc.target = f"{label}: {exc.message}", label
+                exc.args = (exc.message,)
+            raise
         return args, kwargs
 
     def bind(self, plan: Plan, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
@@ -380,6 +402,8 @@ class Invoker:
     async def prepare(self, plan: Plan, args: list[Any], kwargs: dict[str, Any],
                       caller: Caller = Caller()) -> tuple[list[Any], dict[str, Any]]:
         """Binds the arguments and runs the entry's guard: everything that can refuse a call before it runs."""
+        if plan.operator_only and not self.policy.operator(caller.identity):
+            raise _not_operator(plan)
         args, kwargs = self.bind(plan, args, kwargs)
         if plan.entry is not None and plan.entry.guard is not None:
             await _maybe_await(plan.entry.guard(plan.receiver, _bound_map(plan, args, kwargs),
@@ -436,7 +460,7 @@ class Invoker:
             raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
                               f"{plan.label} yields its results one by one: call it with Stream (or a Multiplex "
                               f"start with stream set), not Call", target=plan.label, reason="use Stream")
-        args, kwargs = await self.prepare(plan, *self.decode(request, caller), caller)
+        args, kwargs = await self.prepare(plan, *self.decode(request, caller, plan.label), caller)
         if self._makes_engines(plan):
             result = await self._made(plan, caller, args, kwargs, deadlines.call)
         else:
@@ -451,14 +475,15 @@ class Invoker:
     def immediate(plan: Plan) -> bool:
         """Whether a call of this plan can finish without the event loop: a trivial pure helper
         (inline), with no exclusive lane to wait for and no guard to await."""
-        return plan.inline and not plan.is_async and not plan.exclusive and plan.fn is not None and (
+        return plan.inline and not plan.is_async and not plan.exclusive and plan.fn is not None and \
+            not plan.operator_only and (
             plan.entry is None or plan.entry.guard is None)
 
     def call_now(self, request: pb.CallRequest, caller: Caller, plan: Plan) -> pb.Value:
         """`call` for an `immediate` plan, synchronously: a Multiplex or lane request for a trivial
         helper is answered where it is read, with no task and no loop turn, which would cost more
         than the helper. Deadlines do not apply: an inline helper is never pre-empted anyway."""
-        args, kwargs = self.bind(plan, *self.decode(request, caller))
+        args, kwargs = self.bind(plan, *self.decode(request, caller, plan.label))
         assert plan.fn is not None
         try:
             result = plan.fn(*args, **kwargs)
@@ -489,7 +514,7 @@ class Invoker:
         """Yields each item with the encoder to encode it with (the caller encodes it in place)."""
         plan = plan or self.plan(request.target, caller)
         self._admit(plan, caller)
-        args, kwargs = await self.prepare(plan, *self.decode(request, caller), caller)
+        args, kwargs = await self.prepare(plan, *self.decode(request, caller, plan.label), caller)
         source = await self.run_checked(plan, args, kwargs, deadlines.call)
         encoder = self.encoder(caller, plan.exclusive, stream=True)
         lane = self._exclusive_lane if plan.exclusive else self._shared_lane
@@ -557,6 +582,14 @@ class Invoker:
                         await result
                 except Exception:  # closing is best effort: the stream's outcome is already decided
                     pass
+
+
+def _not_operator(plan: Plan) -> BridgeError:
+    return BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                       f"{plan.label}: this {type(plan.receiver).__qualname__} is published by the server and shared by "
+                       f"every client, and this changes it for all of them, which only an operator may do (pool "
+                       f"config key operators); a client may make one of its own and do anything documented with it",
+                       target=plan.label, reason="published")
 
 
 def _as_documented(returns: str, result: Any) -> Any:

@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="LoRA adapters may be loaded from under DIR (repeatable; and from under the model dirs)")
     s.add_argument("--rendezvous-host", action="append", default=None, metavar="HOST",
                    help="process groups may meet at HOST (repeatable; default 127.0.0.1, localhost, ::1)")
+    s.add_argument("--operator", action="append", default=[], metavar="IDENTITY",
+                   help="a client identity that may change published engines for every client (pause, sleep, reset "
+                        "caches, unload adapters); '*': every caller (repeatable; default none)")
     s.add_argument("--engine-arg-allowed", action="append", default=[], metavar="NAME",
                    help="an engine argument a client may set beyond the safe ones (repeatable)")
     s.add_argument("--max-engines-per-client", type=int, default=2, metavar="N",
@@ -112,7 +115,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     policy = Policy(collective_rpc_methods=frozenset(args.collective_rpc_method),
                     model_dirs=tuple(args.model_dir) + tuple(published_models(objects)),
                     lora_dirs=tuple(args.lora_dir), engine_args_allowed=frozenset(args.engine_arg_allowed),
-                    max_prompt_chars=args.max_prompt_chars,
+                    max_prompt_chars=args.max_prompt_chars, operators=frozenset(args.operator),
                     **({"rendezvous_hosts": frozenset(args.rendezvous_host)} if args.rendezvous_host else {}))
     dist = None
     if args.dist_backend:

@@ -5,9 +5,12 @@ authentication, TLS and limits against servers of their own, started here."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import time
@@ -26,7 +29,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bridge_server.client.client import BridgeClient, CallError, Target
 from bridge_server.tools.tiny_model import ensure_tiny_model
 from tests.conftest import ROOT, free_port
-from tests.pool.harness import PoolServer, start_pool_server
+from tests.pool.harness import PoolServer, start_pool_server, toml_inline
+from tests.worker.test_engine import engine_args
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 D = "vllm.distributed"
@@ -61,19 +65,6 @@ class _Touch:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (os.system, (f"touch {self.path}",))
-
-
-def test_collective_rpc_runs_no_pickle_and_only_allowed_methods(client: BridgeClient, tmp_path: Path) -> None:
-    marker = tmp_path / "pwned"
-    payload = pickle.dumps(_Touch(marker))
-    for method in (payload, bytearray(payload)):      # vLLM would unpickle bytes as the method: refused first
-        with pytest.raises(CallError) as refused:
-            client.call(Target.method("engine", "collective_rpc"), method, timeout=10)
-        assert refused.value.code in (grpc.StatusCode.INVALID_ARGUMENT, DENIED) and "method" in refused.value.details
-    err = denied(lambda: client.call(Target.method("engine", "collective_rpc"), "check_health", timeout=10))
-    assert "collective_rpc_methods" in err.details
-    time.sleep(0.5)
-    assert not marker.exists()
 
 
 @pytest.mark.parametrize("walk", [("engine_core",), ("output_processor",), ("input_processor",),
@@ -136,6 +127,84 @@ def test_records_take_only_what_a_client_may_set(client: BridgeClient) -> None:
     lora = str(ensure_tiny_model() / "lora")
     assert isinstance(client.call("vllm.lora.request.LoRARequest", "x", 1, lora, timeout=10), pb.Ref)
     denied(lambda: client.call("vllm.SamplingParams", kwargs={"logits_processors": ["os.system"]}, timeout=10))
+
+
+def record(type_name: str, **fields: Any) -> Any:
+    """An instance the client encodes as a Record of `type_name`: what a client in any language can
+    send, whatever classes it has."""
+    module, _, name = type_name.rpartition(".")
+    cls = dataclasses.make_dataclass(name, list(fields))
+    cls.__module__ = module
+    return cls(**fields)
+
+
+def test_a_record_is_checked_like_a_map_and_no_remote_code_runs(client: BridgeClient, tmp_path: Path) -> None:
+    """A Record of an allow-listed class is not a way around what a map of it may set: the same
+    rules, before any of the class's own code sees the fields."""
+    evil = tmp_path / "evil_model"
+    shutil.copytree(ensure_tiny_model(), evil)
+    marker = tmp_path / "pwned"
+    (evil / "configuration_pwn.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    config = json.loads((evil / "config.json").read_text())
+    (evil / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoConfig": "configuration_pwn.C"}}))
+    args = "vllm.engine.arg_utils.AsyncEngineArgs"
+    for fields, names in (({"model": str(evil), "trust_remote_code": True}, "trust_remote_code"),
+                          ({"model": str(ensure_tiny_model()), "trust_remote_code": True}, "trust_remote_code"),
+                          ({"model": str(evil)}, "model_dirs")):
+        err = denied(lambda: client.call(f"{E}.from_engine_args", record(args, **fields), timeout=30))
+        assert names in err.details and "from_engine_args" in err.details, err.details
+    lora = record("vllm.lora.request.LoRARequest", lora_name="x", lora_int_id=1, lora_path="/etc")
+    err = denied(lambda: list(client.stream(Target.method("engine", "generate"), "Hi", {"max_tokens": 2}, "rec-lora",
+                                            kwargs={"lora_request": lora}, timeout=30)))
+    assert "lora_dirs" in err.details
+    err = denied(lambda: client.call(f"{D}.divide", record("vllm.config.parallel.ParallelConfig",
+                                                             worker_cls="os.system"), 1, timeout=10))
+    assert "worker_cls" in err.details
+    with pytest.raises(CallError) as bad:       # a field the class does not have: named, not ignored
+        client.call(f"{D}.divide", record("vllm.sampling_params.SamplingParams", max_tokenz=3), 1, timeout=10)
+    assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and "max_tokenz" in bad.value.details
+    time.sleep(0.5)
+    assert not marker.exists()
+
+
+def test_a_published_engine_is_changed_only_by_an_operator(client: BridgeClient) -> None:
+    """Pausing, putting to sleep, resetting caches or unloading adapters of the engine every client
+    shares is an operator's act (none here); a client's own requests and reads stay open."""
+    for method, args in (("pause_generation", ()), ("resume_generation", ()), ("sleep", ()), ("wake_up", ()),
+                         ("reset_prefix_cache", (True,)), ("reset_mm_cache", ()), ("remove_lora", (1,)),
+                         ("pin_lora", (1,)), ("start_profile", ()), ("scale_elastic_ep", (2,)),
+                         ("wait_for_requests_to_drain", ()), ("_run_output_handler", ())):
+        err = denied(lambda: client.call(Target.method("engine", method), *args, timeout=10))
+        assert err.reason == "published" and "operators" in err.details, (method, err.details)
+    err = denied(lambda: client.call(Target.set("engine", "tokenizer"), None, timeout=10))
+    assert err.reason == "published"
+    assert client.call(Target.method("engine", "is_paused"), timeout=10) is False
+    assert client.call(Target.method("engine", "check_health"), timeout=10) is None
+    items = list(client.stream(Target.method("engine", "generate"), "Hi", {"max_tokens": 2}, "still-open", timeout=30))
+    assert items[-1]["finished"]
+
+
+def test_every_entry_that_takes_text_bounds_it(server: PoolServer, client: BridgeClient) -> None:
+    """`add_request` takes a prompt as `generate` does, with the same limits; and no string of any
+    parameter may be longer than max_prompt_chars (tokenizing costs memory and time in proportion)."""
+    over = "hello world " * 90_000       # 1,080,000 characters: over max_prompt_chars (1,000,000)
+    tokenizer = client.call(Target.method("engine", "get_tokenizer"), timeout=10)
+    for call in (lambda: client.call(Target.method("engine", "add_request"), "ar-over", over, {"max_tokens": 2},
+                                     timeout=30),
+                 lambda: client.call(Target.method(tokenizer, "encode"), over, timeout=30),
+                 lambda: client.call(f"{D}.divide", {"x": [over]}, 1, timeout=30)):
+        with pytest.raises(CallError) as err:
+            call()
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_prompt_chars" in err.value.details
+    t0 = time.monotonic()
+    with pytest.raises(CallError) as err:
+        client.call(Target.method("engine", "add_request"), "ar-long", over[:900_000], {"max_tokens": 2}, timeout=30)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "cannot fit" in err.value.details
+    assert time.monotonic() - t0 < 5
+    collector = client.call(Target.method("engine", "add_request"), "ar-ok", "Hi", {"max_tokens": 2}, timeout=30)
+    assert isinstance(collector, pb.Ref)
+    client.call(Target.method("engine", "abort"), "ar-ok", timeout=10)
+    client.release(collector)
 
 
 def test_process_groups_meet_only_where_the_operator_allows(client: BridgeClient) -> None:
@@ -247,7 +316,8 @@ TOKENS = "alice:alice-token-0123456789abcdef\nbob:bob-token-0123456789abcdef0\n"
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory, pki: dict[str, str]) -> Iterator[PoolServer]:
-    """TLS, tokens and small limits: pool `p` (one worker, no engine)."""
+    """TLS, tokens and small limits: pool `p` (one worker, no engine); pool `g` (one worker, a
+    published engine, alice its operator)."""
     tmp = tmp_path_factory.mktemp("secured")
     (tmp / "tokens").write_text(TOKENS)
     (tmp / "tokens").chmod(0o600)
@@ -267,6 +337,11 @@ name = "g"
 workers = 1
 max_engines_per_client = 1
 model_dirs = ["{ensure_tiny_model()}"]
+operators = ["alice"]
+[[pools.objects]]
+name = "engine"
+target = "vllm.AsyncLLMEngine.from_engine_args"
+kwargs = {toml_inline({"engine_args": engine_args(ensure_tiny_model())})}
 """
     s = start_pool_server(tmp, config, tls_ca=pki["ca"], token=TOKENS.split("\n")[0].partition(":")[2])
     yield s
@@ -327,6 +402,53 @@ def test_sessions_and_refs_belong_to_their_client(secured: PoolServer, pki: dict
             bob.stub.Call(spoof, metadata=bob._metadata([], {}) + [("x-bridge-identity", "alice")], timeout=10)
         assert rpc.value.code() == DENIED   # type: ignore[attr-defined]
         assert alice.release(session_id="shared-name") == 1
+
+
+def test_an_operator_changes_a_published_engine_and_clients_end_only_their_own_requests(
+        secured: PoolServer, pki: dict[str, str]) -> None:
+    generate = Target.method("engine", "generate")
+    with client_as(secured, pki, "alice", options=None) as alice, client_as(secured, pki, "bob") as bob:
+        long = alice.stream(generate, "Once upon a time", {"max_tokens": 2000, "ignore_eos": True}, "alices",
+                            pool="g", timeout=120)
+        next(long)
+        err = denied(lambda: bob.call(Target.method("engine", "abort"), "alices", pool="g", timeout=10))
+        assert "another client" in err.details and err.reason == "not yours"
+        denied(lambda: bob.call(Target.method("engine", "abort"), ["x", "alices"], pool="g", timeout=10))
+        denied(lambda: bob.call(Target.method("engine", "abort"), "alices", True, pool="g", timeout=10))
+        assert alice.call(Target.method("engine", "abort"), "alices", pool="g", timeout=10) is None
+        rest = list(long)
+        assert rest[-1]["outputs"][0]["finish_reason"] == "abort"
+        assert denied(lambda: bob.call(Target.method("engine", "pause_generation"), pool="g")).reason == "published"
+        alice.call(Target.method("engine", "pause_generation"), pool="g", timeout=30)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(CallError) as err:    # at once, not at the deadline
+                list(bob.stream(generate, "Hi", {"max_tokens": 2}, "while-paused", pool="g", timeout=60))
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE and "paused" in err.value.details
+            assert time.monotonic() - t0 < 5
+        finally:
+            alice.call(Target.method("engine", "resume_generation"), pool="g", timeout=30)
+        items = list(bob.stream(generate, "Hi", {"max_tokens": 2}, "resumed", pool="g", timeout=60))
+        assert items[-1]["finished"]
+
+
+def test_collective_rpc_runs_no_pickle_and_only_allowed_methods(secured: PoolServer, pki: dict[str, str],
+                                                                 tmp_path: Path) -> None:
+    """Even an operator (alice, on pool g's published engine) names only allowed worker methods:
+    nothing is unpickled."""
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_Touch(marker))
+    with client_as(secured, pki, "alice") as alice, client_as(secured, pki, "bob") as bob:
+        for method in (payload, bytearray(payload)):      # vLLM would unpickle bytes as the method: refused first
+            with pytest.raises(CallError) as refused:
+                alice.call(Target.method("engine", "collective_rpc"), method, pool="g", timeout=10)
+            assert refused.value.code in (grpc.StatusCode.INVALID_ARGUMENT, DENIED) and "method" in refused.value.details
+            err = denied(lambda: bob.call(Target.method("engine", "collective_rpc"), method, pool="g", timeout=10))
+            assert err.reason == "published"
+        err = denied(lambda: alice.call(Target.method("engine", "collective_rpc"), "check_health", pool="g", timeout=10))
+        assert "collective_rpc_methods" in err.details
+    time.sleep(0.5)
+    assert not marker.exists()
 
 
 def test_each_limit_is_refused_with_its_name(secured: PoolServer, pki: dict[str, str]) -> None:

@@ -40,7 +40,9 @@ def model() -> Path:
 def engine_worker(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[WorkerProcess]:
     objects = [{"name": "engine", "target": f"{E}.from_engine_args",
                 "kwargs": {"engine_args": engine_args(model, enable_lora=True, max_lora_rank=8)}}]
-    w = start_worker(tmp_path_factory.mktemp("engine"), "--objects", json.dumps(objects), name="engine")
+    # Every caller is an operator here: the tests drive the published engine's controls too.
+    w = start_worker(tmp_path_factory.mktemp("engine"), "--objects", json.dumps(objects), "--operator", "*",
+                     name="engine")
     yield w
     w.stop()
 
