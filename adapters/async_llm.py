@@ -191,11 +191,12 @@ def _check_prompt(engine: Any, method: str, prompt: Any, params: Any, tokenizati
 
 
 async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwargs: dict[str, Any]) -> Any:
-    """The prompt to hand to vLLM: as given, or, for a long one, the request vLLM builds from it,
-    built off the event loop (one thread per engine: its tokenizer is never used by two of ours at
-    once)."""
+    """The prompt to hand to vLLM: as given, or, where building the request costs tokenizer work
+    (a long prompt, bad words, structured outputs), the request vLLM builds from it, built off the
+    event loop (one thread per engine: its tokenizer is never used by two of ours at once)."""
     text = _prompt_text(prompt)
-    if text is None or len(text) <= LONG_PROMPT_CHARS:
+    if not (text is not None and len(text) > LONG_PROMPT_CHARS or getattr(params, "bad_words", None)
+            or getattr(params, "structured_outputs", None) is not None):
         return prompt
     from vllm.entrypoints.utils import _validate_truncation_size
 
@@ -409,11 +410,25 @@ def _lora_rule(fields: Mapping[str, Any], policy: Policy) -> None:
         _path_rule(label, "lora_path", policy.lora_dirs + policy.model_dirs, "lora_dirs", fields["lora_path"])
 
 
+# The most stop strings and bad words one request may carry: vLLM tokenizes each bad word before the
+# request starts, and looks for each stop string after every token, in the process that serves every
+# other request too (the OpenAI API allows 4 stop strings).
+MAX_STOP_STRINGS = 256
+MAX_BAD_WORDS = 4096
+
+
 def _sampling_rule(fields: Mapping[str, Any], policy: Policy) -> None:
+    label = "vllm.SamplingParams"
     if fields.get("logits_processors"):
         raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
-                          "vllm.SamplingParams: field logits_processors: not settable by a client (it names code "
-                          "to run)", target="vllm.SamplingParams", parameter="logits_processors", reason="not allowed")
+                          f"{label}: field logits_processors: not settable by a client (it names code to run)",
+                          target=label, parameter="logits_processors", reason="not allowed")
+    for key, limit in (("stop", MAX_STOP_STRINGS), ("bad_words", MAX_BAD_WORDS)):
+        value = fields.get(key)
+        if isinstance(value, (list, tuple)) and len(value) > limit:
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                              f"{label}: field {key}: {len(value):,} strings is over this server's limit of {limit:,}",
+                              target=label, parameter=key, reason=f"too many {key}")
 
 
 def _new(vllm_config: Any, executor_class: Any = None, log_stats: bool = False, **kwargs: Any) -> Any:

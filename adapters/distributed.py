@@ -27,18 +27,33 @@ def _catalog_names_only(receiver: object, args: Mapping[str, object], ctx: CallC
 
 def _rendezvous_hosts(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
     """A process group meets peers on the network and takes pickled objects from them: only at
-    hosts the operator allows (loopback by default)."""
+    hosts the operator allows (loopback by default). An init method is read as torch reads it
+    (scheme in any case, blanks around it), and only two kinds pass: `tcp://` to an allowed host, and
+    `env://` (the server's own environment, which the operator set). `file://` would have torch
+    create, read and delete a file the client names."""
     hosts = ctx.policy.rendezvous_hosts
-    for key in ("distributed_init_method", "host"):
-        value = args.get(key)
-        if not isinstance(value, str) or key == "distributed_init_method" and not value.startswith("tcp://"):
-            continue     # env:// reads the server's own environment
-        host = urlsplit(value).hostname if key == "distributed_init_method" else value
-        if host not in hosts:
+    method = args.get("distributed_init_method")
+    if method is not None:
+        parts = urlsplit(method.strip()) if isinstance(method, str) else None
+        scheme = parts.scheme.lower() if parts is not None else ""
+        if scheme not in ("tcp", "env"):
             raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
-                              f"vllm.distributed: parameter {key}: host {quote(host)} is not one this server lets "
-                              f"process groups meet at ({', '.join(sorted(hosts))}; pool config key rendezvous_hosts)",
-                              parameter=key, reason="host not allowed")
+                              f"vllm.distributed: parameter distributed_init_method: {quote(method)} is not tcp://HOST:PORT "
+                              f"(at an allowed host) or env://", parameter="distributed_init_method",
+                              reason="init method not allowed")
+        if scheme == "tcp":
+            _allowed_host("distributed_init_method", parts.hostname if parts is not None else None, hosts)
+    if "host" in args:
+        host = args["host"]
+        _allowed_host("host", host.strip() if isinstance(host, str) else host, hosts)
+
+
+def _allowed_host(key: str, host: object, hosts: frozenset[str]) -> None:
+    if not isinstance(host, str) or host.lower() not in {h.lower() for h in hosts}:
+        raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                          f"vllm.distributed: parameter {key}: host {quote(host)} is not one this server lets "
+                          f"process groups meet at ({', '.join(sorted(hosts))}; pool config key rendezvous_hosts)",
+                          parameter=key, reason="host not allowed")
 
 
 DISTRIBUTED = AdapterSpec(

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from bridge_server.wire.framing import Framed, LaneClosed
-from bridge_server.wire.protocol import MD_IDENTITY, ROUTER_ONLY_KEYS
+from bridge_server.wire.protocol import CACHED_METADATA_BYTES, MD_IDENTITY, ROUTER_ONLY_KEYS, metadata_bytes
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["Lane", "LaneCall", "LaneClosed", "STREAM_WINDOW", "open_lane"]
@@ -27,8 +27,13 @@ STREAM_WINDOW = 32         # stream items a worker may send ahead of the router'
 # options. A parser merges repeated occurrences of a message field, so the parts concatenated read
 # as one `MuxRequest`, and the options part, which callers repeat call after call, is encoded once
 # per distinct set instead of once per call.
-@functools.lru_cache(maxsize=4096)
 def _options_part(metadata: tuple[tuple[str, str | bytes], ...], identity: str) -> bytes:
+    if metadata_bytes(metadata) > CACHED_METADATA_BYTES:   # rare and large: not worth remembering
+        return _encode_options(metadata, identity)
+    return _cached_options(metadata, identity)
+
+
+def _encode_options(metadata: tuple[tuple[str, str | bytes], ...], identity: str) -> bytes:
     """A call's options for the worker: its x-bridge-* metadata, but for the keys only the pool
     server may set, and the client's identity, which the worker takes from nobody else."""
     options = {k: v for k, v in metadata if k.startswith("x-bridge-") and isinstance(v, str) and k not in ROUTER_ONLY_KEYS}
@@ -36,6 +41,9 @@ def _options_part(metadata: tuple[tuple[str, str | bytes], ...], identity: str) 
         options[MD_IDENTITY] = identity
     part: bytes = pb.MuxRequestView(start=pb.MuxStartView(metadata=options)).SerializeToString()
     return part
+
+
+_cached_options = functools.lru_cache(maxsize=4096)(_encode_options)
 
 
 class LaneCall:

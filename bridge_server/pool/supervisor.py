@@ -12,8 +12,10 @@ A live worker is watched too. Its health (grpc.health.v1 Watch) says when it can
 published engine being created again, a call stuck in its exclusive lane): it then takes no new
 calls, its reason (from its own Pool/Status) shows in the status, and the pool fails calls at once
 with that reason when no worker can take them; a worker that stays so for `unhealthy_timeout_s` is
-replaced, and a rank of a distributed pool restarts the group at once. A lane that closes while its
-worker lives is opened again; if it cannot be, the worker is replaced. Each pool slot then restarts its worker with exponential backoff; more than
+replaced, and a rank of a distributed pool restarts the group at once. A worker that cannot say
+anything (its event loop blocked) is found by a health check of the supervisor's own every
+`probe_interval_s`: two unanswered make it unhealthy, `HANG_PROBES` replace it. A lane that closes
+while its worker lives is opened again; if it cannot be, the worker is replaced. Each pool slot then restarts its worker with exponential backoff; more than
 `max_restarts` crashes of a pool within `restart_window_s` mark it degraded, and it stops restarting
 rather than loop, but for one fresh try of its failed workers every `degraded_retry_s`.
 
@@ -94,6 +96,7 @@ class Slot:
 # so the wait is bounded; what it leaves behind is said in the worker's exit description, which the
 # router's "worker lost" errors quote.
 REF_POLL_S = 0.5     # how often a worker with no calls left is asked for its live refs
+HANG_PROBES = 4      # health checks in a row a worker leaves unanswered before it is replaced
 
 
 async def refs_held(backend: Backend) -> int | None:
@@ -366,7 +369,47 @@ class PoolSupervisor:
         kill_group(wp.pid)
 
     async def _watch_health(self, wp: WorkerProc) -> None:
-        """Follows the worker's own health for as long as it lives."""
+        """Follows the worker's health for as long as it lives: what it says (Watch pushes), and
+        whether it answers at all (a worker whose event loop is blocked, by C code that holds the
+        GIL say, pushes nothing and would go on looking healthy)."""
+        await asyncio.gather(self._follow_health(wp), self._probe_health(wp))
+
+    async def _probe_health(self, wp: WorkerProc) -> None:
+        """A health check every probe_interval_s. Two unanswered in a row (probe_timeout_s each):
+        the worker is unhealthy (no call goes to it); no answer for HANG_PROBES intervals and
+        timeouts: it is replaced, as if it had crashed."""
+        b = wp.backend
+        assert b is not None
+        stub = health_pb2_grpc.HealthStub(b.channel)
+        interval, timeout = self.config.probe_interval_s, self.config.probe_timeout_s
+        misses, answered = 0, time.monotonic()
+        while not wp.exited.is_set() and not self.stopping:
+            await asyncio.sleep(interval)
+            if wp.exited.is_set() or self.stopping or wp.state not in (READY, UNHEALTHY):
+                misses, answered = 0, time.monotonic()
+                continue
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            except grpc.aio.AioRpcError:
+                misses += 1
+            else:
+                if misses >= 2:
+                    log.warning("pool %s: worker %s answers its health check again", self.name, wp.id)
+                    wp.detail = ""
+                    await self._health_changed(wp, reply.status == health_pb2.HealthCheckResponse.SERVING)
+                misses, answered = 0, time.monotonic()
+                continue
+            silent = time.monotonic() - answered
+            if misses == 2:
+                wp.detail = f"it answered no health check for {silent:.0f} s: its event loop is blocked"
+                await self._health_changed(wp, False)
+            elif misses >= HANG_PROBES:
+                wp.exit_description = f"replaced: it answered no health check for {silent:.0f} s"
+                log.error("pool %s: worker %s %s", self.name, wp.id, wp.exit_description)
+                kill_group(wp.pid)
+                return
+
+    async def _follow_health(self, wp: WorkerProc) -> None:
         b = wp.backend
         assert b is not None
         stub = health_pb2_grpc.HealthStub(b.channel)

@@ -142,13 +142,32 @@ def _ms(key: str, raw: str) -> float | None:
     return None if math.isinf(ms) else ms / 1000.0
 
 
+MAX_METADATA_BYTES = 16 * 1024     # a call's options, keys and values together (gRPC's header limit)
+CACHED_METADATA_BYTES = 1024       # larger option sets are parsed each time, never remembered
+MAX_SESSION_ID_CHARS = 256
+
+
 def parse_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> RuntimeOptions:
     """Reads the runtime options; unknown keys are ignored, malformed known ones are refused.
 
     Callers send the same few option sets over and over (a router forwards each call's options to
     its worker, a client repeats its session's), so parsed sets are remembered: a hit costs a hash
-    of the pairs instead of a parse, on every hop of every call."""
-    return _parse_cached(metadata if isinstance(metadata, tuple) else tuple(metadata or ()))
+    of the pairs instead of a parse, on every hop of every call. Only small sets are remembered,
+    and no set may be larger than gRPC lets headers be: a Multiplex start carries its options in
+    the message, where nothing else would bound them."""
+    md = metadata if isinstance(metadata, tuple) else tuple(metadata or ())
+    size = metadata_bytes(md)
+    if size <= CACHED_METADATA_BYTES:
+        return _parse_cached(md)
+    if size > MAX_METADATA_BYTES:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"metadata: {size:,} bytes of options, over the limit of {MAX_METADATA_BYTES:,}",
+                          parameter="metadata", reason="metadata too large")
+    return _parse(md)
+
+
+def metadata_bytes(metadata: tuple[tuple[str, str | bytes], ...]) -> int:
+    return sum(len(k) + len(v) for k, v in metadata)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -180,8 +199,12 @@ def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
     stream_timeout = get(MD_STREAM_TIMEOUT_MS)
     stream_interval = get(MD_STREAM_INTERVAL_MS)
     refs = get(MD_REFS)
+    session = get(MD_SESSION)
+    if session is not None and len(session) > MAX_SESSION_ID_CHARS:
+        raise BridgeError.validation(f"metadata {MD_SESSION}: a session id of {len(session):,} characters; at most "
+                                     f"{MAX_SESSION_ID_CHARS}", parameter=MD_SESSION)
     return RuntimeOptions(
-        session_id=get(MD_SESSION) or DEFAULT_SESSION,
+        session_id=session or DEFAULT_SESSION,
         timeout_profile=profile,
         timeout_s=_ms(MD_TIMEOUT_MS, timeout) if timeout is not None else None,
         stream_timeout_s=_ms(MD_STREAM_TIMEOUT_MS, stream_timeout) if stream_timeout is not None else None,

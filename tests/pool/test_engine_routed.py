@@ -2,7 +2,8 @@
 (`bridge_server/pool/lane.py`): the same items as the worker's own Stream RPC, the lane's window against
 a slow reader, and cancellation and deadlines that reach vLLM.
 
-One pool server with one engine worker for the module (an engine costs ~2.7 GB and ~12 s).
+One pool server with one engine worker for the module (an engine costs ~2.7 GB and ~12 s). Every
+client is an operator here, since the tests pause the published engine to see it drained.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ name = "e"
 workers = 1
 max_concurrent = 16
 log_dir = "{tmp / 'logs'}"
+operators = ["*"]
 [[pools.objects]]
 name = "engine"
 target = "vllm.AsyncLLMEngine.from_engine_args"

@@ -44,6 +44,12 @@ recycle_after_calls = 3
 drain_timeout_s = 1
 
 [[pools]]
+name = "h"
+workers = 1
+probe_interval_s = 0.5
+probe_timeout_s = 1
+
+[[pools]]
 name = "broken"
 workers = 1
 worker_args = ["--no-such-option"]
@@ -102,6 +108,31 @@ def test_kill_9_fails_the_in_flight_calls_at_once_and_the_worker_is_replaced(ser
         assert err.value.reason == "worker lost" and "'crash-strict'" in err.value.details
         assert c.call(PC, session_id="crash-strict", affinity="hint").worker_id == "c-0-g2"
         assert c.call(PC, session_id="crash-strict", affinity="strict_fail_fast").worker_id == "c-0-g2"
+
+
+def test_a_worker_that_answers_nothing_is_found_and_replaced(server: PoolServer) -> None:
+    """A worker whose event loop is blocked (here: the whole process stopped) pushes no health
+    change: the supervisor's own checks find it, stop routing to it, then replace it."""
+    before = server.pool("h").workers[0]
+    with server.client(pool="h") as c:
+        assert c.call(DIVIDE, 6, 3, timeout=10) == 2
+        os.kill(before.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: server.pool("h").workers[0].state == "unhealthy", 15, "the worker found unhealthy")
+            assert "answered no health check" in server.pool("h").workers[0].detail
+            with pytest.raises(CallError) as err:          # at once, saying why: not at the deadline
+                c.call(DIVIDE, 6, 3, timeout=10)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE and "answered no health check" in err.value.details
+            wait_until(lambda: server.pool("h").workers[0].pid not in (0, before.pid)
+                       and server.pool("h").workers[0].state == "ready", 60, "the worker replaced")
+        finally:
+            try:
+                os.kill(before.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        assert c.call(DIVIDE, 6, 3, timeout=10) == 2
+    after = server.pool("h").workers[0]
+    assert after.restarts == 1 and "answered no health check" in after.last_exit, after
 
 
 def test_a_pool_that_keeps_crashing_is_degraded_instead_of_restarting_forever(server: PoolServer) -> None:

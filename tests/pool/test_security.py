@@ -13,6 +13,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -207,12 +208,62 @@ def test_every_entry_that_takes_text_bounds_it(server: PoolServer, client: Bridg
     client.release(collector)
 
 
-def test_process_groups_meet_only_where_the_operator_allows(client: BridgeClient) -> None:
+def test_tokenizer_work_of_a_request_is_bounded_and_off_the_event_loop(server: PoolServer,
+                                                                          client: BridgeClient) -> None:
+    generate = Target.method("engine", "generate")
+    for key, count in (("bad_words", 4097), ("stop", 257)):
+        with pytest.raises(CallError) as err:
+            list(client.stream(generate, "Hi", {"max_tokens": 2, key: [f"w{i}" for i in range(count)]}, f"many-{key}",
+                               timeout=30))
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and key in err.value.details
+    slowest: list[float] = []
+    stop = threading.Event()
+
+    def others() -> None:
+        with server.client(pool="e") as c:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                c.call(f"{D}.divide", 6, 3, timeout=10)
+                slowest.append(time.monotonic() - t0)
+
+    background = threading.Thread(target=others)
+    background.start()
+    try:
+        words = [f"word{i} other{i}" for i in range(4096)]
+        items = list(client.stream(generate, "Hi", {"max_tokens": 2, "bad_words": words}, "bad-words", timeout=60))
+    finally:
+        stop.set()
+        background.join(10)
+    assert items[-1]["finished"]
+    assert slowest and max(slowest) < 1.0, max(slowest)
+
+
+def test_call_options_are_bounded_as_grpc_bounds_headers(client: BridgeClient) -> None:
+    """A Multiplex start carries its options in the message, where gRPC's header limit does not
+    apply: the same bound holds there, so a session id cannot be a megabyte the servers remember."""
+    with client.multiplex() as mux:
+        for session, code in (("s" * 300, grpc.StatusCode.INVALID_ARGUMENT),
+                              ("s" * (1 << 20), grpc.StatusCode.RESOURCE_EXHAUSTED)):
+            with pytest.raises(CallError) as err:
+                mux.call(f"{D}.divide", 6, 3, session_id=session, timeout=10)
+            assert err.value.code == code and "x-bridge-session" in err.value.details or "metadata" in err.value.details
+        assert mux.call(f"{D}.divide", 6, 3, session_id="s" * 256, timeout=10) == 2
+
+
+def test_process_groups_meet_only_where_the_operator_allows(client: BridgeClient, tmp_path: Path) -> None:
     t0 = time.monotonic()
     err = denied(lambda: client.call(f"{D}.stateless_init_torch_distributed_process_group", "203.0.113.7",
                                      free_port(), 0, 2, "gloo", timeout=10))
     assert "rendezvous_hosts" in err.details and time.monotonic() - t0 < 5
-    denied(lambda: client.call(f"{D}.init_distributed_environment", 2, 0, "tcp://203.0.113.7:1234", timeout=10))
+    for method in ("tcp://203.0.113.7:1234", "TCP://203.0.113.7:1234", "  tcp://203.0.113.7:1234", "file:///tmp/x",
+                   "FILE:///tmp/x", "tcp://:1234", "gloo://203.0.113.7"):
+        err = denied(lambda: client.call(f"{D}.init_distributed_environment", 2, 0, method, timeout=10))
+        assert err.reason in ("host not allowed", "init method not allowed"), (method, err.details)
+    precious = tmp_path / "precious.txt"     # torch's file store would read it as its own, and delete it
+    precious.write_text("precious data\n")
+    denied(lambda: client.call(f"{D}.init_distributed_environment", 1, 0, f"file://{precious}", 0, "gloo",
+                               timeout=10))
+    assert precious.read_text() == "precious data\n"
 
 
 def reachable(client: BridgeClient, receiver: Any, name: str) -> bool:
