@@ -175,6 +175,22 @@ class Encoder:
             self._fill(obj, out, 0, set())
         return out
 
+    def encode_at(self, obj: object, out: pb.Value, depth: int, active: set[int]) -> None:
+        """Fills `out` with obj as the encoder fills it `depth` levels down, inside the containers
+        whose ids are in `active` (its ancestors): for senders of parts of a value (the patcher),
+        whose parts must encode exactly as they do inside the whole."""
+        self._fill(obj, out, depth, active)
+
+    def record_fields(self, obj: object) -> list[tuple[str, object]] | None:
+        """obj's fields as the encoder sends them, in order, if obj goes as a record (else None)."""
+        cls = type(obj)
+        names = self.records.get(cls)
+        if names is not None:
+            return [(n, getattr(obj, n)) for n in names if hasattr(obj, n)]
+        if _leaf_kind(cls) is not None:
+            return None
+        return _record_fields(obj)
+
     def _ref(self, obj: object, out: pb.Value) -> None:
         out.ref.CopyFrom(self.make_ref(obj))
 

@@ -25,6 +25,8 @@ MD_POOL = "x-bridge-pool"
 MD_AFFINITY = "x-bridge-affinity"
 MD_REFS = "x-bridge-refs"
 MD_RANK = "x-bridge-rank"
+MD_STREAM_ENCODING = "x-bridge-stream-encoding"
+MD_STREAM_TEE = "x-bridge-stream-tee"     # "1": with patch-v1, every item twice (a patch, then whole)
 # Sent back by a worker in the trailing metadata of every successful gRPC call: the live refs it
 # holds (the pool router reads the same count from its lanes' `MuxReply.worker_refs`).
 MD_WORKER_REFS = "x-bridge-worker-refs"
@@ -38,6 +40,10 @@ GRPC_OPTIONS: list[tuple[str, int]] = [("grpc.max_send_message_length", MAX_MESS
                                        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                        ("grpc.so_reuseport", 0)]
 AFFINITY_MODES = ("hint", "strict_queue", "strict_fail_fast")
+# Stream encodings by their metadata names (the `StreamEncoding` enum of the .proto).
+STREAM_FULL = "full"
+STREAM_PATCH_V1 = "patch-v1"
+STREAM_ENCODINGS = (STREAM_FULL, STREAM_PATCH_V1)
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,12 @@ class RuntimeOptions:
     refs: tuple[str, ...] = ()
     rank: int | None = None
     session_sent: bool = False               # the caller named a session (else it is DEFAULT_SESSION)
+    # How stream items travel: sent as the caller's list of preferences; parsed, the first name this
+    # side knows (None: not asked for, which means STREAM_FULL).
+    stream_encoding: str | None = None
+    # For checking a receiver's patch decoding: with patch-v1, each item is sent as a patch and then
+    # again whole, encoded at the same moment, so that the two decoded values can be compared.
+    stream_tee: bool = False
 
 
 def _ms(key: str, raw: str) -> float | None:
@@ -130,6 +142,7 @@ def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
     stream_timeout = get(MD_STREAM_TIMEOUT_MS)
     stream_interval = get(MD_STREAM_INTERVAL_MS)
     refs = get(MD_REFS)
+    encodings = get(MD_STREAM_ENCODING)
     return RuntimeOptions(
         session_id=get(MD_SESSION) or DEFAULT_SESSION,
         timeout_profile=profile,
@@ -141,7 +154,20 @@ def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
         refs=tuple(r for r in (refs or "").split(",") if r),
         rank=rank,
         session_sent=MD_SESSION in md,
+        stream_encoding=None if encodings is None else stream_encoding(encodings),
+        stream_tee=get(MD_STREAM_TEE) in ("1", "true"),
     )
+
+
+def stream_encoding(preferences: str) -> str:
+    """The first of a caller's comma-separated stream encodings that this side knows, else STREAM_FULL.
+    Unknown names are skipped rather than refused: a newer client may list an encoding this server
+    predates, and FULL is always correct."""
+    for name in preferences.split(","):
+        name = name.strip()
+        if name in STREAM_ENCODINGS:
+            return name
+    return STREAM_FULL
 
 
 def time_left_s(time_left_ms: float) -> float | None:
@@ -173,4 +199,8 @@ def to_metadata(opts: RuntimeOptions) -> list[tuple[str, str]]:
         md.append((MD_REFS, ",".join(opts.refs)))
     if opts.rank is not None:
         md.append((MD_RANK, str(opts.rank)))
+    if opts.stream_encoding is not None:
+        md.append((MD_STREAM_ENCODING, opts.stream_encoding))
+    if opts.stream_tee:
+        md.append((MD_STREAM_TEE, "1"))
     return md

@@ -28,6 +28,8 @@ import grpc
 from bridge_server.wire.codec import Encoder
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.patch import Patcher
+from bridge_server.wire.protocol import STREAM_PATCH_V1
 from bridge_server.worker.binding import bind_arguments, member_signature
 from bridge_server.worker.catalog import Catalog, Entry, Kind
 from bridge_server.worker.deadlines import Deadlines, Watchdog, with_deadline
@@ -37,6 +39,10 @@ from vllm_bridge.v1 import bridge_pb2 as pb
 _ALLOWED_DUNDERS = frozenset({"__enter__", "__exit__", "__aenter__", "__aexit__", "__len__", "__getitem__",
                               "__contains__"})
 _EXIT_METHODS = frozenset({"__exit__", "__aexit__"})
+
+# Puts a stream item into the message that carries it (`StreamItem` or `MuxEvent`: both have `value`
+# and `patch`).
+PutItem = Callable[[Any, Any], None]
 
 
 @dataclass
@@ -295,15 +301,35 @@ class Invoker:
         return obj
 
     async def stream(self, request: pb.CallRequest, session_id: str, deadlines: Deadlines,
-                     interval_s: float | None = None, plan: Plan | None = None) -> AsyncIterator[tuple[Any, Encoder]]:
-        """Yields each item with the encoder to encode it with (the caller encodes it in place)."""
+                     interval_s: float | None = None, plan: Plan | None = None,
+                     encoding: str | None = None, tee: bool = False) -> AsyncIterator[tuple[Any, PutItem]]:
+        """Yields each item with the function that puts it into the message that carries it (a
+        `StreamItem` or a `MuxEvent`), in the stream's encoding: the caller puts it in place.
+        `tee` (with PATCH_V1): each item comes twice, to be sent as a patch and then whole."""
         plan = plan or self.plan(request.target)
         args, kwargs = await self.prepare(plan, *self.decode(request))
         source = await self.run_checked(plan, args, kwargs, deadlines.call)
-        encoder = self.encoder(session_id, plan.exclusive, stream=True)
+        put = self.item_writer(session_id, plan.exclusive, encoding)
         lane = self._exclusive_lane if plan.exclusive else self._shared_lane
+        if tee and encoding == STREAM_PATCH_V1:
+            both = _Tee(put, self.item_writer(session_id, plan.exclusive, None))
+            async for item in self._iterate(source, plan, deadlines, lane, interval_s):
+                yield item, both.first
+                yield item, both.second
+            return
         async for item in self._iterate(source, plan, deadlines, lane, interval_s):
-            yield item, encoder
+            yield item, put
+
+    def item_writer(self, session_id: str, exclusive: bool, encoding: str | None) -> PutItem:
+        """How one stream's items go into their messages: whole Values (FULL), or patches against
+        the item before (PATCH_V1, which the caller asked for)."""
+        if encoding == STREAM_PATCH_V1:
+            return Patcher(self.encoder(session_id, exclusive)).put
+        encoder = self.encoder(session_id, exclusive, stream=True)
+
+        def put(item: Any, msg: Any) -> None:
+            encoder.encode_into(item, msg.value)
+        return put
 
     async def _iterate(self, source: Any, plan: Plan, deadlines: Deadlines, lane: ThreadPoolExecutor,
                        interval_s: float | None = None) -> AsyncIterator[Any]:
@@ -362,6 +388,24 @@ class Invoker:
                         await result
                 except Exception:  # closing is best effort: the stream's outcome is already decided
                     pass
+
+
+class _Tee:
+    """Both encodings of each item, taken at the same moment (the objects may change once the
+    loop turns): the patch goes out first, the whole Value right after it. For checking a
+    receiver's patch decoding against whole values, item for item (`x-bridge-stream-tee`)."""
+
+    def __init__(self, patch: PutItem, whole: PutItem) -> None:
+        self.patch, self.whole = patch, whole
+        self.held = pb.StreamItem()
+
+    def first(self, item: Any, msg: Any) -> None:
+        self.held = pb.StreamItem()
+        self.whole(item, self.held)
+        self.patch(item, msg)
+
+    def second(self, item: Any, msg: Any) -> None:
+        msg.value.CopyFrom(self.held.value)
 
 
 def _as_documented(returns: str, result: Any) -> Any:

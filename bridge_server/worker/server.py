@@ -98,10 +98,11 @@ class BridgeService(pb_grpc.BridgeServicer):
             plan = self.invoker.plan(request.target)
             deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
             index = 0
-            async for item, encoder in self.invoker.stream(request, opts.session_id, deadlines,
-                                                            opts.stream_interval_s, plan):
+            async for item, put in self.invoker.stream(request, opts.session_id, deadlines,
+                                                        opts.stream_interval_s, plan, opts.stream_encoding,
+                                                        opts.stream_tee):
                 out = pb.StreamItem(index=index)
-                encoder.encode_into(item, out.value)
+                put(item, out)
                 yield out
                 index += 1
             context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
