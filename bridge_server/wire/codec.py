@@ -21,7 +21,7 @@ import torch
 
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-__all__ = ["TORCH_DTYPES", "CodecError", "Encoder", "qualified_name", "short_repr"]
+__all__ = ["SCALAR_WRITERS", "TORCH_DTYPES", "CodecError", "Encoder", "qualified_name", "short_repr"]
 
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
@@ -76,6 +76,9 @@ _SCALARS: dict[type, Callable[[Any, pb.Value], None]] = {
     float: _put("float"), str: _put("str"), bytes: _put("bytes"),
 }
 _SCALARS[bytearray] = _SCALARS[memoryview] = lambda obj, out: setattr(out, "bytes", bytes(obj))
+# How each scalar type is written into a Value, by exact type (for the patcher, which writes the
+# scalars it sends itself).
+SCALAR_WRITERS: Mapping[type, Callable[[Any, pb.Value], None]] = _SCALARS
 # Exact container types, then (in this order) the bases that subclasses such as OrderedDict match.
 _CONTAINERS: dict[type, str] = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset", dict: "map"}
 

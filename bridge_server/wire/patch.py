@@ -32,30 +32,40 @@ from typing import Any
 
 import msgspec
 
-from bridge_server.wire.codec import CodecError, Encoder
+from bridge_server.wire.codec import SCALAR_WRITERS, CodecError, Encoder
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["Patcher", "StreamState"]
 
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 _INT_ONLY = {int}
-_EXACT_SCALARS = (type(None), bool, int, bytes)
 
 
 # --- the sender -----------------------------------------------------------------------------------
-# One shadow class per way the encoder encodes a thing. `diff` emits the ops that turn the previous
-# encoding into obj's and returns obj's shadow (itself, updated in place, where it can); `same` says
-# whether obj would encode exactly as the shadowed object did. `leaf` is the object itself for the
-# immutable kinds (numbers, strings, bytes, None, enum members), whose encoding cannot change while
-# they stay the same object, and a private sentinel for every other kind: the hot loops skip a field
-# that `is` its leaf without a call.
+# A record's fields and a list's items are shadowed as two parallel lists: `leaves`, the values
+# themselves where they are simple immutable scalars (exact None, bool, int, float, str or bytes; and
+# enum members), and `kids`, a shadow node for everything else (None for a scalar). The hot loop
+# (`_diff_parts`) skips a part that `is` its leaf, compares and writes scalars in place, and calls a
+# node only for containers and other kinds. Identity is trusted only for those immutable leaves.
+# Shadow nodes: `diff` emits the ops that turn the previous encoding into obj's and returns obj's
+# shadow (itself, updated in place, where it can); `same` says whether obj encodes exactly as the
+# shadowed object did.
 
 _NOT_A_LEAF = object()
+_SIMPLE = frozenset({type(None), bool, int, float, str, bytes})
+_WRITE = SCALAR_WRITERS
+
+
+def _same_scalar(x: Any, old: Any) -> bool:
+    """Whether x encodes as the simple scalar `old` does (exact type; -0.0 is not 0.0; a NaN is
+    never the same, so it is re-sent: correct, and rare)."""
+    cls = type(x)
+    return cls is type(old) and x == old and (cls is not float or x != 0.0 or
+                                              math.copysign(1.0, x) == math.copysign(1.0, old))
 
 
 class _Node:
     __slots__ = ()
-    leaf: Any = _NOT_A_LEAF
 
     def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
         return False
@@ -76,49 +86,29 @@ class _Opaque(_Node):
 _OPAQUE = _Opaque()
 
 
-class _Scalar(_Node):
-    """None, bool, int or bytes (exact types: a bool is not the int 1, nor a str subclass a str)."""
+class _Leaf(_Node):
+    """A simple scalar where no parts list holds it (a map's key or value, a stream's root)."""
 
-    __slots__ = ("leaf",)
+    __slots__ = ("value",)
 
     def __init__(self, value: Any) -> None:
-        self.leaf = value
+        self.value = value
 
     def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
-        v = self.leaf
-        return obj is v or (type(obj) is type(v) and obj == v)
+        return obj is self.value or _same_scalar(obj, self.value)
 
 
-class _Float(_Node):
-    __slots__ = ("leaf",)
+class _Str(_Leaf):
+    """A stream whose items are strings: they may grow."""
 
-    def __init__(self, value: float) -> None:
-        self.leaf = value
-
-    def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
-        v = self.leaf
-        # -0.0 == 0.0 but encodes differently; a NaN is never equal, so it is re-sent (correct, rare).
-        return obj is v or (type(obj) is float and obj == v and
-                            (v != 0.0 or math.copysign(1.0, obj) == math.copysign(1.0, v)))
-
-
-class _Str(_Node):
-    __slots__ = ("leaf",)
-
-    def __init__(self, value: str) -> None:
-        self.leaf = value
-
-    def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
-        return obj is self.leaf or (type(obj) is str and obj == self.leaf)
+    __slots__ = ()
 
     def diff(self, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
-        v = self.leaf
-        if obj is v:
-            return self
-        if type(obj) is str and len(obj) >= len(v) and obj.startswith(v):
+        v = self.value
+        if type(obj) is str and obj.startswith(v):
             if len(obj) > len(v):
                 p.op(path).append_str = obj[len(v):]
-                self.leaf = obj
+                self.value = obj
             return self
         return p.whole(obj, path, depth, active)
 
@@ -126,13 +116,18 @@ class _Str(_Node):
 class _Enum(_Node):
     """An enum member: members are singletons, and their encoding depends on nothing else."""
 
-    __slots__ = ("leaf",)
+    __slots__ = ("member",)
 
     def __init__(self, member: Any) -> None:
-        self.leaf = member
+        self.member = member
 
     def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
-        return obj is self.leaf
+        return obj is self.member
+
+
+def _all_ints(obj: list[Any]) -> bool:
+    """Every item an exact int (a bool or a float equal to one is not), counted in C."""
+    return operator.countOf(map(type, obj), int) == len(obj)
 
 
 def _as_ints(obj: Any) -> bool:
@@ -152,14 +147,14 @@ class _Ints(_Node):
         self.values = values
 
     def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
-        return type(obj) is list and obj == self.values and set(map(type, obj)) == _INT_ONLY
+        return type(obj) is list and obj == self.values and _all_ints(obj)
 
     def diff(self, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
         old = self.values
         n = len(old)
         # Every item's type, not only the new ones': an equal int of another type (True, 1.0) in
         # place of an old one would encode differently. In C, and what the encoder checks anyway.
-        if type(obj) is list and len(obj) >= n and set(map(type, obj)) == _INT_ONLY and obj[:n] == old:
+        if type(obj) is list and len(obj) >= n and obj[:n] == old and _all_ints(obj):
             if len(obj) == n:
                 return self
             tail = obj[n:]
@@ -170,14 +165,69 @@ class _Ints(_Node):
         return p.whole(obj, path, depth, active)
 
 
+def _diff_parts(p: Patcher, values: Any, leaves: list[Any], kids: list[_Node | None], path: list[int],
+                depth: int, active: set[int]) -> None:
+    """Emits the ops for the parts (fields or items) in `values`, the first len(values) of those
+    shadowed, and updates their shadow. `depth` is the parts' own."""
+    ops = p.ops
+    i = -1
+    for x in values:
+        i += 1
+        old = leaves[i]
+        if x is old:
+            continue
+        cls = type(x)
+        if cls in _SIMPLE:
+            if cls is type(old):
+                if cls is str:
+                    if x.startswith(old):
+                        if len(x) > len(old):
+                            op = ops.add()
+                            op.path.extend(path)
+                            op.path.append(i)
+                            op.append_str = x[len(old):]
+                        leaves[i] = x
+                        continue
+                elif x == old and (cls is not float or x != 0.0 or math.copysign(1.0, x) == math.copysign(1.0, old)):
+                    leaves[i] = x
+                    continue
+            op = ops.add()
+            op.path.extend(path)
+            op.path.append(i)
+            _WRITE[cls](x, op.set)
+            leaves[i] = x
+            kids[i] = None
+            continue
+        kid = kids[i]
+        path.append(i)
+        kid = p.whole(x, path, depth, active) if kid is None else kid.diff(p, x, path, depth, active)
+        path.pop()
+        kids[i] = kid
+        leaves[i] = kid.member if type(kid) is _Enum else _NOT_A_LEAF
+
+
+def _same_parts(p: Patcher, values: Any, leaves: list[Any], kids: list[_Node | None], depth: int,
+                active: set[int]) -> bool:
+    for x, old, kid in zip(values, leaves, kids):
+        if x is old:
+            continue
+        if kid is None:
+            if not _same_scalar(x, old):
+                return False
+        elif not kid.same(p, x, depth, active):
+            return False
+    return True
+
+
 class _Seq(_Node):
     """A list (of values, not packed) or a tuple: its items' shadows in order."""
 
-    __slots__ = ("cls", "items")
+    __slots__ = ("cls", "leaves", "kids")
 
-    def __init__(self, cls: type, items: list[_Node]) -> None:
+    def __init__(self, cls: type, leaves: list[Any], kids: list[_Node | None]) -> None:
         self.cls = cls
-        self.items = items
+        self.leaves = leaves
+        self.kids = kids
 
     def _fits(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
         """obj encodes as this kind (not packed ints, not a ref) and can be compared item by item."""
@@ -186,33 +236,27 @@ class _Seq(_Node):
             cls is list and _as_ints(obj))
 
     def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
-        items = self.items
-        if not self._fits(p, obj, depth, active) or len(obj) != len(items):
+        if not self._fits(p, obj, depth, active) or len(obj) != len(self.leaves):
             return False
         active.add(id(obj))
         try:
-            return all(x is node.leaf or node.same(p, x, depth + 1, active) for node, x in zip(items, obj))
+            return _same_parts(p, obj, self.leaves, self.kids, depth + 1, active)
         finally:
             active.discard(id(obj))
 
     def diff(self, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
-        items = self.items
-        n = len(items)
+        leaves, kids = self.leaves, self.kids
+        n = len(leaves)
         if not self._fits(p, obj, depth, active) or len(obj) < n:
             return p.whole(obj, path, depth, active)
         active.add(id(obj))
         depth += 1
-        for i in range(n):
-            node, x = items[i], obj[i]
-            if x is not node.leaf:
-                path.append(i)
-                items[i] = node.diff(p, x, path, depth, active)
-                path.pop()
+        _diff_parts(p, obj if len(obj) == n else itertools.islice(obj, n), leaves, kids, path, depth, active)
         if len(obj) > n:
             added = p.op(path).append_items.items
             for x in obj[n:]:
                 p.fill(x, added.add(), depth, active)
-                items.append(p.shadow(x, depth, active))
+                p.add_part(x, leaves, kids, depth, active)
         active.discard(id(obj))
         return self
 
@@ -232,8 +276,7 @@ class _Map(_Node):
         active.add(id(obj))
         depth += 1
         try:
-            return all((key is k.leaf or k.same(p, key, depth, active)) and
-                       (value is v.leaf or v.same(p, value, depth, active))
+            return all(k.same(p, key, depth, active) and v.same(p, value, depth, active)
                        for (k, v), (key, value) in zip(entries, obj.items()))
         finally:
             active.discard(id(obj))
@@ -243,7 +286,7 @@ class _Fields:
     """How to read a record class's fields fast, worked out once per class: every field name in
     order, and a C getter of all their values at once. It applies to an object that has every field
     (none missing or msgspec UNSET), which is the usual case; for any other the encoder's own listing
-    decides (`Patcher.record_fields`)."""
+    decides (`Encoder.record_fields`)."""
 
     __slots__ = ("names", "get", "check_unset")
 
@@ -260,9 +303,12 @@ class _Fields:
             values = get(obj)
         except AttributeError:
             return None
-        if self.check_unset and any(map(operator.is_, values, itertools.repeat(msgspec.UNSET))):
+        if self.check_unset and _UNSET_ID in map(id, values):
             return None
         return values
+
+
+_UNSET_ID = id(msgspec.UNSET)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -287,12 +333,14 @@ def _fields_of(cls: type, adapter_names: tuple[str, ...] | None) -> _Fields:
 class _Record(_Node):
     """A record: its class, its field names as encoded, and their values' shadows."""
 
-    __slots__ = ("cls", "names", "values", "plan")
+    __slots__ = ("cls", "names", "leaves", "kids", "plan")
 
-    def __init__(self, cls: type, names: tuple[str, ...], values: list[_Node], plan: _Fields) -> None:
+    def __init__(self, cls: type, names: tuple[str, ...], leaves: list[Any], kids: list[_Node | None],
+                 plan: _Fields) -> None:
         self.cls = cls
         self.names = names
-        self.values = values
+        self.leaves = leaves
+        self.kids = kids
         self.plan = plan
 
     def _fields(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> Any:
@@ -304,7 +352,7 @@ class _Record(_Node):
             values = plan.values(obj)
             if values is not None:
                 return values
-        fields = p.record_fields(obj)
+        fields = p.encoder.record_fields(obj)
         names = self.names
         if fields is None or len(fields) != len(names):
             return None
@@ -319,26 +367,23 @@ class _Record(_Node):
             return False
         active.add(id(obj))
         try:
-            return all(x is node.leaf or node.same(p, x, depth + 1, active) for node, x in zip(self.values, values))
+            return _same_parts(p, values, self.leaves, self.kids, depth + 1, active)
         finally:
             active.discard(id(obj))
 
     def diff(self, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
-        values = self._fields(p, obj, depth, active)
+        key = id(obj)
+        plan = self.plan
+        values = None
+        if self.names is plan.names and type(obj) is self.cls and depth < p.max_depth and key not in active:
+            values = plan.values(obj)      # the usual case, inline: every field there, as last time
         if values is None:
-            return p.whole(obj, path, depth, active)
-        active.add(id(obj))
-        depth += 1
-        nodes = self.values
-        i = 0
-        for x in values:
-            node = nodes[i]
-            if x is not node.leaf:
-                path.append(i)
-                nodes[i] = node.diff(p, x, path, depth, active)
-                path.pop()
-            i += 1
-        active.discard(id(obj))
+            values = self._fields(p, obj, depth, active)
+            if values is None:
+                return p.whole(obj, path, depth, active)
+        active.add(key)
+        _diff_parts(p, values, self.leaves, self.kids, path, depth + 1, active)
+        active.discard(key)
         return self
 
 
@@ -347,13 +392,13 @@ class Patcher:
     `MuxEvent`, both of which have `value` and `patch`) as a whole Value the first time and as a
     patch against the previous item after that."""
 
-    __slots__ = ("encoder", "max_depth", "root", "_ops")
+    __slots__ = ("encoder", "max_depth", "root", "ops")
 
     def __init__(self, encoder: Encoder) -> None:
         self.encoder = encoder
         self.max_depth = encoder.max_depth
         self.root: _Node | None = None
-        self._ops: Any = None
+        self.ops: Any = None              # the ops of the patch being written
 
     def put(self, obj: object, msg: Any) -> None:
         root = self.root
@@ -365,19 +410,19 @@ class Patcher:
             return
         patch = msg.patch
         patch.SetInParent()            # present even when nothing changed
-        self._ops = patch.ops
+        self.ops = patch.ops
         try:
             self.root = root.diff(self, obj, [], 0, set())
         except BaseException:
             self.root = None           # the shadow may be half updated: never patch against it again
             raise
         finally:
-            self._ops = None
+            self.ops = None
 
     # -- what the shadows call ------------------------------------------------------------------
     def op(self, path: list[int]) -> Any:
         """A new op at `path`, for the caller to fill."""
-        op = self._ops.add()
+        op = self.ops.add()
         if path:
             op.path.extend(path)
         return op
@@ -390,28 +435,44 @@ class Patcher:
     def fill(self, obj: Any, out: pb.Value, depth: int, active: set[int]) -> None:
         self.encoder.encode_at(obj, out, depth, active)
 
-    def record_fields(self, obj: Any) -> list[tuple[str, Any]] | None:
-        return self.encoder.record_fields(obj)
+    def add_part(self, x: Any, leaves: list[Any], kids: list[_Node | None], depth: int, active: set[int]) -> None:
+        """Shadows one more part (a field, an item) at `depth`."""
+        if type(x) in _SIMPLE:
+            leaves.append(x)
+            kids.append(None)
+            return
+        kid = self.shadow(x, depth, active)
+        leaves.append(kid.member if type(kid) is _Enum else _NOT_A_LEAF)
+        kids.append(kid)
+
+    def _parts(self, owner: Any, values: Any, depth: int, active: set[int]) -> tuple[list[Any], list[_Node | None]]:
+        leaves: list[Any] = []
+        kids: list[_Node | None] = []
+        active.add(id(owner))
+        try:
+            for x in values:
+                self.add_part(x, leaves, kids, depth + 1, active)
+        finally:
+            active.discard(id(owner))
+        return leaves, kids
 
     def shadow(self, obj: Any, depth: int, active: set[int]) -> _Node:
         """What obj was encoded as, to compare the next item with: mirrors `Encoder._fill`."""
         cls = type(obj)
         if cls is str:
             return _Str(obj)
-        if cls is float:
-            return _Float(obj)
-        if cls in _EXACT_SCALARS:
-            return _Scalar(obj)
+        if cls in _SIMPLE:
+            return _Leaf(obj)
         if cls is list:
             if _as_ints(obj):      # packed before any depth check, as the encoder does
                 return _Ints(list(obj))
             if depth >= self.max_depth or id(obj) in active:
                 return _OPAQUE
-            return _Seq(list, self._shadows(obj, obj, depth, active))
+            return _Seq(list, *self._parts(obj, obj, depth, active))
         if cls is tuple:
             if depth >= self.max_depth or id(obj) in active:
                 return _OPAQUE
-            return _Seq(tuple, self._shadows(obj, obj, depth, active))
+            return _Seq(tuple, *self._parts(obj, obj, depth, active))
         if cls is dict:
             if depth >= self.max_depth or id(obj) in active:
                 return _OPAQUE
@@ -421,7 +482,7 @@ class Patcher:
             return _Map(entries)
         if cls in (set, frozenset, bytearray, memoryview):
             return _OPAQUE
-        fields = self.record_fields(obj)
+        fields = self.encoder.record_fields(obj)
         if fields is None:
             return _Enum(obj) if issubclass(cls, enum.Enum) else _OPAQUE
         if depth >= self.max_depth or id(obj) in active:
@@ -430,14 +491,7 @@ class Patcher:
         names = tuple(n for n, _ in fields)
         if names == plan.names:
             names = plan.names        # the same tuple: `_Record._fields` then takes the fast way
-        return _Record(cls, names, self._shadows(obj, (v for _, v in fields), depth, active), plan)
-
-    def _shadows(self, owner: Any, values: Any, depth: int, active: set[int]) -> list[_Node]:
-        active.add(id(owner))
-        try:
-            return [self.shadow(v, depth + 1, active) for v in values]
-        finally:
-            active.discard(id(owner))
+        return _Record(cls, names, *self._parts(obj, (v for _, v in fields), depth, active), plan)
 
 
 _PATCHED_ROOTS = (_Record, _Seq, _Ints, _Str)
