@@ -16,7 +16,6 @@ import asyncio
 import difflib
 import functools
 import inspect
-import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,24 +24,22 @@ from typing import Any
 
 import grpc
 
+from adapters.spec import PushSource
 from bridge_server.wire.codec import Encoder
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import BridgeError
-from bridge_server.wire.patch import Patcher
 from bridge_server.wire.protocol import STREAM_PATCH_V1
 from bridge_server.worker.binding import bind_arguments, member_signature
 from bridge_server.worker.catalog import Catalog, Entry, Kind
-from bridge_server.worker.deadlines import Deadlines, Watchdog, with_deadline
+from bridge_server.worker.deadlines import Deadlines, with_deadline
 from bridge_server.worker.refs import RefRegistry
+from bridge_server.worker.streams import PutItem, Tee, item_writer, iterate
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 _ALLOWED_DUNDERS = frozenset({"__enter__", "__exit__", "__aenter__", "__aexit__", "__len__", "__getitem__",
                               "__contains__"})
 _EXIT_METHODS = frozenset({"__exit__", "__aexit__"})
 
-# Puts a stream item into the message that carries it (`StreamItem` or `MuxEvent`: both have `value`
-# and `patch`).
-PutItem = Callable[[Any, Any], None]
 
 
 @dataclass
@@ -311,102 +308,36 @@ class Invoker:
         source = await self.run_checked(plan, args, kwargs, deadlines.call)
         put = self.item_writer(session_id, plan.exclusive, encoding)
         lane = self._exclusive_lane if plan.exclusive else self._shared_lane
+        items = iterate(source, plan.label, deadlines, lambda step: self._in_thread(lane, step, None, plan.label),
+                        interval_s)
         if tee and encoding == STREAM_PATCH_V1:
-            both = _Tee(put, self.item_writer(session_id, plan.exclusive, None))
-            async for item in self._iterate(source, plan, deadlines, lane, interval_s):
+            both = Tee(put, self.item_writer(session_id, plan.exclusive, None))
+            async for item in items:
                 yield item, both.first
                 yield item, both.second
             return
-        async for item in self._iterate(source, plan, deadlines, lane, interval_s):
+        async for item in items:
             yield item, put
 
     def item_writer(self, session_id: str, exclusive: bool, encoding: str | None) -> PutItem:
-        """How one stream's items go into their messages: whole Values (FULL), or patches against
-        the item before (PATCH_V1, which the caller asked for)."""
-        if encoding == STREAM_PATCH_V1:
-            return Patcher(self.encoder(session_id, exclusive)).put
-        encoder = self.encoder(session_id, exclusive, stream=True)
+        return item_writer(lambda stream: self.encoder(session_id, exclusive, stream), encoding)
 
-        def put(item: Any, msg: Any) -> None:
-            encoder.encode_into(item, msg.value)
-        return put
-
-    async def _iterate(self, source: Any, plan: Plan, deadlines: Deadlines, lane: ThreadPoolExecutor,
-                       interval_s: float | None = None) -> AsyncIterator[Any]:
-        if hasattr(source, "__anext__") or hasattr(source, "__aiter__"):
-            agen = source.__aiter__()
-            step: Callable[[], Any] = agen.__anext__
-            done_exc: type[BaseException] = StopAsyncIteration
-            close = getattr(agen, "aclose", None)
-        elif hasattr(source, "__iter__") and not isinstance(source, (str, bytes, dict)):
-            it = iter(source)
-            sentinel = object()
-            step = lambda: self._in_thread(lane, lambda: next(it, sentinel), None, plan.label)  # noqa: E731
-            done_exc = StopIteration
-            close = getattr(it, "close", None)
-        else:
-            raise BridgeError.validation(f"{plan.label} returned {type(source).__qualname__}, which is not iterable: "
-                                         f"use Call instead of Stream", target=plan.label)
-        first = True
-        watchdog = Watchdog()
-        try:
-            while True:
-                if first:
-                    limit = deadlines.call
-                else:
-                    idle = None if deadlines.stream_idle_s is None else time.monotonic() + deadlines.stream_idle_s
-                    limit = min((t for t in (idle, deadlines.total) if t is not None), default=None)
-                watchdog.arm(limit)
-                try:
-                    item = await step()
-                except done_exc:
-                    return
-                except asyncio.CancelledError:
-                    if watchdog.expired_cancel():
-                        doing = "waiting for the first item" if first else "waiting for the next item"
-                        raise BridgeError.timeout(f"{plan.label}: deadline exceeded while {doing}",
-                                                  target=plan.label) from None
-                    raise
-                finally:
-                    watchdog.disarm()
-                if done_exc is StopIteration and item is sentinel:
-                    return
-                first = False
-                sent = time.monotonic()
-                yield item
-                if interval_s:
-                    # Coalescing: not asking for the next item yet lets vLLM merge the outputs that
-                    # arrive meanwhile into one (its per-request collector), so fewer messages carry
-                    # the same tokens. The first item is never held back.
-                    await asyncio.sleep(max(0.0, sent + interval_s - time.monotonic()))
-        finally:
-            watchdog.close()
-            if close is not None:
-                try:
-                    result = close()
-                    if inspect.isawaitable(result):
-                        await result
-                except Exception:  # closing is best effort: the stream's outcome is already decided
-                    pass
-
-
-class _Tee:
-    """Both encodings of each item, taken at the same moment (the objects may change once the
-    loop turns): the patch goes out first, the whole Value right after it. For checking a
-    receiver's patch decoding against whole values, item for item (`x-bridge-stream-tee`)."""
-
-    def __init__(self, patch: PutItem, whole: PutItem) -> None:
-        self.patch, self.whole = patch, whole
-        self.held = pb.StreamItem()
-
-    def first(self, item: Any, msg: Any) -> None:
-        self.held = pb.StreamItem()
-        self.whole(item, self.held)
-        self.patch(item, msg)
-
-    def second(self, item: Any, msg: Any) -> None:
-        msg.value.CopyFrom(self.held.value)
-
+    async def push_stream(self, request: pb.CallRequest, session_id: str, deadlines: Deadlines, plan: Plan,
+                          encoding: str | None, tee: bool = False) -> tuple[PushSource, tuple[PutItem, ...]] | None:
+        """Starts the stream pushed (`adapters.spec.PushSource`) where its entry can be, with the
+        functions that put each item into its messages (one; two for `tee`, as `stream` yields them);
+        None where it cannot (then `stream`)."""
+        entry = plan.entry
+        if entry is None or entry.pushed is None or plan.exclusive:
+            return None
+        args, kwargs = await self.prepare(plan, *self.decode(request))
+        source = await with_deadline(entry.pushed(plan.receiver, _bound_map(plan, args, kwargs)), deadlines.call,
+                                     plan.label, "waiting for the first item")
+        put = self.item_writer(session_id, plan.exclusive, encoding)
+        if tee and encoding == STREAM_PATCH_V1:
+            both = Tee(put, self.item_writer(session_id, plan.exclusive, None))
+            return source, (both.first, both.second)
+        return source, (put,)
 
 def _as_documented(returns: str, result: Any) -> Any:
     """Gives a result the shape its document promises where vLLM's own type drifts (results that

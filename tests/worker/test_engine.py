@@ -436,3 +436,19 @@ def test_a_client_that_does_not_ask_for_patches_gets_whole_values(engine_worker:
     assert patched[0].HasField("value") and all(i.HasField("patch") for i in patched[1:])
     assert sum(len(i.SerializeToString()) for i in patched) < sum(len(i.SerializeToString()) for i in items) / 3
     assert isinstance(items[0], pb.StreamItem)
+
+
+def test_a_request_vllm_refuses_fails_the_same_way_pushed_and_pulled(bridge: BridgeClient) -> None:
+    """Multiplexed generations are pushed (vLLM's output handler hands each output over; see
+    adapters.spec.PushSource), coalesced ones and plain Stream calls pulled through generate(): a
+    request that add_request refuses must fail alike."""
+    too_long = "word " * 3000       # past max_model_len
+    errors = []
+    with bridge.multiplex() as mux:
+        for source, options in ((bridge, {}), (mux, {}), (mux, {"stream_interval_s": 0.0})):
+            with pytest.raises(CallError) as err:
+                list(source.stream(GENERATE, too_long, greedy(4), f"refused-{len(errors)}", **options))
+            errors.append(err.value)
+        assert mux.call(Target.method("engine", "check_health")) is None
+    assert len({(e.code, e.category, e.detail.python_type if e.detail else "") for e in errors}) == 1, errors
+    assert "longer than the maximum model length" in errors[0].details
