@@ -170,6 +170,15 @@ def test_records_whose_fields_come_and_go_are_sent_with_the_fields_they_have() -
     check_stream(items())
 
 
+def test_a_place_patched_again_after_something_above_it_was_replaced_is_found_anew() -> None:
+    """The receiver remembers where its ops landed; a `set` above such a place replaces what is
+    below it, and the next op there must land in the new value, not in what was replaced."""
+    sent = check_stream(iter([Rec(a=["x"]), Rec(a=["xy"]), Rec(a=("xy",)), Rec(a=("xyz",)), Rec(a=("xyzw",)),
+                              Rec(a=[["q"]]), Rec(a=[["qr"]]), Rec(a=[["qr", "s"]]), Rec(a=[["qr", "st"]])]))
+    assert [ops(m) for m in sent[1:5]] == [[([0, 0], "append_str")], [([0], "set")], [([0, 0], "append_str")],
+                                           [([0, 0], "append_str")]]
+
+
 def test_refs_tensors_and_sets_are_sent_whole_every_time() -> None:
     opaque, tensor, members = Opaque(), torch.arange(4), {1, 2}
     sent = check_stream(iter([Plain(x=opaque, y=[tensor, members])] * 3))
