@@ -19,8 +19,8 @@ import grpc
 from bridge_server.wire.codec import Encoder
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import detail_from_rpc_error
-from bridge_server.wire.patch import StreamState
 from bridge_server.wire.protocol import GRPC_OPTIONS, STREAM_PATCH_V1, RuntimeOptions, to_metadata
+from bridge_server.wire.streamstate import StreamState
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -21,7 +22,8 @@ import torch
 
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-__all__ = ["SCALAR_WRITERS", "TORCH_DTYPES", "CodecError", "Encoder", "qualified_name", "short_repr"]
+__all__ = ["SCALAR_WRITERS", "TORCH_DTYPES", "CodecError", "Encoder", "FieldReader", "field_reader", "qualified_name",
+           "short_repr"]
 
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
@@ -146,6 +148,56 @@ def _leaf_kind(cls: type) -> str | None:
 
 _type_name_of = _per_class(qualified_name)   # once per class: it is written into every record and enum
 _INT_ONLY = {int}
+
+
+class FieldReader:
+    """How to read a record class's fields fast, worked out once per class: every field name in
+    order, and a C getter of all their values at once. It applies to an object that has every field
+    (none missing or msgspec UNSET), which is the usual case; for any other the encoder's own listing
+    decides (`Encoder.record_fields`)."""
+
+    __slots__ = ("names", "get", "check_unset")
+
+    def __init__(self, names: tuple[str, ...], get: Callable[[Any], tuple[Any, ...]] | None, check_unset: bool) -> None:
+        self.names = names
+        self.get = get
+        self.check_unset = check_unset
+
+    def values(self, obj: Any) -> tuple[Any, ...] | None:
+        get = self.get
+        if get is None:
+            return None
+        try:
+            values = get(obj)
+        except AttributeError:
+            return None
+        if self.check_unset and _UNSET_ID in map(id, values):
+            return None
+        return values
+
+
+_UNSET_ID = id(msgspec.UNSET)
+
+
+@functools.lru_cache(maxsize=1024)
+def field_reader(cls: type, adapter_names: tuple[str, ...] | None) -> FieldReader:
+    """The FieldReader of a record class (`adapter_names`: the fields an adapter declares for it)."""
+    if adapter_names is not None:
+        names = adapter_names
+    elif issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        return FieldReader(tuple(cls._fields), tuple, False)
+    elif dataclasses.is_dataclass(cls):
+        names = tuple(f.name for f in dataclasses.fields(cls))
+    elif issubclass(cls, msgspec.Struct):
+        names = tuple(cls.__struct_fields__)
+    else:      # pydantic: extra fields come and go, so always the encoder's listing
+        return FieldReader((), None, False)
+    if not names:
+        return FieldReader(names, lambda obj: (), False)
+    getter = operator.attrgetter(*names)
+    get = getter if len(names) > 1 else (lambda obj: (getter(obj),))
+    return FieldReader(names, get, adapter_names is None)
+
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Stream items as patches (`STREAM_ENCODING_PATCH_V1` in the .proto): the sender's diff and the
-receiver's apply.
+"""Stream items as patches (`STREAM_ENCODING_PATCH_V1` in the .proto): the sender's diff (the
+receiver's apply is `streamstate.py`).
 
 Why: a generation streams one `RequestOutput` per token, a record of ~30 fields of which a token or
 two change (the text and token ids grow, a few timestamps move, `finished` flips once). Encoding the
@@ -21,21 +21,16 @@ objects of the item before, changed since.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-import functools
 import itertools
 import math
 import operator
-from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
-from bridge_server.wire.codec import SCALAR_WRITERS, CodecError, Encoder
+from bridge_server.wire.codec import SCALAR_WRITERS, Encoder, FieldReader, field_reader
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-__all__ = ["Patcher", "StreamState"]
+__all__ = ["Patcher"]
 
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 _INT_ONLY = {int}
@@ -282,61 +277,13 @@ class _Map(_Node):
             active.discard(id(obj))
 
 
-class _Fields:
-    """How to read a record class's fields fast, worked out once per class: every field name in
-    order, and a C getter of all their values at once. It applies to an object that has every field
-    (none missing or msgspec UNSET), which is the usual case; for any other the encoder's own listing
-    decides (`Encoder.record_fields`)."""
-
-    __slots__ = ("names", "get", "check_unset")
-
-    def __init__(self, names: tuple[str, ...], get: Callable[[Any], tuple[Any, ...]] | None, check_unset: bool) -> None:
-        self.names = names
-        self.get = get
-        self.check_unset = check_unset
-
-    def values(self, obj: Any) -> tuple[Any, ...] | None:
-        get = self.get
-        if get is None:
-            return None
-        try:
-            values = get(obj)
-        except AttributeError:
-            return None
-        if self.check_unset and _UNSET_ID in map(id, values):
-            return None
-        return values
-
-
-_UNSET_ID = id(msgspec.UNSET)
-
-
-@functools.lru_cache(maxsize=1024)
-def _fields_of(cls: type, adapter_names: tuple[str, ...] | None) -> _Fields:
-    if adapter_names is not None:
-        names = adapter_names
-    elif issubclass(cls, tuple) and hasattr(cls, "_fields"):
-        return _Fields(tuple(cls._fields), tuple, False)
-    elif dataclasses.is_dataclass(cls):
-        names = tuple(f.name for f in dataclasses.fields(cls))
-    elif issubclass(cls, msgspec.Struct):
-        names = tuple(cls.__struct_fields__)
-    else:      # pydantic: extra fields come and go, so always the encoder's listing
-        return _Fields((), None, False)
-    if not names:
-        return _Fields(names, lambda obj: (), False)
-    getter = operator.attrgetter(*names)
-    get = getter if len(names) > 1 else (lambda obj: (getter(obj),))
-    return _Fields(names, get, adapter_names is None)
-
-
 class _Record(_Node):
     """A record: its class, its field names as encoded, and their values' shadows."""
 
     __slots__ = ("cls", "names", "leaves", "kids", "plan")
 
     def __init__(self, cls: type, names: tuple[str, ...], leaves: list[Any], kids: list[_Node | None],
-                 plan: _Fields) -> None:
+                 plan: FieldReader) -> None:
         self.cls = cls
         self.names = names
         self.leaves = leaves
@@ -487,7 +434,7 @@ class Patcher:
             return _Enum(obj) if issubclass(cls, enum.Enum) else _OPAQUE
         if depth >= self.max_depth or id(obj) in active:
             return _OPAQUE
-        plan = _fields_of(cls, self.encoder.records.get(cls))  # type: ignore[arg-type]  # classes hash
+        plan = field_reader(cls, self.encoder.records.get(cls))  # type: ignore[arg-type]  # classes hash
         names = tuple(n for n, _ in fields)
         if names == plan.names:
             names = plan.names        # the same tuple: `_Record._fields` then takes the fast way
@@ -495,86 +442,3 @@ class Patcher:
 
 
 _PATCHED_ROOTS = (_Record, _Seq, _Ints, _Str)
-
-
-# --- the receiver ---------------------------------------------------------------------------------
-
-class _Misfit(Exception):
-    """A patch that does not fit the state (turned into a CodecError that says where)."""
-
-
-def _child(node: pb.Value, step: int) -> pb.Value:
-    kind = node.WhichOneof("kind")
-    if kind == "record":
-        fields = node.record.fields
-        if step < len(fields):
-            return fields[step].value
-    elif kind == "list" or kind == "tuple":
-        items = getattr(node, kind).items
-        if step < len(items):
-            return items[step]
-    else:
-        raise _Misfit(f"a step into a {kind}")
-    raise _Misfit(f"position {step} of a {kind}")
-
-
-class StreamState:
-    """The receiver's side of one stream: the latest item's Value, which each item replaces (a whole
-    `value`) or changes (a `patch`). The Value returned is the state itself: decode it before the
-    next item arrives.
-
-    A stream's patches change the same few places item after item (a generation's text, token ids
-    and stats), so the node at each path is remembered until a `set` above it replaces what is
-    below (its children are then other objects)."""
-
-    __slots__ = ("value", "_nodes")
-
-    def __init__(self) -> None:
-        self.value: pb.Value | None = None
-        self._nodes: dict[tuple[int, ...], pb.Value] = {}
-
-    def full(self, value: pb.Value) -> pb.Value:
-        self.value = state = pb.Value()
-        state.CopyFrom(value)       # ours: the received message is not patched in place
-        self._nodes.clear()
-        return state
-
-    def patch(self, patch: pb.StreamPatch) -> pb.Value:
-        state = self.value
-        if state is None:
-            raise CodecError("stream", "a whole value before the first patch", "a patch")
-        nodes = self._nodes
-        for n, op in enumerate(patch.ops):
-            path = tuple(op.path)
-            try:
-                node = nodes.get(path)
-                if node is None:
-                    node = state
-                    for step in path:
-                        node = _child(node, step)
-                    nodes[path] = node
-                which = op.WhichOneof("op")
-                kind = node.WhichOneof("kind")
-                if which == "append_str" and kind == "str":
-                    node.str += op.append_str
-                elif which == "set":
-                    node.CopyFrom(op.set)
-                    size = len(path)
-                    for key in [k for k in nodes if len(k) > size and k[:size] == path]:
-                        del nodes[key]
-                elif which == "append_ints" and kind == "ints":
-                    node.ints.values.extend(op.append_ints.values)
-                elif which == "append_items" and (kind == "list" or kind == "tuple"):
-                    getattr(node, kind).items.extend(op.append_items.items)
-                else:
-                    raise _Misfit(f"{which} on a {kind}")
-            except _Misfit as exc:
-                raise CodecError(f"patch.ops[{n}] (path {list(path)})", "an op that fits the state",
-                                 str(exc)) from None
-        return state
-
-    def item(self, msg: Any) -> pb.Value:
-        """The Value of a `StreamItem` or `MuxEvent` that holds a stream's next item."""
-        if msg.HasField("patch"):
-            return self.patch(msg.patch)
-        return self.full(msg.value)

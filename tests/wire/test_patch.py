@@ -17,8 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge_server.wire.codec import CodecError, Encoder
-from bridge_server.wire.patch import Patcher, StreamState
+from bridge_server.wire.patch import Patcher
 from bridge_server.wire.protocol import STREAM_FULL, STREAM_PATCH_V1, RuntimeOptions, parse_metadata, to_metadata
+from bridge_server.wire.streamstate import StreamState
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 
