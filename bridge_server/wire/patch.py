@@ -161,9 +161,12 @@ class _Ints(_Node):
 
 
 def _diff_parts(p: Patcher, values: Any, leaves: list[Any], kids: list[_Node | None], path: list[int],
-                depth: int, active: set[int]) -> None:
+                depth: int, active: set[int], constant: frozenset[int] = frozenset()) -> None:
     """Emits the ops for the parts (fields or items) in `values`, the first len(values) of those
-    shadowed, and updates their shadow. `depth` is the parts' own."""
+    shadowed, and updates their shadow. `depth` is the parts' own. The parts at `constant` positions
+    are a record's fields that its adapter declares to stay the same object through a stream (a
+    request's prompt token ids): while they are that object they are not compared, which is what the
+    full encoding assumes of them too (it sends its first encoding again)."""
     ops = p.ops
     i = -1
     for x in values:
@@ -198,7 +201,7 @@ def _diff_parts(p: Patcher, values: Any, leaves: list[Any], kids: list[_Node | N
         kid = p.whole(x, path, depth, active) if kid is None else kid.diff(p, x, path, depth, active)
         path.pop()
         kids[i] = kid
-        leaves[i] = kid.member if type(kid) is _Enum else _NOT_A_LEAF
+        leaves[i] = kid.member if type(kid) is _Enum else x if i in constant else _NOT_A_LEAF
 
 
 def _same_parts(p: Patcher, values: Any, leaves: list[Any], kids: list[_Node | None], depth: int,
@@ -280,15 +283,16 @@ class _Map(_Node):
 class _Record(_Node):
     """A record: its class, its field names as encoded, and their values' shadows."""
 
-    __slots__ = ("cls", "names", "leaves", "kids", "plan")
+    __slots__ = ("cls", "names", "leaves", "kids", "plan", "constant")
 
     def __init__(self, cls: type, names: tuple[str, ...], leaves: list[Any], kids: list[_Node | None],
-                 plan: FieldReader) -> None:
+                 plan: FieldReader, constant: frozenset[int]) -> None:
         self.cls = cls
         self.names = names
         self.leaves = leaves
         self.kids = kids
         self.plan = plan
+        self.constant = constant       # positions of fields declared constant (see `_diff_parts`)
 
     def _fields(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> Any:
         """obj's field values, if obj encodes as a record with the same fields in the same order."""
@@ -329,7 +333,7 @@ class _Record(_Node):
             if values is None:
                 return p.whole(obj, path, depth, active)
         active.add(key)
-        _diff_parts(p, values, self.leaves, self.kids, path, depth + 1, active)
+        _diff_parts(p, values, self.leaves, self.kids, path, depth + 1, active, self.constant)
         active.discard(key)
         return self
 
@@ -438,7 +442,13 @@ class Patcher:
         names = tuple(n for n, _ in fields)
         if names == plan.names:
             names = plan.names        # the same tuple: `_Record._fields` then takes the fast way
-        return _Record(cls, names, *self._parts(obj, (v for _, v in fields), depth, active), plan)
+        declared = self.encoder.constant_fields.get(cls)
+        constant = frozenset(i for i, n in enumerate(names) if n in declared) if declared else frozenset()
+        leaves, kids = self._parts(obj, (v for _, v in fields), depth, active)
+        for i in constant:
+            if kids[i] is not None and type(kids[i]) is not _Enum:
+                leaves[i] = fields[i][1]      # the object itself: skipped while it stays
+        return _Record(cls, names, leaves, kids, plan, constant)
 
 
 _PATCHED_ROOTS = (_Record, _Seq, _Ints, _Str)

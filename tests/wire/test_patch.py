@@ -180,6 +180,25 @@ def test_a_place_patched_again_after_something_above_it_was_replaced_is_found_an
                                            [([0, 0], "append_str")]]
 
 
+def test_fields_declared_constant_are_trusted_while_they_stay_the_same_object_as_the_full_encoding_does() -> None:
+    """An adapter declares the fields of a record that stay the same object through a stream (a
+    request's prompt token ids): the full encoding of a stream sends their first encoding again
+    while they are that object, and so do patches, without comparing a long prompt every item."""
+    prompt = list(range(1000))
+    items = [Plain(x=prompt, y=1), Plain(x=prompt, y=2), Plain(x=list(prompt), y=3), Plain(x=[7], y=4)]
+    whole = Encoder(by_identity, records=RECORDS, constant_fields={Plain: frozenset({"x"})}, memo={})
+    patcher = Patcher(Encoder(by_identity, records=RECORDS, constant_fields={Plain: frozenset({"x"})}))
+    state = StreamState()
+    sent = []
+    for item in items:
+        msg = pb.MuxEvent()
+        patcher.put(item, msg)
+        sent.append(msg)
+        assert state.item(msg).SerializeToString(deterministic=True) == \
+            whole.encode(item).SerializeToString(deterministic=True)
+    assert [ops(m) for m in sent[1:]] == [[([1], "set")], [([1], "set")], [([0], "set"), ([1], "set")]]
+
+
 def test_refs_tensors_and_sets_are_sent_whole_every_time() -> None:
     opaque, tensor, members = Opaque(), torch.arange(4), {1, 2}
     sent = check_stream(iter([Plain(x=opaque, y=[tensor, members])] * 3))
