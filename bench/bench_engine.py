@@ -58,6 +58,10 @@ may be shared: before each level the benchmark waits (up to `--wait-quiet` secon
 to leave the CPU alone, and a run with much foreign CPU says so instead of passing off noise as a
 result. Runtime: about 6 minutes on a quiet machine (the 256 level takes half of it), plus any waiting.
 
+`--summarize run1.json run2.json ...` measures nothing: it prints the figures of issue 18 (the ratios
+above that have goals) over several runs' `--json` files, grouped by reserved cores: the median at
+each level and every run's value, so the spread shows.
+
 The clients do as little as they can, so as not to steal CPU from the server they measure: the
 bridge client sends a pre-serialized request; with whole items it keeps the stream's raw bytes and
 parses only the last item (with the default CUMULATIVE kind it carries every token id; with DELTA
@@ -802,6 +806,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
     p.add_argument("--model", default=None, help="model folder (default: the tiny model, built if missing)")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--summarize", nargs="+", metavar="JSON", default=None,
+                   help="measure nothing: print the goal figures (median, and each run) of earlier runs' --json files")
     p.add_argument("--logs", default=None, help="keep the servers' logs in this folder")
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     p.add_argument("--phase-out", default=None, help=argparse.SUPPRESS)
@@ -809,9 +815,48 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The figures of issue 18, each a ratio within one run: (row, ratio name in results["ratios"], key).
+GOALS = (
+    ("worker CPU per token / vllm serve's API server", "bridge-mux / vllm-serve", "front_cpu", "<= 0.5"),
+    ("  the same, Stream per request", "bridge / vllm-serve", "front_cpu", ""),
+    ("bridge-mux tok/s / in-process", "bridge-mux / in-process", "tok_s", ">= 0.95 (1.0 reserved core)"),
+    ("bridge (Stream per request) tok/s / in-process", "bridge / in-process", "tok_s", ">= 0.9 @32"),
+    ("TTFT p50 bridge-mux / in-process", "bridge-mux / in-process", "ttft_p50", "<= 1.1 @8"),
+    ("bridge-mux tok/s / vllm serve", "bridge-mux / vllm-serve", "tok_s", ""),
+)
+
+
+def summarize_runs(paths: Sequence[str]) -> int:
+    """The goal figures over several runs' JSON: the median at each level, and every run's value (the
+    spread). Runs are grouped by reserved cores; each group is one table."""
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        groups.setdefault(int(data["workload"].get("reserved_cpus", 0)), []).append(data)
+    for reserved, runs in sorted(groups.items()):
+        levels = sorted({c for r in runs for c in r["workload"]["concurrency"]}, key=int)
+        foreign = [round(lv["cpu"].get("foreign_cores", 0.0), 2) for r in runs for row in r["rows"].values()
+                   for lv in row["levels"].values()]
+        print(f"\nVLLM_CPU_NUM_OF_RESERVED_CPU={reserved}: {len(runs)} runs; foreign cores per level and way: "
+              f"median {statistics.median(foreign) if foreign else 0:.2f}, max {max(foreign, default=0):.2f}\n")
+        table = []
+        for row, ratio, key, goal in GOALS:
+            cells: list[object] = [row, goal]
+            for c in levels:
+                values = [r["ratios"][ratio][str(c)][key] for r in runs
+                          if ratio in r["ratios"] and str(c) in r["ratios"][ratio]]
+                cells.append(f"{statistics.median(values):.2f} ({', '.join(f'{v:.2f}' for v in values)})"
+                             if values else "-")
+            table.append(cells)
+        print_table(["figure (median over runs; each run)", "goal"] + [f"@{c}" for c in levels], table)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     exit_on_sigterm()
     args = build_parser().parse_args(argv)
+    if args.summarize:
+        return summarize_runs(args.summarize)
     if args.phase == "in-process":
         spec = json.loads(args.phase_workload)
         kinds = spec.pop("kinds")
