@@ -66,84 +66,6 @@ def _advertise_new_signature() -> None:
 _advertise_new_signature()
 
 
-class _PushedGeneration:
-    """`generate`, pushed: the request's outputs are handed over as vLLM's output handler makes them
-    (from inside `process_outputs`, where it puts each into the request's collector), so a worker
-    serving many generations encodes one engine step's items in one pass instead of waking a task,
-    and the generator stack above it, per request per token.
-
-    Everything else is `AsyncLLM.generate`'s: the request goes in with `add_request`, items come out
-    of its `RequestOutputCollector` (which merges what is not taken yet, as for a slow reader), and
-    failures, aborts and their log lines are those of generate's own `except` clauses."""
-
-    def __init__(self, engine: Any, request_id: str) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.queue: Any = None
-        self.on_ready: Any = None
-        self._put: Any = None
-
-    async def start(self, prompt: Any, params: Any, **kwargs: Any) -> _PushedGeneration:
-        try:
-            queue = await self.engine.add_request(self.request_id, prompt, params, **kwargs)
-        except asyncio.CancelledError:
-            self._log("Request %s aborted.", self.request_id)
-            raise
-        except BaseException as exc:
-            raise await self.failed(exc) from None
-        self.queue = queue
-        self._put = queue.put
-        queue.put = self._handed      # the output processor calls `req_state.queue.put(output)`
-        return self
-
-    def _handed(self, output: Any) -> None:
-        self._put(output)
-        ready = self.on_ready
-        if ready is not None:
-            ready()
-
-    def take(self) -> Any:
-        return self.queue.get_nowait()
-
-    def is_last(self, item: Any) -> bool:
-        return bool(item.finished)
-
-    async def failed(self, exc: BaseException) -> BaseException:
-        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
-        if isinstance(exc, EngineDeadError):
-            self._log("Request %s failed (engine dead).", self.request_id)
-            return exc
-        if isinstance(exc, ValueError):
-            self._log("Request %s failed (bad request): %s.", self.request_id, exc)
-            return exc
-        if not isinstance(exc, Exception):
-            return exc
-        if self.queue is not None:
-            await self.engine.abort(self.queue.request_id, internal=True)
-        self._log("Request %s failed due to %s.", self.request_id, f"{type(exc).__name__}: {exc}")
-        err = EngineGenerateError()
-        err.__cause__ = exc
-        return err
-
-    async def abort(self) -> None:
-        if self.queue is not None:
-            await self.engine.abort(self.queue.request_id, internal=True)
-        self._log("Request %s aborted.", self.request_id)
-
-    def _log(self, message: str, *args: Any) -> None:
-        """As generate logs it, on vLLM's own logger, when the engine logs requests."""
-        if getattr(self.engine, "log_requests", False):
-            from vllm.v1.engine.async_llm import logger as vllm_log
-            vllm_log.info(message, *args)
-
-
-async def _push_generate(engine: Any, args: Mapping[str, Any]) -> _PushedGeneration:
-    """Starts `generate(prompt, sampling_params, request_id, **options)` pushed."""
-    options = {k: v for k, v in args.items() if k not in ("self", "prompt", "sampling_params", "request_id")}
-    return await _PushedGeneration(engine, args["request_id"]).start(args["prompt"], args["sampling_params"],
-                                                                     **options)
-
-
 def _shutdown(engine: Any) -> None:
     """Last ref released: stop the engine core process. Off the event loop, as shutdown blocks."""
     try:
@@ -166,7 +88,6 @@ ASYNC_LLM = AdapterSpec(
     guards={"*": _alive, "encode": _encode_guard},
     overrides={"new": _new},
     finalizer=_shutdown,
-    pushed={"generate": _push_generate},
     constructors=(
         Constructor("vllm.AsyncEngineArgs", "vllm", "AsyncEngineArgs"),
         Constructor("vllm.SamplingParams", "vllm", "SamplingParams"),

@@ -8,44 +8,13 @@ invoker never needs to know which surface an entry came from.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 # A guard runs before the call with the receiver and the bound arguments, and raises BridgeError to
 # refuse it; it may be a coroutine function (to ask the engine something first).
 Guard = Callable[[Any, Mapping[str, Any]], Any]
-
-
-class PushSource(Protocol):
-    """A stream whose producer hands each item over as it makes it, instead of a generator that a
-    task of its own resumes per item. What it saves is that task's wake-up, and every generator
-    layer above it, once per item: for a generation, once per token.
-
-    The producer calls `on_ready` (synchronously, from its own code) when an item becomes ready;
-    the consumer then `take`s the items it has room for. An item left untaken is merged with the
-    next by the producer, as it would be for a generator's slow consumer."""
-
-    on_ready: Callable[[], None] | None
-
-    def take(self) -> Any:
-        """The next ready item, or None; raises the stream's own failure (as `failed` maps it)."""
-
-    def is_last(self, item: Any) -> bool:
-        """Whether `item` ends the stream."""
-
-    async def failed(self, exc: BaseException) -> BaseException:
-        """What the stream raises for a failure `take` raised (the generator's own mapping, and
-        its clean-up)."""
-
-    async def abort(self) -> None:
-        """The consumer stops before the end (cancelled, past its deadline, failed itself): stop
-        the producer, as closing the generator would."""
-
-
-# Starts a pushed stream for a streaming entry (receiver, bound arguments by name) instead of
-# calling it: the same items, the same errors, the same clean-up as iterating what it returns.
-PushStreamer = Callable[[Any, Mapping[str, Any]], Awaitable[PushSource]]
 
 
 @dataclass(frozen=True)
@@ -84,7 +53,6 @@ class AdapterSpec:
     finalizer: Callable[[Any], None] | None = None   # when the last ref to an instance of `cls` goes
     constructors: tuple[Constructor, ...] = ()
     records: tuple[RecordType, ...] = ()
-    pushed: Mapping[str, PushStreamer] = field(default_factory=dict)  # streaming entries that can push
 
     @property
     def prefix(self) -> str:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from adapters.spec import AdapterSpec, Guard, PushStreamer
+from adapters.spec import AdapterSpec, Guard
 from adapters.surface import DocEntry, DocSurface, load_surfaces
 from bridge_server.wire.errors import BridgeError
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -58,7 +58,6 @@ class Entry:
     profile: str = "default"
     guard: Guard | None = None
     override: Callable[..., Any] | None = None    # an adapter's replacement for the Python callable
-    pushed: PushStreamer | None = None            # starts the stream pushed instead (see PushSource)
 
     def resolve(self) -> Any:
         """The live object: read at call time, so module attributes reflect the current state."""
@@ -184,7 +183,7 @@ def _class_entry(spec: AdapterSpec, cls: type, doc: DocEntry, surface: DocSurfac
     streams, is_async = _streams(fn) if fn is not None else (False, False)
     return Entry(name=f"{spec.prefix}.{doc.name}", kind=kind, attr=attr, signature=sig, streams=streams,
                  is_async=is_async, profile=spec.profiles.get(doc.name, "streaming" if streams else "default"),
-                 pushed=spec.pushed.get(doc.name) if streams else None, **common)  # type: ignore[arg-type]
+                 **common)  # type: ignore[arg-type]
 
 
 def build_catalog(specs: Iterable[AdapterSpec], documents: dict[str, DocSurface] | None = None) -> Catalog:

@@ -24,7 +24,6 @@ from typing import Any
 
 import grpc
 
-from adapters.spec import PushSource
 from bridge_server.wire.codec import Encoder
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import BridgeError
@@ -322,22 +321,6 @@ class Invoker:
     def item_writer(self, session_id: str, exclusive: bool, encoding: str | None) -> PutItem:
         return item_writer(lambda stream: self.encoder(session_id, exclusive, stream), encoding)
 
-    async def push_stream(self, request: pb.CallRequest, session_id: str, deadlines: Deadlines, plan: Plan,
-                          encoding: str | None, tee: bool = False) -> tuple[PushSource, tuple[PutItem, ...]] | None:
-        """Starts the stream pushed (`adapters.spec.PushSource`) where its entry can be, with the
-        functions that put each item into its messages (one; two for `tee`, as `stream` yields them);
-        None where it cannot (then `stream`)."""
-        entry = plan.entry
-        if entry is None or entry.pushed is None or plan.exclusive:
-            return None
-        args, kwargs = await self.prepare(plan, *self.decode(request))
-        source = await with_deadline(entry.pushed(plan.receiver, _bound_map(plan, args, kwargs)), deadlines.call,
-                                     plan.label, "waiting for the first item")
-        put = self.item_writer(session_id, plan.exclusive, encoding)
-        if tee and encoding == STREAM_PATCH_V1:
-            both = Tee(put, self.item_writer(session_id, plan.exclusive, None))
-            return source, (both.first, both.second)
-        return source, (put,)
 
 def _as_documented(returns: str, result: Any) -> Any:
     """Gives a result the shape its document promises where vLLM's own type drifts (results that

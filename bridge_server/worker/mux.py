@@ -24,12 +24,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from adapters.spec import PushSource
 from bridge_server.wire.errors import BridgeError, server_error, target_label
 from bridge_server.wire.protocol import parse_metadata, time_left_s
-from bridge_server.worker.deadlines import Deadlines, Watchdog, resolve_deadlines
+from bridge_server.worker.deadlines import resolve_deadlines
 from bridge_server.worker.invoke import Invoker
-from bridge_server.worker.streams import PutItem, next_deadline
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["MuxSession", "Outbox", "multiplex"]
@@ -50,38 +48,17 @@ class Outbox:
     ready: asyncio.Event = field(default_factory=asyncio.Event)    # something to write
     room: asyncio.Event = field(default_factory=asyncio.Event)     # the writer took a reply
     on_first: Callable[[], None] | None = None                     # called when an empty reply gets an event
-    blocked: dict[int, Callable[[], None]] = field(default_factory=dict)   # pushed calls waiting for room
-
-    def has_room(self, call_id: int) -> bool:
-        return (self.pending.get(call_id, 0) < self.per_call and len(self.reply.events) < self.max_pending
-                and self.credit.get(call_id, 1) > 0)
 
     async def wait_for_room(self, call_id: int) -> None:
-        while not self.has_room(call_id):
+        while (self.pending.get(call_id, 0) >= self.per_call or len(self.reply.events) >= self.max_pending
+               or self.credit.get(call_id, 1) <= 0):
             self.room.clear()
             await self.room.wait()
-
-    def when_room(self, call_id: int, callback: Callable[[], None]) -> None:
-        """Calls `callback` (once) when call_id may have room again: a pushed stream, which has no
-        task to wait, resumes from there."""
-        self.blocked[call_id] = callback
-
-    def _unblock(self, call_id: int | None = None) -> None:
-        if call_id is not None:
-            callback = self.blocked.pop(call_id, None)
-            if callback is not None:
-                callback()
-        elif self.blocked:
-            callbacks = list(self.blocked.values())
-            self.blocked.clear()
-            for callback in callbacks:
-                callback()
 
     def grant(self, call_id: int, events: int) -> None:
         if call_id in self.credit:
             self.credit[call_id] += events
             self.room.set()
-            self._unblock(call_id)
 
     def add_item(self, call_id: int) -> pb.MuxEvent:
         """A stream's next item: spends one credit of a windowed stream."""
@@ -110,7 +87,6 @@ class Outbox:
         self.pending.clear()
         self.ready.clear()
         self.room.set()
-        self._unblock()
         return reply
 
 
@@ -128,12 +104,6 @@ async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[st
             await out.wait_for_room(start.id)
             out.add(start.id).value.CopyFrom(value)
             return
-        if opts.stream_interval_s is None:
-            pushed = await invoker.push_stream(start.call, opts.session_id, deadlines, plan, opts.stream_encoding,
-                                               opts.stream_tee)
-            if pushed is not None:
-                await _run_pushed(start.id, *pushed, deadlines, plan.label, out)
-                return
         async for item, put in invoker.stream(start.call, opts.session_id, deadlines,
                                               opts.stream_interval_s, plan, opts.stream_encoding,
                                               opts.stream_tee):
@@ -152,77 +122,6 @@ async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[st
         raise
     except Exception as exc:
         out.add(start.id).error.CopyFrom(server_error(exc, label).to_mux_error())
-
-
-class _SourceFailed(Exception):
-    """The pushed stream's own failure, as its source raised it (mapped by `PushSource.failed`)."""
-
-
-async def _run_pushed(call_id: int, source: PushSource, puts: tuple[PutItem, ...], deadlines: Deadlines, label: str,
-                      out: Outbox) -> None:
-    """A pushed stream (`adapters.spec.PushSource`), from its first item to its end: each item goes
-    into the reply being gathered as soon as its producer hands it over (for a generation, inside
-    vLLM's output handler, for every request of an engine step in one pass), with no task woken per
-    item. This call's task only waits for the end, within the stream's deadlines.
-
-    Without room for this call (its window spent, or its events in the reply not taken yet) items
-    stay with the producer, which merges them, and the stream resumes once room comes (`when_room`);
-    meanwhile the idle deadline does not run, as for a consumer that has not asked yet."""
-    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    watchdog = Watchdog()
-    first = True
-
-    def drain() -> None:
-        nonlocal first
-        if done.done():
-            return
-        try:
-            while out.has_room(call_id):
-                try:
-                    item = source.take()
-                except Exception as exc:
-                    raise _SourceFailed() from exc
-                if item is None:
-                    watchdog.arm(deadlines.call if first else next_deadline(deadlines))
-                    return
-                for put in puts:
-                    event = out.add_item(call_id)
-                    try:
-                        put(item, event)
-                    except BaseException:
-                        out.drop_last()
-                        raise
-                first = False
-                if source.is_last(item):
-                    out.add(call_id).end.SetInParent()     # in the same reply as the last item
-                    done.set_result(None)
-                    return
-            watchdog.disarm()
-            out.when_room(call_id, drain)
-        except Exception as exc:      # never into the producer: the call fails, with this
-            done.set_exception(exc)
-
-    source.on_ready = drain
-    watchdog.arm(deadlines.call)
-    drain()                           # whatever came before on_ready was set
-    try:
-        await done
-    except asyncio.CancelledError:
-        await source.abort()
-        if watchdog.expired_cancel():
-            doing = "waiting for the first item" if first else "waiting for the next item"
-            raise BridgeError.timeout(f"{label}: deadline exceeded while {doing}", target=label) from None
-        raise
-    except _SourceFailed as failed:
-        assert failed.__cause__ is not None
-        raise await source.failed(failed.__cause__) from None
-    except BaseException:
-        await source.abort()          # our own failure (encoding): the producer stops, as for a closed generator
-        raise
-    finally:
-        source.on_ready = None
-        out.blocked.pop(call_id, None)
-        watchdog.close()
 
 
 class MuxSession:

@@ -438,14 +438,14 @@ def test_a_client_that_does_not_ask_for_patches_gets_whole_values(engine_worker:
     assert isinstance(items[0], pb.StreamItem)
 
 
-def test_a_request_vllm_refuses_fails_the_same_way_pushed_and_pulled(bridge: BridgeClient) -> None:
-    """Multiplexed generations are pushed (vLLM's output handler hands each output over; see
-    adapters.spec.PushSource), coalesced ones and plain Stream calls pulled through generate(): a
-    request that add_request refuses must fail alike."""
+def test_a_request_vllm_refuses_fails_alike_over_every_transport_and_encoding(bridge: BridgeClient) -> None:
+    """A request that vLLM's add_request refuses (inside generate's first step) fails with the same
+    status over Stream and Multiplex, patched, whole and coalesced."""
     too_long = "word " * 3000       # past max_model_len
     errors = []
     with bridge.multiplex() as mux:
-        for source, options in ((bridge, {}), (mux, {}), (mux, {"stream_interval_s": 0.0})):
+        for source, options in ((bridge, {}), (mux, {}), (mux, {"stream_interval_s": 0.01}),
+                                (bridge, {"stream_encoding": "full"})):
             with pytest.raises(CallError) as err:
                 list(source.stream(GENERATE, too_long, greedy(4), f"refused-{len(errors)}", **options))
             errors.append(err.value)
