@@ -2,32 +2,197 @@
 
 Engine methods are coroutines and async generators, so they run on the worker's event loop and many
 requests share one engine, which is what lets vLLM batch them. What this adapter adds is what a
-remote caller cannot do for itself: refuse calls that would kill the engine core, fail fast on an
-engine that is already dead, and shut an engine down when its last ref goes away.
+remote caller cannot do for itself:
+- refuse calls that would kill the engine core (a pooling task the model lacks), and prompts that
+  cannot fit the model, before they reach it; tokenize long prompts off the event loop, so one
+  call's prompt never stalls the others;
+- know when an engine can no longer serve (its core process exited, or it stops answering: its input
+  thread dies on a request it cannot decode, its output path dies), and then fail its calls at once
+  with the cause (`lifecycle`: the worker probes every engine and replaces a published one);
+- warm an engine up before anyone's first request pays for kernel compilation;
+- shut an engine down when its last ref goes away.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-from collections.abc import Mapping
+import weakref
+from collections.abc import AsyncGenerator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
 
-from adapters.spec import AdapterSpec, Constructor, RecordType
+from adapters.spec import AdapterSpec, Constructor, Lifecycle, RecordType
 from bridge_server.wire.errors import BridgeError
 
 log = logging.getLogger("vllm_bridge.engine")
 PREFIX = "vllm.AsyncLLMEngine"
+LONG_PROMPT_CHARS = 16_384      # longer prompts are tokenized off the event loop
+_causes: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()   # engine -> why it is dead
+_warmups = itertools.count(1)
 
 
 def _alive(engine: Any, args: Mapping[str, Any]) -> None:
-    """Every call on a dead engine fails at once with the reason, instead of vLLM's own error later."""
-    if engine is not None and getattr(engine, "errored", False):
-        raise BridgeError(grpc.StatusCode.UNAVAILABLE, "engine",
-                          f"{PREFIX}: engine dead: {getattr(engine, 'dead_error', 'the engine core exited')}",
+    """Every call on a dead engine fails at once with the cause, instead of vLLM's own error later
+    (or, for an engine that stopped answering, never)."""
+    if engine is None:
+        return
+    cause = _causes.get(engine)
+    if cause is None and getattr(engine, "errored", False):
+        cause = f"the engine core exited ({getattr(engine, 'dead_error', 'no error recorded')})"
+    if cause is not None:
+        raise BridgeError(grpc.StatusCode.UNAVAILABLE, "engine", f"{PREFIX}: engine dead: {cause}",
                           target=PREFIX, reason="engine dead")
+
+
+# ------------------------------------------------------------------------------------------ liveness
+def _dead(engine: Any) -> str | None:
+    """Why the engine can no longer serve, when vLLM knows (its core process exited) or we decided."""
+    if (cause := _causes.get(engine)) is not None:
+        return cause
+    if getattr(engine, "errored", False):
+        return f"the engine core exited ({getattr(engine, 'dead_error', 'no error recorded')})"
+    return None
+
+
+async def _answers(engine: Any, timeout_s: float) -> bool:
+    """A utility call travels the same path as a request (in through the core's input thread, back
+    through the output handler): an answer shows both are alive."""
+    try:
+        await asyncio.wait_for(engine.is_sleeping(), timeout_s)
+    except asyncio.TimeoutError:
+        return False
+    except Exception:   # EngineDeadError and the like: `_dead` says so next
+        return False
+    return True
+
+
+def _kill(engine: Any, cause: str) -> None:
+    """From now on the engine counts as dead: every call fails at once with `cause`, the requests in
+    flight end with it too, and its core process is stopped (off the event loop)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    _causes[engine] = cause
+    core = getattr(engine, "engine_core", None)
+    resources = getattr(core, "resources", None)
+    if resources is not None:
+        resources.engine_dead = True
+    processor = getattr(engine, "output_processor", None)
+    if processor is not None:
+        error = EngineDeadError()
+        error.args = (f"engine dead: {cause}",)   # vLLM's own text says nothing of the cause
+        try:
+            processor.propagate_error(error)
+        except Exception:   # best effort: the calls in flight also end at their deadlines
+            log.exception("failing the requests in flight of a dead engine")
+    _shutdown(engine)
+
+
+async def _warmup(engine: Any) -> None:
+    """One short request through the whole path, so that the first client request does not pay for
+    what vLLM compiles on first use (6-12 s on our CPUs)."""
+    from vllm import PoolingParams, SamplingParams
+
+    tasks = tuple(await engine.get_supported_tasks())
+    request_id = f"bridge-warmup-{next(_warmups)}"
+    if "generate" in tasks:
+        source = engine.generate("Hello, world", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                                 request_id)
+    else:
+        task = next((t for t in ("embed", "classify", "score", "token_embed", "token_classify")
+                     if t in tasks), None)
+        if task is None:
+            return
+        source = engine.encode("Hello, world", PoolingParams(task=task), request_id)  # type: ignore[arg-type]
+    async for _ in source:
+        pass
+
+
+# ------------------------------------------------------------------------------------------ prompts
+_tokenizing: weakref.WeakKeyDictionary[Any, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
+_token_chars: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def _prompt_text(prompt: Any) -> str | None:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str):
+        return str(prompt["prompt"])
+    return None
+
+
+def _max_token_chars(engine: Any) -> int | None:
+    """The most characters one token of the engine's vocabulary stands for (None: no tokenizer).
+    A prompt longer than max_model_len times this cannot fit, whatever it says."""
+    if engine in _token_chars:
+        return _token_chars[engine]
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None:
+        return None
+    try:
+        longest = max(len(t) for t in tokenizer.get_vocab())
+    except Exception:
+        return None
+    _token_chars[engine] = longest
+    return longest
+
+
+async def _prepared(engine: Any, method: str, prompt: Any, params: Any, request_id: str,
+                    kwargs: dict[str, Any]) -> Any:
+    """The prompt to hand to `method`: as given, or, for a long one, the request vLLM builds from
+    it, built off the event loop. A prompt that cannot fit the model is refused here, at once."""
+    text = _prompt_text(prompt)
+    if text is None or len(text) <= LONG_PROMPT_CHARS // 8:
+        return prompt
+    tokenization = kwargs.get("tokenization_kwargs") or {}
+    truncating = getattr(params, "truncate_prompt_tokens", None) is not None or tokenization.get("truncation")
+    max_len = engine.model_config.max_model_len
+    per_token = _max_token_chars(engine)
+    if not truncating and per_token is not None and len(text) > max_len * per_token:
+        raise BridgeError.validation(
+            f"{PREFIX}.{method}: parameter prompt: a prompt of {len(text):,} characters cannot fit this engine's "
+            f"max_model_len of {max_len:,} tokens (each token stands for at most {per_token} characters); "
+            f"shorten it, or ask for truncation (truncate_prompt_tokens)", target=f"{PREFIX}.{method}",
+            parameter="prompt")
+    if len(text) <= LONG_PROMPT_CHARS:
+        return prompt
+    from vllm.entrypoints.utils import _validate_truncation_size
+
+    tokenization = dict(tokenization)
+    _validate_truncation_size(max_len, params.truncate_prompt_tokens, tokenization)
+    pool = _tokenizing.get(engine)
+    if pool is None:   # one thread per engine: its tokenizer is never used by two of ours at once
+        pool = _tokenizing[engine] = ThreadPoolExecutor(1, thread_name_prefix="bridge-tokenize")
+    return await asyncio.get_running_loop().run_in_executor(
+        pool, lambda: engine.input_processor.process_inputs(
+            request_id, prompt, params, None, kwargs.get("lora_request"), tokenization,
+            kwargs.get("trace_headers"), kwargs.get("priority", 0), kwargs.get("data_parallel_rank")))
+
+
+async def _generate(engine: Any, prompt: Any, sampling_params: Any, request_id: str,
+                    **kwargs: Any) -> AsyncGenerator[Any, None]:
+    """`generate`, with a long prompt tokenized off the event loop first. Returns vLLM's own
+    generator (awaited once, then iterated as is: nothing of ours runs per token)."""
+    prepared = await _prepared(engine, "generate", prompt, sampling_params, request_id, kwargs)
+    if prepared is not prompt:
+        kwargs = {"prompt_text": _prompt_text(prompt), "data_parallel_rank": kwargs.get("data_parallel_rank")}
+    result: AsyncGenerator[Any, None] = engine.generate(prepared, sampling_params, request_id, **kwargs)
+    return result
+
+
+async def _encode(engine: Any, prompt: Any, pooling_params: Any, request_id: str, lora_request: Any = None,
+                  trace_headers: Any = None, priority: int = 0, truncate_prompt_tokens: Any = None,
+                  tokenization_kwargs: Any = None) -> AsyncGenerator[Any, None]:
+    """`encode`, with the same care for long prompts as `generate` (the guard has run already)."""
+    options = dict(lora_request=lora_request, trace_headers=trace_headers, priority=priority,
+                   tokenization_kwargs=tokenization_kwargs)
+    prepared = await _prepared(engine, "encode", prompt, pooling_params, request_id, options)
+    result: AsyncGenerator[Any, None] = engine.encode(prepared, pooling_params, request_id,
+                                                      truncate_prompt_tokens=truncate_prompt_tokens, **options)
+    return result
 
 
 async def _encode_guard(engine: Any, args: Mapping[str, Any]) -> None:
@@ -86,8 +251,9 @@ ASYNC_LLM = AdapterSpec(
               "generate": "streaming", "encode": "streaming", "wait_for_requests_to_drain": "ml_inference",
               "add_lora": "ml_inference"},
     guards={"*": _alive, "encode": _encode_guard},
-    overrides={"new": _new},
+    overrides={"new": _new, "generate": _generate, "encode": _encode},
     finalizer=_shutdown,
+    lifecycle=Lifecycle(dead=_dead, answers=_answers, kill=_kill, warmup=_warmup),
     constructors=(
         Constructor("vllm.AsyncEngineArgs", "vllm", "AsyncEngineArgs"),
         Constructor("vllm.SamplingParams", "vllm", "SamplingParams"),

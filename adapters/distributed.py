@@ -36,6 +36,18 @@ DISTRIBUTED = AdapterSpec(
     }),
     inline=frozenset({"divide", "ensure_divisibility", "get_pp_indices", "is_torch_equal_or_newer"}),
     guards={"resolve_obj_by_qualname": _vllm_names_only},
+    # Everything that talks to the other ranks of the group (or sets the group up or down, which is
+    # a rendezvous): called on one rank of a distributed pool it would block there, waiting for peers
+    # that never come, and every later collective of the pool would queue behind it.
+    collectives=frozenset({
+        "tensor_model_parallel_all_reduce", "tensor_model_parallel_all_gather", "tensor_model_parallel_gather",
+        "tensor_model_parallel_reduce_scatter", "broadcast_tensor_dict", "all_reduce", "all_gather",
+        "reduce_scatter", "patched_fused_scaled_matmul_reduce_scatter", "in_the_same_node_as",
+        "init_distributed_environment", "initialize_model_parallel", "ensure_model_parallel_initialized",
+        "destroy_model_parallel", "destroy_distributed_environment", "cleanup_dist_env_and_memory",
+        "init_model_parallel_group", "init_world_group", "init_gloo_process_group", "graph_capture",
+        "prepare_communication_buffer_for_model",
+    }),
     profiles={
         "init_distributed_environment": "ml_inference",
         "initialize_model_parallel": "ml_inference",

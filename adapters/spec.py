@@ -8,7 +8,7 @@ invoker never needs to know which surface an entry came from.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,23 @@ class RecordType:
 
 
 @dataclass(frozen=True)
+class Lifecycle:
+    """For instances of an adapter's class that can die under the worker (an engine whose core
+    process exits or stops answering): how to tell, what to do then, and how to warm one up."""
+
+    # Why the instance can no longer serve, when that is certain (its process exited); else None.
+    dead: Callable[[Any], str | None]
+    # Whether it answers a round trip within the time given (seconds): one that does not, and makes no
+    # progress meanwhile, twice in a row, is dead. Awaited every few seconds.
+    answers: Callable[[Any, float], Awaitable[bool]]
+    # Makes a dead instance fail fast from now on (its calls, and those in flight, with `cause`) and
+    # frees what it holds; it is replaced (published) or left for its refs to be released.
+    kill: Callable[[Any, str], None]
+    # A short first use, so that no client's call pays what a first use costs (kernel compilation).
+    warmup: Callable[[Any], Awaitable[None]] | None = None
+
+
+@dataclass(frozen=True)
 class AdapterSpec:
     surface: str                          # key of the surface JSON in adapters/surfaces/
     module: str                           # the Python module the document describes
@@ -49,8 +66,13 @@ class AdapterSpec:
     profiles: Mapping[str, str] = field(default_factory=dict)  # per-entry default timeout profile
     result_refs: frozenset[str] = frozenset()   # entries whose result is always returned as a ref
     guards: Mapping[str, Guard] = field(default_factory=dict)    # by entry name; "*": every entry
-    overrides: Mapping[str, Callable[..., Any]] = field(default_factory=dict)   # run this instead
+    # Run this instead: for "new", the constructor; for a method, called with the receiver first.
+    overrides: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     finalizer: Callable[[Any], None] | None = None   # when the last ref to an instance of `cls` goes
+    lifecycle: Lifecycle | None = None    # instances of `cls` that can die under the worker
+    # Entries that communicate with every rank of the process group: in a distributed pool they run
+    # only as Collectives (all ranks at once); called on one rank they would wait forever.
+    collectives: frozenset[str] = frozenset()
     constructors: tuple[Constructor, ...] = ()
     records: tuple[RecordType, ...] = ()
 

@@ -14,9 +14,15 @@ import os
 import sys
 from collections.abc import Sequence
 
-from bridge_server.client import commands as client_commands
-from bridge_server.pool.config import add_serve_arguments
-from bridge_server.worker import main as worker_main
+# Before gRPC is imported: our servers fork (the pool server its workers, a worker vLLM's engine
+# core) while gRPC's threads are busy, and gRPC's fork handlers then skip their work and leave the
+# child to crash (seen: a worker killed by SIGSEGV as it was spawned). Every child execs at once,
+# so it needs none of them.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+from bridge_server.client import commands as client_commands  # noqa: E402
+from bridge_server.pool.config import add_serve_arguments  # noqa: E402
+from bridge_server.worker import main as worker_main  # noqa: E402
 
 # vLLM must never try to reach a model hub or send usage data from our processes.
 for _key, _value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1"),
@@ -32,7 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"vllm-bridge serve: {exc}", file=sys.stderr)
         return 2
-    rc = run(config, ready_file=args.ready_file)
+    rc = run(config, ready_file=args.ready_file, stdin_watch=args.stdin_watch)
     logging.shutdown()
     sys.stdout.flush()
     os._exit(rc)   # every worker is stopped; do not wait on gRPC's threads

@@ -21,12 +21,16 @@ import grpc
 
 from bridge_server.pool.poolstate import Backend, Flight, PoolRouter, pool_error
 from bridge_server.pool.router import Route, Router, read_route
-from bridge_server.wire.errors import BridgeError, detail_from_rpc_error
+from bridge_server.wire.errors import BridgeError, detail_from_rpc_error, target_label
+from bridge_server.wire.protocol import MD_COLLECTIVE, parse_request
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 CALL = "/vllm_bridge.v1.Bridge/Call"
 # After a first rank fails, how long the others get to fail too before they count as stuck.
 SETTLE_S = 0.5
+# How long before the caller's deadline the router decides that ranks are stuck: its named error (and
+# the group's restart) must reach the caller before gRPC's bare DEADLINE_EXCEEDED does.
+MARGIN_S = 0.25
 
 
 class _RankFailed(Exception):
@@ -106,13 +110,14 @@ def _payloads(request: pb.CollectiveRequestView, pool: PoolRouter) -> tuple[list
     else:
         raise BridgeError.validation("Collective: give `call` (the same call on every rank) or `per_rank`",
                                      parameter="call")
-    return payloads, _target_name(payloads[0])
-
-
-def _target_name(payload: bytes) -> str:
-    """For messages: the target of a serialized CallRequest, without parsing its arguments' values
-    (the unknown argument fields are skipped, not decoded)."""
-    return pb.CallTargetView.FromString(payload).target.name or "call"
+    calls = [parse_request(pb.CallRequest, p, f"Collective: the call for rank {r}") for r, p in enumerate(payloads)]
+    targets = {(c.target.kind, c.target.name) for c in calls}   # receivers may differ: each rank's own ref
+    if len(targets) > 1:
+        # Ranks inside different collectives wait for each other forever: refused before any starts.
+        names = ", ".join(f"rank {r}: {target_label(c.target)}" for r, c in enumerate(calls))
+        raise BridgeError.validation(f"Collective: every rank must run the same target; got {names}",
+                                     parameter="per_rank")
+    return payloads, target_label(calls[0].target)
 
 
 def _remaining(route: Route) -> float | None:
@@ -124,7 +129,7 @@ async def run_collective(router: Router, request: bytes, context: grpc.aio.Servi
     """Returns (pool name, CollectiveReply bytes); raises BridgeError."""
     route = read_route(context.invocation_metadata(), context.time_remaining())
     pool = router.pool(route.opts.pool)
-    payloads, label = _payloads(pb.CollectiveRequestView.FromString(request), pool)
+    payloads, label = _payloads(parse_request(pb.CollectiveRequestView, request, "Collective"), pool)
     try:
         await asyncio.wait_for(pool.collective_lock.acquire(), _remaining(route))
     except TimeoutError:
@@ -133,7 +138,8 @@ async def run_collective(router: Router, request: bytes, context: grpc.aio.Servi
     try:
         backends = pool.group()
         upstream_timeout = _remaining(route) if route.explicit_deadline else None
-        tasks = [asyncio.create_task(_on_rank(r, b, payloads[r], forwarded, upstream_timeout))
+        metadata = [*forwarded, (MD_COLLECTIVE, "1")]
+        tasks = [asyncio.create_task(_on_rank(r, b, payloads[r], metadata, upstream_timeout))
                  for r, b in enumerate(backends)]
         try:
             return pool.name, await _gather(tasks, route, label, pool)
@@ -145,7 +151,11 @@ async def run_collective(router: Router, request: bytes, context: grpc.aio.Servi
 
 
 async def _gather(tasks: list[asyncio.Task[bytes]], route: Route, label: str, pool: PoolRouter) -> bytes:
-    done, pending = await asyncio.wait(tasks, timeout=_remaining(route), return_when=asyncio.FIRST_EXCEPTION)
+    # The router's own deadline comes first (the ranks' calls carry the caller's whole deadline): it
+    # decides whether ranks are stuck, and its named error must reach the caller before gRPC's own.
+    left = _remaining(route)
+    done, pending = await asyncio.wait(tasks, timeout=None if left is None else max(0.0, left - MARGIN_S),
+                                       return_when=asyncio.FIRST_EXCEPTION)
     failed = [t for t in done if t.exception() is not None]
     if failed and pending:        # the others may only be waiting for the failed rank: give them a moment
         more, pending = await asyncio.wait(pending, timeout=SETTLE_S)
@@ -171,7 +181,12 @@ async def _gather(tasks: list[asyncio.Task[bytes]], route: Route, label: str, po
         error.target = error.target or label
         raise error
     if pending:
+        # The ranks still inside it cannot be pre-empted (they wait in C code for peers that may never
+        # come), and every later collective would queue behind them: the group starts again.
         stuck = sorted(tasks.index(t) for t in pending)
-        raise BridgeError.timeout(f"collective {label}: deadline exceeded with rank(s) {', '.join(map(str, stuck))} "
-                                  f"still running", target=label)
+        ranks = ", ".join(map(str, stuck))
+        asyncio.get_running_loop().call_soon(   # after the caller is told, which is what its deadline waits for
+            pool.restart_group, f"collective {label} exceeded its deadline with rank(s) {ranks} still in it")
+        raise BridgeError.timeout(f"collective {label}: deadline exceeded with rank(s) {ranks} still running; "
+                                  f"the group is restarting", target=label)
     return pb.CollectiveReplyView(results=[t.result() for t in tasks]).SerializeToString()

@@ -9,6 +9,7 @@ File layout (every key optional except a pool's `name`)::
     listen = "127.0.0.1:50051"
     metrics_port = 9464          # 0: no metrics endpoint
     grace_s = 30                 # SIGTERM/SIGINT: time in-flight calls get to finish
+    min_ping_interval_s = 10     # clients may keepalive-ping an idle connection this often (no more)
     loop = "uvloop"              # the server's event loop: "uvloop" or "asyncio" (see wire/eventloop.py)
     default_pool = "default"     # calls that name no pool
 
@@ -19,6 +20,10 @@ File layout (every key optional except a pool's `name`)::
     queue_size = 1024            # calls waiting for a slot, per pool
     affinity = "hint"            # hint | strict_queue | strict_fail_fast
     worker_args = ["--ref-ttl", "3600"]
+    warmup = true                # engines run once before they serve (no client pays the first use)
+    probe_interval_s = 5         # engine liveness: probed this often ...
+    probe_timeout_s = 10         # ... and dead when two probes in a row go unanswered this long
+    unhealthy_timeout_s = 300    # a worker not serving (NOT_SERVING) this long is replaced
     [pools.env]
     VLLM_CPU_KVCACHE_SPACE = "2"
     [[pools.objects]]
@@ -43,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge_server.wire.eventloop import DEFAULT_LOOP, LOOPS
+from bridge_server.wire.protocol import MIN_PING_INTERVAL_S
 
 AFFINITY_MODES = ("hint", "strict_queue", "strict_fail_fast")
 POOL_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -115,6 +121,10 @@ class PoolConfig:
     recycle_after_calls: int = 0         # 0: never
     recycle_after_s: float = 0.0         # 0: never
     drain_timeout_s: float = 60.0        # a recycled worker's calls finish and refs are released within this
+    warmup: bool = True                  # engines run once before their worker (or their creator) gets them
+    probe_interval_s: float = 5.0        # how often a worker probes its engines' liveness
+    probe_timeout_s: float = 10.0        # two probes unanswered this long (no progress meanwhile): dead
+    unhealthy_timeout_s: float = 300.0   # a worker not serving for this long is replaced (0: never)
     worker_grace_s: float = 10.0         # the worker's own grace on SIGTERM
     log_dir: str = ""                    # per-worker log files here; empty: inherit the server's
     distributed: DistributedConfig | None = None   # the workers are the ranks of one group
@@ -128,6 +138,7 @@ class ServerConfig:
     grace_s: float = 30.0
     loop: str = DEFAULT_LOOP
     default_pool: str = ""               # empty: the first pool
+    min_ping_interval_s: float = MIN_PING_INTERVAL_S   # clients may keepalive-ping an idle connection this often
     pools: list[PoolConfig] = field(default_factory=list)
 
     def pool(self, name: str) -> PoolConfig:
@@ -263,6 +274,8 @@ def validate(cfg: ServerConfig) -> ServerConfig:
         for key, value in vars(p).items():
             if key.endswith("_s") and isinstance(value, (int, float)) and value < 0:
                 raise ConfigError(f"pool {p.name!r}: {key} must be >= 0, got {value:g}")
+        if p.probe_interval_s <= 0 or p.probe_timeout_s <= 0:
+            raise ConfigError(f"pool {p.name!r}: probe_interval_s and probe_timeout_s must be > 0")
         if p.affinity not in AFFINITY_MODES:
             raise ConfigError(f"pool {p.name!r}: affinity {p.affinity!r}; expected one of {', '.join(AFFINITY_MODES)}")
         d = p.distributed
@@ -281,6 +294,8 @@ def validate(cfg: ServerConfig) -> ServerConfig:
             raise ConfigError(f"pool {p.name!r}: object names repeat: {names}")
     if cfg.default_pool and cfg.default_pool not in seen:
         raise ConfigError(f"default_pool {cfg.default_pool!r} is not a pool; pools: {', '.join(seen)}")
+    if cfg.min_ping_interval_s <= 0:
+        raise ConfigError(f"min_ping_interval_s must be > 0, got {cfg.min_ping_interval_s:g}")
     if cfg.metrics_port < 0:
         raise ConfigError("metrics_port must be >= 0")
     if cfg.loop not in LOOPS:
@@ -297,6 +312,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port (0: off)")
     p.add_argument("--metrics-host", default=None)
     p.add_argument("--grace", type=float, default=None, help="seconds in-flight calls get on SIGTERM/SIGINT")
+    p.add_argument("--min-ping-interval", type=float, default=None, metavar="S",
+                   help=f"clients may send keepalive pings on an idle connection this often (default {MIN_PING_INTERVAL_S:g} s)")
     p.add_argument("--loop", choices=LOOPS, default=None, help=f"the server's event loop (default {DEFAULT_LOOP})")
     p.add_argument("--default-pool", default=None, help="the pool of calls that name none")
     p.add_argument("--workers", type=int, default=None, help="workers per pool (every pool)")
@@ -306,6 +323,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="POOL.KEY=VALUE",
                    help="override a pool key, VALUE in TOML syntax (POOL '*': every pool); repeatable")
     p.add_argument("--ready-file", default=None, help="write the bound port here once every pool is up")
+    p.add_argument("--stdin-watch", action="store_true",
+                   help="stop (as on SIGTERM) when stdin closes: for a parent that runs the server through a "
+                        "pipe (an Elixir Port), so that the server never outlives it")
 
 
 def _toml_value(text: str) -> Any:
@@ -317,7 +337,8 @@ def _toml_value(text: str) -> Any:
 
 def apply_overrides(cfg: ServerConfig, args: argparse.Namespace) -> ServerConfig:
     for attr, key in (("listen", "listen"), ("metrics_port", "metrics_port"), ("metrics_host", "metrics_host"),
-                      ("grace", "grace_s"), ("loop", "loop"), ("default_pool", "default_pool")):
+                      ("grace", "grace_s"), ("loop", "loop"), ("default_pool", "default_pool"),
+                      ("min_ping_interval", "min_ping_interval_s")):
         value = getattr(args, attr, None)
         if value is not None:
             setattr(cfg, key, _coerce(f"--{attr.replace('_', '-')}", value, getattr(ServerConfig(), key)))

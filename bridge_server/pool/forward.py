@@ -1,7 +1,10 @@
 """Forwarding: the router's `Bridge` service, moving request and reply bytes between caller and worker.
 
 The service is registered as a generic handler with identity serializers, so payloads pass through
-as bytes, never decoded (except `Release`, whose ref ids must be split between their workers).
+as bytes and values are never decoded. Every request is still parsed where it is read (`parse_request`):
+bytes that are not the RPC's message end that call with INVALID_ARGUMENT here, and never reach a
+worker's lane, which every call to that worker shares; the parsed call also names the refs it uses
+(its receiver), which routing needs.
 `Call`, `Stream` and `Multiplex` go to the worker over its lane (`lane.py`); the rest over the
 worker's gRPC service. What crosses the hop besides the bytes: the caller's options (x-bridge-*
 metadata), its deadline minus the time it waited in the queue, its cancellation, a stream's flow
@@ -29,7 +32,7 @@ from bridge_server.pool.multiplex import forward_multiplex
 from bridge_server.pool.poolstate import Backend, Flight, pool_error
 from bridge_server.pool.router import Router, read_route, time_left
 from bridge_server.wire.errors import STATUS_DETAILS_KEY, BridgeError, mux_error_status, status_code
-from bridge_server.wire.protocol import MD_WORKER_REFS
+from bridge_server.wire.protocol import MD_WORKER_REFS, ROUTER_ONLY_KEYS, parse_request
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 log = logging.getLogger("vllm_bridge.router")
@@ -64,7 +67,10 @@ async def release_on(backend: Backend, request: pb.ReleaseRequest, metadata: Seq
 
 
 def _forwarded(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[tuple[str, str | bytes]]:
-    return [(k, v) for k, v in metadata or () if k not in _DROP_KEYS and not k.startswith(("grpc-", ":"))]
+    """The caller's metadata as it goes on to a worker: without transport keys, and without the
+    keys only the pool server may set."""
+    return [(k, v) for k, v in metadata or ()
+            if k not in _DROP_KEYS and k not in ROUTER_ONLY_KEYS and not k.startswith(("grpc-", ":"))]
 
 
 def _has_details(err: grpc.aio.AioRpcError) -> bool:
@@ -140,7 +146,7 @@ class Forwarder:
         out = _Outcome()
         try:
             md = context.invocation_metadata()
-            route = read_route(md, context.time_remaining())
+            route = read_route(md, context.time_remaining(), parse_request(pb.CallRequest, request, "Call"))
             plan = self.router.plan(route)
             pool = plan.pool
             backend = pool.take(plan) or await pool.wait(plan, route.deadline)
@@ -215,7 +221,7 @@ class Forwarder:
     async def _stream(self, request: bytes, context: grpc.aio.ServicerContext,
                       out: _Outcome) -> AsyncGenerator[bytes, None]:
         md = context.invocation_metadata()
-        route = read_route(md, context.time_remaining())
+        route = read_route(md, context.time_remaining(), parse_request(pb.CallRequest, request, "Stream"))
         pool, backend = await self.router.acquire(route)
         out.pool = pool.name
         flight = Flight()
@@ -289,7 +295,7 @@ class Forwarder:
         every pool when the caller names none), and unpins the session."""
         md = context.invocation_metadata()
         route = read_route(md, context.time_remaining())
-        req = pb.ReleaseRequest.FromString(request)
+        req = parse_request(pb.ReleaseRequest, request, "Release")
         by_worker: dict[str, list[str]] = {}
         for ref in req.ref_ids:
             by_worker.setdefault(ref.partition(".")[0], []).append(ref)
@@ -331,6 +337,7 @@ class Forwarder:
         out = _Outcome()
         try:
             md = context.invocation_metadata()
+            parse_request(pb.DescribeRequest, request, "Describe")
             route = read_route(md, context.time_remaining())
             backend = self.router.any_backend(route.opts.pool)
             out.pool = backend.pool

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from bridge_server.wire.framing import Framed, LaneClosed
+from bridge_server.wire.protocol import ROUTER_ONLY_KEYS
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["ITEMS", "Lane", "LaneCall", "LaneClosed", "STREAM_WINDOW", "open_lane"]
@@ -29,8 +30,9 @@ ITEMS = frozenset({"value", "patch"})   # the event kinds that carry a stream's 
 # per distinct set instead of once per call.
 @functools.lru_cache(maxsize=4096)
 def _options_part(metadata: tuple[tuple[str, str | bytes], ...]) -> bytes:
-    """A call's options for the worker: its x-bridge-* metadata."""
-    options = {k: v for k, v in metadata if k.startswith("x-bridge-") and isinstance(v, str)}
+    """A call's options for the worker: its x-bridge-* metadata, but for the keys only the pool
+    server may set."""
+    options = {k: v for k, v in metadata if k.startswith("x-bridge-") and isinstance(v, str) and k not in ROUTER_ONLY_KEYS}
     part: bytes = pb.MuxRequestView(start=pb.MuxStartView(metadata=options)).SerializeToString()
     return part
 
@@ -124,6 +126,7 @@ class Lane:
         self.calls: dict[int, LaneCall] = {}
         self.refs = -1            # the worker's live refs, as its last reply said
         self._next_id = 0
+        self.on_closed: Callable[[str], None] | None = None   # after its calls have been failed
 
     @property
     def closed(self) -> str:
@@ -157,7 +160,7 @@ class Lane:
     def _on_frame(self, frame: bytes) -> None:
         try:
             reply = pb.MuxReplyView.FromString(frame)
-        except Exception as exc:
+        except Exception as exc:   # not a worker of ours: the supervisor opens the lane again, or replaces it
             self.framed.close(f"unreadable reply from the worker: {exc}")
             return
         self.refs = reply.worker_refs
@@ -175,6 +178,8 @@ class Lane:
         calls, self.calls = self.calls, {}
         for lc in calls.values():
             lc._close(reason)
+        if self.on_closed is not None:
+            self.on_closed(reason)
 
     def close(self) -> None:
         self.framed.close("the lane was closed by the router")

@@ -28,7 +28,7 @@ from bridge_server.pool.lane import STREAM_WINDOW, LaneCall, LaneClosed
 from bridge_server.pool.poolstate import Backend, Flight, Plan, PoolRouter
 from bridge_server.pool.router import Route, Router, read_route, time_left
 from bridge_server.wire.errors import BridgeError
-from bridge_server.wire.protocol import time_left_s
+from bridge_server.wire.protocol import MAX_MESSAGE_BYTES, parse_request, time_left_s
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["forward_multiplex"]
@@ -62,6 +62,24 @@ class _FlightHook:
         self.on_fail()
 
 
+def _within_limit(batch: Any) -> list[bytes]:
+    """A batch of events from several workers, as messages within gRPC's limit (each worker keeps
+    every single event within it)."""
+    data: bytes = batch.SerializeToString()
+    if len(data) <= MAX_MESSAGE_BYTES:
+        return [data]
+    frames, current, size = [], pb.MuxReplyView(), 0
+    for event in batch.events:
+        n = event.ByteSize() + 16
+        if current.events and size + n > MAX_MESSAGE_BYTES:
+            frames.append(current.SerializeToString())
+            current, size = pb.MuxReplyView(), 0
+        current.events.append(event)
+        size += n
+    frames.append(current.SerializeToString())
+    return frames
+
+
 async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
                             failure: Failure) -> AsyncGenerator[bytes, None]:
     """Yields the replies of one client Multiplex stream until it half-closes and every call ends.
@@ -82,7 +100,10 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         nonlocal batch, credit, flushing
         flushing = False
         if batch.events:
-            out.put_nowait((batch.SerializeToString(), list(credit.items())))
+            frames = _within_limit(batch)
+            for frame in frames[:-1]:
+                out.put_nowait((frame, []))
+            out.put_nowait((frames[-1], list(credit.items())))
             batch, credit = pb.MuxReplyView(), {}
 
     def add_event(client_id: int) -> Any:
@@ -183,6 +204,11 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
 
     def handle_start(start: Any) -> None:
         client_id = start.id
+        if client_id == 0:
+            refuse(0, BridgeError.validation(
+                "Multiplex: call id 0 is reserved (for errors about requests that name no call); ids start at 1",
+                parameter="start.id"))
+            return
         if client_id in running or client_id in queued:
             refuse(client_id, BridgeError.validation(
                 f"Multiplex: call id {client_id} is still running; ids must be unique among running calls",
@@ -190,8 +216,9 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             return
         md = (*defaults, *start.metadata.items())     # the RPC's options, overlaid with the call's
         try:
+            call = parse_request(pb.CallRequest, start.call, f"Multiplex: call {client_id}")
             limits = [t for t in (context.time_remaining(), time_left_s(start.time_left_ms)) if t is not None]
-            route = read_route(md, min(limits) if limits else None)
+            route = read_route(md, min(limits) if limits else None, call)
             plan = router.plan(route)
             backend = plan.pool.take(plan)
         except BridgeError as err:
@@ -205,7 +232,11 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
 
     async def read() -> None:
         async for raw in requests:
-            request = pb.MuxRequestView.FromString(raw)
+            try:
+                request = parse_request(pb.MuxRequestView, raw, "Multiplex")
+            except BridgeError as err:     # no call id can be read: id 0, which no call uses
+                refuse(0, err)
+                continue
             kind = request.WhichOneof("kind")
             if kind == "start":
                 handle_start(request.start)
@@ -220,8 +251,8 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                 if run is not None and run.lc is not None and not run.own_window:
                     run.lc.credit(request.credit.events)
             else:
-                raise BridgeError.validation("Multiplex: a request must hold start, cancel or credit",
-                                             parameter="kind")
+                refuse(0, BridgeError.validation("Multiplex: a request must hold start, cancel or credit",
+                                                 parameter="kind"))
         await idle.wait()         # half-closed: every call runs to its end
 
     failed: list[BaseException] = []

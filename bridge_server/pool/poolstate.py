@@ -20,6 +20,9 @@ from bridge_server.pool.config import PoolConfig
 from bridge_server.wire.errors import BridgeError
 
 READY, DRAINING, DEAD = "ready", "draining", "dead"
+# A live worker that takes no new calls for now: it says it cannot serve (health NOT_SERVING), or its
+# lane is being reopened. Calls bound to it (its refs, strict sessions) still reach it.
+UNHEALTHY, RECONNECTING = "unhealthy", "reconnecting"
 SESSION_CAP = 100_000          # pinned sessions remembered per pool (least recently used go first)
 # Our own deadline error must reach the caller before its deadline does. The server's deadline starts
 # when the call's headers are read, so it trails the caller's by the request's transit, and the error

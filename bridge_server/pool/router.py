@@ -4,7 +4,9 @@ Everything here reads only what the gRPC metadata says (pool, session, affinity,
 and the live state of the workers; the payload is never decoded. The rules:
 
 - a call that uses refs runs on the worker that holds them (its id is the ref ids' prefix), whatever
-  the affinity says; `strict_fail_fast` still fails at once when that worker is busy;
+  the affinity says; `strict_fail_fast` still fails at once when that worker is busy. The refs are
+  those in `x-bridge-refs` and those the request itself carries (its receiver, and refs among its
+  arguments, read without decoding a value: `payload_refs`);
 - a session is pinned to the worker that first served it; per call, `hint` prefers that worker but
   runs anywhere when it has no free slot, `strict_queue` waits for it, `strict_fail_fast` fails with
   "worker busy"; if that worker died, `hint` re-pins the session and the strict modes fail with
@@ -35,32 +37,71 @@ from bridge_server.pool.poolstate import (
     PoolRouter,
     pool_error,
 )
-from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.errors import BridgeError, quote
 from bridge_server.wire.protocol import PROFILES, RuntimeOptions, parse_metadata
+from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["Route", "Router", "read_route", "time_left"]
 
 
 @dataclass
 class Route:
-    """What the metadata says about one call, read once."""
+    """What the metadata (and the request's own refs) say about one call, read once."""
 
     opts: RuntimeOptions
     session: str | None               # None when the caller sent no session: no pinning
     deadline: float | None            # absolute monotonic; counts the queue wait
     explicit_deadline: bool           # from the caller (gRPC deadline or timeout-ms): forwarded upstream
+    refs: tuple[str, ...] = ()        # every ref the call uses: x-bridge-refs and the request's own
 
 
-def read_route(metadata: Iterable[tuple[str, str | bytes]] | None, grpc_remaining_s: float | None) -> Route:
+def read_route(metadata: Iterable[tuple[str, str | bytes]] | None, grpc_remaining_s: float | None,
+               request: pb.CallRequest | None = None) -> Route:
     opts = parse_metadata(metadata)
     session = opts.session_id if opts.session_sent else None
+    refs = opts.refs
+    if request is not None:
+        carried = payload_refs(request)
+        if carried:
+            refs = tuple(dict.fromkeys((*refs, *carried)))
     now = time.monotonic()
     explicit = grpc_remaining_s if grpc_remaining_s is not None else opts.timeout_s
     if explicit is not None:
-        return Route(opts, session, now + explicit, True)
+        return Route(opts, session, now + explicit, True, refs)
     profile = PROFILES[opts.timeout_profile] if opts.timeout_profile else None
     deadline = now + profile.call_s if profile is not None and profile.call_s is not None else None
-    return Route(opts, session, deadline, False)
+    return Route(opts, session, deadline, False, refs)
+
+
+_CONTAINERS = ("list", "tuple", "set", "frozenset")
+PAYLOAD_REF_SCAN = 1000       # values looked at per request; refs deeper than that need x-bridge-refs
+
+
+def payload_refs(request: pb.CallRequest) -> list[str]:
+    """The refs a request carries: its receiver, and refs among its arguments (their values are
+    walked, not decoded; a packed list of ints or a tensor is one step). Clients need not list them
+    in x-bridge-refs for the call to reach the worker that holds them."""
+    found = []
+    target = request.target
+    if target.WhichOneof("receiver") == "ref":
+        found.append(target.ref.id)
+    todo = [*request.args, *request.kwargs.values()]
+    budget = PAYLOAD_REF_SCAN
+    while todo and budget:
+        budget -= 1
+        value = todo.pop()
+        kind = value.WhichOneof("kind")
+        if kind == "ref":
+            found.append(value.ref.id)
+        elif kind in _CONTAINERS:
+            todo.extend(getattr(value, kind).items)
+        elif kind == "map":
+            for entry in value.map.entries:
+                todo.append(entry.key)
+                todo.append(entry.value)
+        elif kind == "record":
+            todo.extend(f.value for f in value.record.fields)
+    return found
 
 
 def time_left(route: Route) -> float | None:
@@ -87,7 +128,7 @@ class Router:
     def pool(self, name: str | None) -> PoolRouter:
         p = self.pools.get(name or self.default_pool)
         if p is None:
-            raise BridgeError(grpc.StatusCode.NOT_FOUND, "pool", f"no pool {name!r}; pools: {', '.join(self.pools)}",
+            raise BridgeError(grpc.StatusCode.NOT_FOUND, "pool", f"no pool {quote(name)}; pools: {', '.join(self.pools)}",
                               reason="unknown pool", suggestions=list(self.pools))
         return p
 
@@ -107,20 +148,21 @@ class Router:
             holders.setdefault(ref.partition(".")[0], ref)
         if len(holders) > 1:
             raise BridgeError(grpc.StatusCode.INVALID_ARGUMENT, "ref",
-                              f"the call uses refs held by different workers ({', '.join(sorted(holders))}): "
-                              f"{', '.join(holders.values())}; a call can only use refs of one worker",
-                              reason="refs on different workers")
+                              f"the call uses refs held by different workers "
+                              f"({', '.join(quote(w, 40) for w in sorted(holders)[:5])}): "
+                              f"{', '.join(quote(r) for r in list(holders.values())[:5])}; a call can only use refs "
+                              f"of one worker", reason="refs on different workers")
         (worker_id, ref), = holders.items()
         b = self.backends.get(worker_id)
         if b is not None:
             return b
         if worker_id in self.gone:
             raise pool_error(grpc.StatusCode.UNAVAILABLE,
-                             f"worker lost: ref {ref} was held by worker {worker_id}, which is gone "
+                             f"worker lost: ref {quote(ref)} was held by worker {worker_id}, which is gone "
                              f"({self.gone[worker_id]}); its refs are lost", "worker lost", "worker")
         raise BridgeError(grpc.StatusCode.NOT_FOUND, "ref",
-                          f"ref {ref}: no worker {worker_id!r} in this server (workers: "
-                          f"{', '.join(self.backends) or 'none'})", reason="unknown worker", parameter=ref)
+                          f"ref {quote(ref)}: no worker {quote(worker_id, 40)} in this server (workers: "
+                          f"{', '.join(self.backends) or 'none'})", reason="unknown worker", parameter=quote(ref))
 
     def plan(self, route: Route) -> Plan:
         """Decides where the call may run (the rules in the module docstring); reserves nothing."""
@@ -128,12 +170,13 @@ class Router:
             raise pool_error(grpc.StatusCode.UNAVAILABLE, "the server is shutting down", "shutting down")
         opts, session = route.opts, route.session
         named = self.pool(opts.pool)          # an unknown pool is refused even for ref calls
-        if opts.refs:
-            backend = self.ref_backend(opts.refs)
+        if route.refs:
+            backend = self.ref_backend(route.refs)
             pool = self.pools[backend.pool]
             mode = opts.affinity or pool.config.affinity
             pin = session is not None and pool.pinned(session) is None
-            return Plan(pool, backend, None, mode == "strict_fail_fast", f"ref {opts.refs[0]}", session if pin else None)
+            return Plan(pool, backend, None, mode == "strict_fail_fast", f"ref {quote(route.refs[0])}",
+                        session if pin else None)
         pool = named
         mode = opts.affinity or pool.config.affinity
         if opts.rank is not None:

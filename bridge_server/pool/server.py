@@ -25,7 +25,7 @@ from bridge_server.pool.metrics import Metrics, PoolSnapshot
 from bridge_server.pool.router import Router
 from bridge_server.pool.supervisor import Supervisor
 from bridge_server.wire import eventloop
-from bridge_server.wire.protocol import GRPC_OPTIONS
+from bridge_server.wire.protocol import server_options
 from vllm_bridge.v1 import pool_pb2 as ppb
 from vllm_bridge.v1 import pool_pb2_grpc as ppb_grpc
 
@@ -64,7 +64,7 @@ class PoolServer:
         self.supervisor = Supervisor(config, self.router, self.metrics, self._changed)
         self.metrics.watch(self._snapshot)
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.server = grpc.aio.server(options=server_options(config.min_ping_interval_s))
         self.server.add_generic_rpc_handlers([Forwarder(self.router, self.metrics).handler()])
         ppb_grpc.add_PoolServicer_to_server(_StatusService(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -152,7 +152,7 @@ class PoolServer:
             pool = reply.pools.add(name=name, state=ps.state, affinity=cfg.affinity, max_concurrent=cfg.max_concurrent,
                                    queue_length=len(pr.queue), queue_capacity=cfg.queue_size, restarts=ps.restarts,
                                    sessions=len(pr.sessions), in_flight=sum(b.in_flight for b in pr.backends),
-                                   detail=ps.degraded)
+                                   detail=ps.degraded or pr.unavailable)
             for slot in ps.slots:
                 procs = [wp for wp in ps.procs if wp.index == slot.index]
                 for wp in procs:
@@ -161,7 +161,8 @@ class PoolServer:
                                      address=wp.address, in_flight=b.in_flight if b else 0,
                                      max_concurrent=cfg.max_concurrent, calls=b.calls if b else 0,
                                      sessions=b.sessions if b else 0, refs=b.refs if b else -1,
-                                     uptime_s=now - wp.started, restarts=slot.restarts, last_exit=slot.last_exit)
+                                     uptime_s=now - wp.started, restarts=slot.restarts, last_exit=slot.last_exit,
+                                     detail=wp.detail, replaced=wp.replaced)
                 if not procs:
                     pool.workers.add(id=slot.last_id, index=slot.index, generation=slot.generation, state=slot.state,
                                      max_concurrent=cfg.max_concurrent, refs=-1, restarts=slot.restarts,
@@ -169,13 +170,16 @@ class PoolServer:
         return reply
 
 
-async def serve(config: ServerConfig, ready_file: str | None = None) -> None:
-    """Runs the pool server until SIGTERM or SIGINT, then shuts down gracefully."""
+async def serve(config: ServerConfig, ready_file: str | None = None, stdin_watch: bool = False) -> None:
+    """Runs the pool server until SIGTERM or SIGINT (or, with `stdin_watch`, until its stdin closes),
+    then shuts down gracefully."""
     srv = PoolServer(config)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if stdin_watch:
+        _stop_when_stdin_closes(loop, stop)
     try:
         starting = loop.create_task(srv.start())
         stopping = loop.create_task(stop.wait())
@@ -194,6 +198,29 @@ async def serve(config: ServerConfig, ready_file: str | None = None) -> None:
         srv.supervisor.kill_all()
 
 
-def run(config: ServerConfig, ready_file: str | None = None) -> int:
-    eventloop.run(serve(config, ready_file), config.loop)
+def _stop_when_stdin_closes(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """For a parent that runs the server through a pipe (an Elixir Port): when the parent dies, even
+    by SIGKILL, the pipe closes and the server stops as on SIGTERM, its workers and their engine
+    cores with it. Its own parent-death signal (SIGTERM) covers a parent whose pipe outlives it."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+    def readable() -> None:
+        try:
+            data = os.read(0, 65536)
+        except OSError:
+            data = b""
+        if not data:
+            loop.remove_reader(0)
+            log.warning("stdin closed (--stdin-watch): stopping")
+            stop.set()
+
+    loop.add_reader(0, readable)
+
+
+def run(config: ServerConfig, ready_file: str | None = None, stdin_watch: bool = False) -> int:
+    eventloop.run(serve(config, ready_file, stdin_watch), config.loop)
     return 0

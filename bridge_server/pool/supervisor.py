@@ -6,7 +6,14 @@ passes, and then the router is told about it.
 
 An exit watcher per process reacts the moment the process ends: it kills the rest of its process
 group (vLLM's engine-core children), fails its in-flight calls ("worker crashed") through the router,
-and records the crash. Each pool slot then restarts its worker with exponential backoff; more than
+and records the crash.
+
+A live worker is watched too. Its health (grpc.health.v1 Watch) says when it cannot serve (a
+published engine being created again, a call stuck in its exclusive lane): it then takes no new
+calls, its reason (from its own Pool/Status) shows in the status, and the pool fails calls at once
+with that reason when no worker can take them; a worker that stays so for `unhealthy_timeout_s` is
+replaced, and a rank of a distributed pool restarts the group at once. A lane that closes while its
+worker lives is opened again; if it cannot be, the worker is replaced. Each pool slot then restarts its worker with exponential backoff; more than
 `max_restarts` crashes of a pool within `restart_window_s` mark it degraded, and it stops restarting
 rather than loop, but for one fresh try of its failed workers every `degraded_retry_s`.
 
@@ -18,6 +25,7 @@ and its refs released, within `drain_timeout_s`, and stops it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shutil
@@ -30,16 +38,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bridge_server.pool.config import PoolConfig, ServerConfig
 from bridge_server.pool.forward import make_stubs, release_on
 from bridge_server.pool.lane import open_lane
 from bridge_server.pool.metrics import Metrics
-from bridge_server.pool.poolstate import DRAINING, READY, Backend
+from bridge_server.pool.poolstate import DEAD, DRAINING, READY, RECONNECTING, UNHEALTHY, Backend
 from bridge_server.pool.router import Router
 from bridge_server.pool.workerproc import (
     EXITED,
     STARTING,
+    STOPPING,
     WorkerProc,
     describe_exit,
     kill_group,
@@ -48,6 +58,8 @@ from bridge_server.pool.workerproc import (
     wait_ready,
 )
 from vllm_bridge.v1 import bridge_pb2 as pb
+from vllm_bridge.v1 import pool_pb2 as ppb
+from vllm_bridge.v1 import pool_pb2_grpc as ppb_grpc
 
 log = logging.getLogger("vllm_bridge.supervisor")
 
@@ -143,10 +155,14 @@ class PoolSupervisor:
         if self.degraded:
             return "degraded"
         if self.config.distributed is not None:
-            if all(s.state == READY for s in self.slots):
+            if self.regrouping:
+                return "regrouping"
+            if all(s.state == READY for s in self.slots) and all(p.state == READY for p in self.procs):
                 return "serving"
-            return "regrouping" if self.regrouping else "starting"
-        return "serving" if any(p.state == READY for p in self.procs) else "starting"
+            return "starting"
+        if any(p.state == READY for p in self.procs):
+            return "serving"
+        return "unhealthy" if any(p.state in (UNHEALTHY, RECONNECTING) for p in self.procs) else "starting"
 
     def restart_group(self, reason: str) -> None:
         """A group cannot continue with a missing or stuck rank: stop every rank, start them all again."""
@@ -160,7 +176,7 @@ class PoolSupervisor:
                 wp.expected_exit = True
                 wp.exit_description = f"stopped to restart the group ({reason})"
                 kill_group(wp.pid)
-        self.on_change()
+        self._changed()
 
     @property
     def restarts(self) -> int:
@@ -196,12 +212,12 @@ class PoolSupervisor:
                 if self.degraded:
                     slot.state = FAILED
                     slot.settled.set()
-                    self.on_change()
+                    self._changed()
                     return
                 delay = min(self.config.restart_backoff_s * 2 ** max(0, len(slot.crashes) - 1),
                             self.config.restart_backoff_max_s)
                 slot.state = BACKOFF
-                self.on_change()
+                self._changed()
                 log.warning("pool %s: restarting worker %d in %.2f s (%s)", self.name, slot.index, delay, slot.last_exit)
                 await asyncio.sleep(delay)
                 slot.restarts += 1
@@ -243,7 +259,7 @@ class PoolSupervisor:
         if d is not None:
             wp.extra_args = d.worker_args(slot.index, self.config.workers, f"tcp://127.0.0.1:{self.group_port}")
         self.procs.append(wp)
-        self.on_change()
+        self._changed()
         try:
             await spawn(wp, self.config)
         except OSError as exc:
@@ -276,7 +292,9 @@ class PoolSupervisor:
             self.regrouping = ""
         wp.backend = Backend(wp.id, self.name, wp.address, self.config.max_concurrent, slot.index, channel,
                              make_stubs(channel), lane=lane)
+        lane.on_closed = functools.partial(self._lane_closed, wp)
         self.router.add_backend(wp.backend)
+        wp.health_watch = asyncio.get_running_loop().create_task(self._watch_health(wp))
         log.info("pool %s: worker %s ready (pid %d) in %.1f s", self.name, wp.id, wp.pid, time.monotonic() - wp.started)
         if self.degraded and (self.config.distributed is None or all(s.state == READY for s in self.slots)):
             log.warning("pool %s recovered: %s started again after the pool was degraded (%s)", self.name, wp.id,
@@ -284,7 +302,7 @@ class PoolSupervisor:
             self.degraded = ""
             self.crashes.clear()
             self.router.pools[self.name].set_unavailable("")
-        self.on_change()
+        self._changed()
         return wp
 
     async def _watch(self, wp: WorkerProc, slot: Slot) -> None:
@@ -292,6 +310,8 @@ class PoolSupervisor:
         assert wp.proc is not None
         rc = await wp.proc.wait()
         kill_group(wp.pid)       # vLLM's engine-core children and anything else in its group
+        if wp.health_watch is not None:
+            wp.health_watch.cancel()
         desc = describe_exit(rc)
         if wp.exit_description:
             desc = f"{wp.exit_description}; {desc}"
@@ -310,6 +330,109 @@ class PoolSupervisor:
             self._note_crash(slot, wp)
             self.restart_group(f"rank {slot.index} ({wp.id}) {desc}")
         wp.exited.set()
+        self._changed()
+
+    # ------------------------------------------------------------------------------------ a live worker
+    def _lane_closed(self, wp: WorkerProc, reason: str) -> None:
+        b = wp.backend
+        if wp.exited.is_set() or self.stopping or b is None or b.state in (DEAD, DRAINING) or wp.state != READY:
+            return      # the worker is going away (its exit watcher handles it)
+        log.error("pool %s: worker %s: its lane closed (%s); opening it again", self.name, wp.id, reason)
+        b.state = wp.state = RECONNECTING
+        self._changed()
+        self._task(self._reopen_lane(wp, reason))
+
+    async def _reopen_lane(self, wp: WorkerProc, reason: str) -> None:
+        b = wp.backend
+        assert b is not None
+        for delay in (0.0, 0.2, 1.0):
+            await asyncio.sleep(delay)
+            if wp.exited.is_set() or self.stopping:
+                return
+            try:
+                lane = await open_lane(wp.lane_path)
+            except OSError as exc:
+                log.warning("pool %s: worker %s: reopening its lane failed: %s", self.name, wp.id, exc)
+                continue
+            lane.on_closed = functools.partial(self._lane_closed, wp)
+            b.lane = lane
+            b.state = wp.state = READY if not wp.detail else UNHEALTHY
+            log.warning("pool %s: worker %s: its lane is open again", self.name, wp.id)
+            self._changed()
+            self.router.pools[self.name].dispatch()
+            return
+        wp.exit_description = f"its lane closed ({reason}) and could not be opened again"
+        kill_group(wp.pid)
+
+    async def _watch_health(self, wp: WorkerProc) -> None:
+        """Follows the worker's own health for as long as it lives."""
+        b = wp.backend
+        assert b is not None
+        stub = health_pb2_grpc.HealthStub(b.channel)
+        while not wp.exited.is_set() and not self.stopping:
+            try:
+                async for reply in stub.Watch(health_pb2.HealthCheckRequest()):
+                    await self._health_changed(wp, reply.status == health_pb2.HealthCheckResponse.SERVING)
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.5)      # the stream broke: the worker is going, or will answer again
+
+    async def _health_changed(self, wp: WorkerProc, serving: bool) -> None:
+        b = wp.backend
+        if b is None or wp.exited.is_set() or b.state in (DEAD, DRAINING) or wp.state in (DRAINING, STOPPING):
+            return
+        if serving:
+            if wp.state == UNHEALTHY:
+                log.warning("pool %s: worker %s serves again (%s)", self.name, wp.id, wp.detail)
+                wp.detail = ""
+                b.state = wp.state = READY
+                await self._refresh_detail(wp)
+                self._changed()
+                self.router.pools[self.name].dispatch()
+            return
+        await self._refresh_detail(wp)
+        if wp.state == UNHEALTHY:
+            return
+        b.state = wp.state = UNHEALTHY
+        wp.detail = wp.detail or "it reports NOT_SERVING"
+        log.error("pool %s: worker %s is not serving: %s", self.name, wp.id, wp.detail)
+        self._changed()
+        if self.config.distributed is not None:
+            self.restart_group(f"rank {wp.index} ({wp.id}) is not serving: {wp.detail}")
+        elif self.config.unhealthy_timeout_s:
+            self._task(self._replace_if_still_unhealthy(wp))
+
+    async def _refresh_detail(self, wp: WorkerProc) -> None:
+        """Why the worker is not serving, as it says itself."""
+        b = wp.backend
+        assert b is not None
+        try:
+            reply = await ppb_grpc.PoolStub(b.channel).Status(ppb.StatusRequest(), timeout=2.0)
+            me = reply.pools[0].workers[0]
+            wp.detail, wp.replaced = me.detail, me.replaced
+        except (grpc.aio.AioRpcError, IndexError):
+            pass
+
+    async def _replace_if_still_unhealthy(self, wp: WorkerProc) -> None:
+        since = time.monotonic()
+        while time.monotonic() - since < self.config.unhealthy_timeout_s:
+            await asyncio.sleep(min(1.0, self.config.unhealthy_timeout_s))
+            if wp.exited.is_set() or wp.state != UNHEALTHY:
+                return
+        wp.exit_description = (f"replaced: not serving for {self.config.unhealthy_timeout_s:g} s "
+                               f"(unhealthy_timeout_s; {wp.detail})")
+        log.error("pool %s: worker %s %s", self.name, wp.id, wp.exit_description)
+        kill_group(wp.pid)
+
+    def _changed(self) -> None:
+        """Something changed in the pool: calls that no worker can take now fail at once, saying why
+        (a degraded or stopping pool says so itself), and the server's health is refreshed."""
+        if not self.stopping and not self.degraded:
+            troubled = [wp for wp in self.procs if wp.state in (UNHEALTHY, RECONNECTING)]
+            serving = any(wp.state == READY for wp in self.procs)
+            why = "; ".join(f"worker {wp.id} is {wp.state}" + (f" ({wp.detail})" if wp.detail else "")
+                            for wp in troubled)
+            self.router.pools[self.name].set_unavailable("" if serving or not troubled else why)
         self.on_change()
 
     def _note_crash(self, slot: Slot, wp: WorkerProc) -> None:
@@ -371,11 +494,13 @@ class PoolSupervisor:
         if b is not None:
             b.state = DRAINING
             wp.state = DRAINING
-            self.on_change()
+            self._changed()
             wp.exit_description = await drain(b, wp.exited, self.config.drain_timeout_s)
         await self.stop_proc(wp)
 
     async def stop_proc(self, wp: WorkerProc) -> None:
+        if wp.health_watch is not None:
+            wp.health_watch.cancel()         # an open Watch would hold the worker's graceful stop
         if wp.backend is not None:
             wp.backend.state = DRAINING      # no new calls while it stops
         await terminate(wp, self.config.worker_grace_s)

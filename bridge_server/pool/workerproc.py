@@ -89,6 +89,9 @@ class WorkerProc:
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     recycle: asyncio.Event = field(default_factory=asyncio.Event)
     extra_args: list[str] = field(default_factory=list)   # e.g. its rank in a distributed pool
+    health_watch: asyncio.Task[None] | None = None   # follows its health while it serves
+    detail: str = ""                  # why it is not serving, as it says (its own Pool/Status)
+    replaced: int = 0                 # engines it created again after they died, as it says
 
     @property
     def address(self) -> str:
@@ -108,7 +111,10 @@ def worker_command(wp: WorkerProc, cfg: PoolConfig) -> list[str]:
     `--dist-rank {index}`."""
     cmd = [sys.executable, "-S", "-c", _LAUNCHER, str(os.getpid()),
            "-m", "bridge_server.cli", "worker", "--listen", wp.address, "--worker-id", wp.id,
-           "--lane", wp.lane_path, "--grace", str(cfg.worker_grace_s)]
+           "--lane", wp.lane_path, "--grace", str(cfg.worker_grace_s),
+           "--probe-interval", str(cfg.probe_interval_s), "--probe-timeout", str(cfg.probe_timeout_s)]
+    if not cfg.warmup:
+        cmd.append("--no-warmup")
     if cfg.objects:
         cmd += ["--objects", json.dumps([o.to_json() for o in cfg.objects])]
     return cmd + wp.extra_args + [a.replace("{index}", str(wp.index)).replace("{workers}", str(cfg.workers))

@@ -3,6 +3,11 @@
 Every failure leaves the server as a `BridgeError`, so the status code and category are decided in
 one place and a client can act on `category`/`reason` without parsing messages. Details travel in
 the standard rich error model (`grpc-status-details-bin`), which stock gRPC tooling understands.
+
+Error texts are bounded where they leave (`detail`, `to_status`, `to_mux_error`): a message may quote
+what a client sent (a 9,000-character name, a vLLM error that repeats the prompt), and trailers over
+gRPC's metadata limit (8 KiB by default) make the client see RESOURCE_EXHAUSTED, or, in some stacks,
+nothing until its deadline. Call sites quote client input with `quote`, which keeps a short prefix.
 """
 
 from __future__ import annotations
@@ -22,6 +27,31 @@ log = logging.getLogger("vllm_bridge.worker")
 
 # The trailer of the standard rich error model.
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+# What an error may carry, in characters. The message travels twice (the status line and the
+# detail), the detail base64-encoded: 1,000 + 4/3 x (1,000 + 3,000 + a few short fields) stays
+# well inside the 8 KiB of metadata every gRPC stack accepts.
+MAX_MESSAGE_CHARS = 1000
+MAX_TRACEBACK_CHARS = 3000
+MAX_FIELD_CHARS = 200
+QUOTE_CHARS = 80
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` within `limit` characters, saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    note = f"... [{len(text) - limit} more characters]"
+    return text[:max(0, limit - len(note))] + note
+
+
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+    """A client's value as an error message quotes it: its repr, cut to a short prefix."""
+    try:
+        text = repr(value)
+    except Exception:   # a repr that fails must not turn a refusal into a crash
+        text = f"<{type(value).__qualname__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 # Python exception types whose meaning maps onto a more specific status than UNKNOWN.
 _PY_STATUS: dict[str, grpc.StatusCode] = {
@@ -82,23 +112,34 @@ class BridgeError(Exception):
             where = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
             text = f"{py_type} with no message{where}"
         code = next((c for t in type(exc).__mro__ if (c := _PY_STATUS.get(t.__name__))), grpc.StatusCode.UNKNOWN)
-        return cls(code, "python_error", f"{target}: {py_type}: {text}", target=target, python_type=py_type,
-                   traceback="".join(tb.format_exception(exc)))
+        dead = py_type == "EngineDeadError"    # the engine, not the call, failed: say so the same way every time
+        return cls(code, "engine" if dead else "python_error", f"{target}: {py_type}: {text}", target=target,
+                   python_type=py_type, traceback="".join(tb.format_exception(exc)),
+                   reason="engine dead" if dead else "")
 
     def detail(self) -> pb.ErrorDetail:
-        return pb.ErrorDetail(category=self.category, python_type=self.python_type, message=self.message,
-                              traceback=self.traceback, target=self.target, parameter=self.parameter,
-                              reason=self.reason, suggestions=self.suggestions)
+        """The structured detail, every text within its bound (the traceback keeps its end, where
+        the failing frame is)."""
+        tb_text = self.traceback
+        if len(tb_text) > MAX_TRACEBACK_CHARS:
+            tb_text = f"[{len(tb_text) - MAX_TRACEBACK_CHARS} characters left out]\n" + tb_text[-MAX_TRACEBACK_CHARS:]
+        return pb.ErrorDetail(category=clip(self.category, MAX_FIELD_CHARS),
+                              python_type=clip(self.python_type, MAX_FIELD_CHARS),
+                              message=clip(self.message, MAX_MESSAGE_CHARS), traceback=tb_text,
+                              target=clip(self.target, MAX_FIELD_CHARS), parameter=clip(self.parameter, MAX_FIELD_CHARS),
+                              reason=clip(self.reason, MAX_FIELD_CHARS),
+                              suggestions=[clip(s, MAX_FIELD_CHARS) for s in self.suggestions[:5]])
 
     def to_mux_error(self) -> pb.MuxError:
         """The same failure as one event of a Multiplex stream."""
-        return pb.MuxError(code=self.code.value[0], message=self.message, detail=self.detail())
+        return pb.MuxError(code=self.code.value[0], message=clip(self.message, MAX_MESSAGE_CHARS),
+                           detail=self.detail())
 
     def to_status(self) -> grpc.Status:
         detail = any_pb2.Any()
         detail.Pack(self.detail())
-        return rpc_status.to_status(status_pb2.Status(code=self.code.value[0], message=self.message,
-                                                      details=[detail]))
+        return rpc_status.to_status(status_pb2.Status(code=self.code.value[0],
+                                                      message=clip(self.message, MAX_MESSAGE_CHARS), details=[detail]))
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -118,8 +159,14 @@ def mux_error_status(err: pb.MuxError) -> grpc.Status:
 
 
 def target_label(target: pb.Target) -> str:
-    """How errors name a call's target: its name, or its kind when it has none (ITERATE on a ref)."""
-    return target.name or pb.Target.Kind.Name(target.kind)
+    """How errors name a call's target: its name (cut short), or its kind when it has none (ITERATE
+    on a ref); a kind this server does not know is named by its number."""
+    if target.name:
+        return clip(target.name, QUOTE_CHARS)
+    try:
+        return pb.Target.Kind.Name(target.kind)
+    except ValueError:
+        return f"target kind {target.kind}"
 
 
 def server_error(exc: BaseException, label: str) -> BridgeError:

@@ -22,6 +22,8 @@ from bridge_server.wire.protocol import MAX_MESSAGE_BYTES
 __all__ = ["Framed", "LaneClosed"]
 
 _LEN = struct.Struct("<I")
+# A frame holds one message of up to gRPC's limit, plus a call's id and options around it.
+MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + 64 * 1024
 _JOIN_BELOW = 64 * 1024     # smaller frames go out as one write (one syscall); larger ones are not copied
 
 
@@ -51,8 +53,8 @@ class Framed(asyncio.Protocol):
         pos, end = 0, len(buf)
         while end - pos >= 4:
             (size,) = _LEN.unpack_from(buf, pos)
-            if size > MAX_MESSAGE_BYTES:
-                self.close(f"a frame of {size} bytes is over the limit of {MAX_MESSAGE_BYTES}")
+            if size > MAX_FRAME_BYTES:
+                self.close(f"a frame of {size} bytes is over the limit of {MAX_FRAME_BYTES}")
                 return
             stop = pos + 4 + size
             if stop > end:
@@ -72,8 +74,8 @@ class Framed(asyncio.Protocol):
         if self.transport is None or self.lost:
             raise LaneClosed(self.lost or "the lane is not connected")
         size = sum(map(len, parts)) if len(parts) > 1 else len(parts[0])
-        if size > MAX_MESSAGE_BYTES:
-            raise ValueError(f"a message of {size} bytes is over the limit of {MAX_MESSAGE_BYTES}")
+        if size > MAX_FRAME_BYTES:
+            raise ValueError(f"a message of {size} bytes is over the limit of {MAX_FRAME_BYTES}")
         if size < _JOIN_BELOW:
             self.transport.write(b"".join((_LEN.pack(size), *parts)))
         else:

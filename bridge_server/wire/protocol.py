@@ -12,8 +12,11 @@ import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
-from bridge_server.wire.errors import BridgeError
+from google.protobuf.message import DecodeError, Message
+
+from bridge_server.wire.errors import BridgeError, quote
 
 # Metadata keys (gRPC metadata keys are lower case ASCII).
 MD_SESSION = "x-bridge-session"
@@ -30,6 +33,11 @@ MD_STREAM_TEE = "x-bridge-stream-tee"     # "1": with patch-v1, every item twice
 # Sent back by a worker in the trailing metadata of every successful gRPC call: the live refs it
 # holds (the pool router reads the same count from its lanes' `MuxReply.worker_refs`).
 MD_WORKER_REFS = "x-bridge-worker-refs"
+# Set by the pool server on each rank's share of a Collective: in a distributed pool, calls that talk
+# to every rank run only then (on one rank alone they would wait forever for the others).
+MD_COLLECTIVE = "x-bridge-collective"
+# Keys only the pool server sets, on what it sends its workers: it drops them from what clients send.
+ROUTER_ONLY_KEYS = frozenset({MD_COLLECTIVE})
 
 DEFAULT_SESSION = "default"
 
@@ -44,6 +52,34 @@ AFFINITY_MODES = ("hint", "strict_queue", "strict_fail_fast")
 STREAM_FULL = "full"
 STREAM_PATCH_V1 = "patch-v1"
 STREAM_ENCODINGS = (STREAM_FULL, STREAM_PATCH_V1)
+
+# Keepalive: a client may ping a connection that carries no data (a long `batch_job` call, a stream
+# waiting for its first item) every MIN_PING_INTERVAL_S or more without being cut off; gRPC's
+# default server policy counts any ping within 5 minutes as abuse and closes the connection after
+# two. Pinging more often than this still counts against the client, so a ping flood is cut.
+MIN_PING_INTERVAL_S = 10.0
+
+
+def server_options(min_ping_interval_s: float = MIN_PING_INTERVAL_S) -> list[tuple[str, int]]:
+    """The gRPC options of every server of ours."""
+    ms = int(min_ping_interval_s * 1000)
+    return GRPC_OPTIONS + [("grpc.keepalive_permit_without_calls", 1),
+                           ("grpc.http2.min_recv_ping_interval_without_data_ms", ms),
+                           ("grpc.http2.min_ping_interval_without_data_ms", ms)]
+
+M = TypeVar("M", bound=Message)
+
+
+def parse_request(cls: type[M], data: bytes, rpc: str) -> M:
+    """A request as read off the wire. Bytes that are not a `cls` (truncated, invalid UTF-8 in a
+    string, nested past protobuf's depth limit) are the caller's mistake: INVALID_ARGUMENT naming
+    the RPC and the message type, refused where they are read and never passed on."""
+    try:
+        return cls.FromString(data)
+    except (DecodeError, RecursionError, ValueError) as exc:
+        raise BridgeError.validation(
+            f"{rpc}: the request is not a valid {cls.DESCRIPTOR.full_name} ({len(data)} bytes): {exc}",
+            parameter="request") from None
 
 
 @dataclass(frozen=True)
@@ -84,6 +120,7 @@ class RuntimeOptions:
     refs: tuple[str, ...] = ()
     rank: int | None = None
     session_sent: bool = False               # the caller named a session (else it is DEFAULT_SESSION)
+    collective: bool = False                 # one rank's share of a Collective (set by the pool server)
     # How stream items travel: sent as the caller's list of preferences; parsed, the first name this
     # side knows (None: not asked for, which means STREAM_FULL).
     stream_encoding: str | None = None
@@ -96,10 +133,10 @@ def _ms(key: str, raw: str) -> float | None:
     try:
         ms = float(raw)
     except ValueError:
-        raise BridgeError.validation(f"metadata {key}: expected milliseconds as a number, got {raw!r}",
+        raise BridgeError.validation(f"metadata {key}: expected milliseconds as a number, got {quote(raw)}",
                                      parameter=key) from None
     if ms < 0 or math.isnan(ms):
-        raise BridgeError.validation(f"metadata {key}: expected a non-negative number, got {raw!r}",
+        raise BridgeError.validation(f"metadata {key}: expected a non-negative number, got {quote(raw)}",
                                      parameter=key)
     return None if math.isinf(ms) else ms / 1000.0
 
@@ -124,18 +161,18 @@ def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
     profile = get(MD_TIMEOUT_PROFILE)
     if profile is not None and profile not in PROFILES:
         raise BridgeError.validation(
-            f"metadata {MD_TIMEOUT_PROFILE}: unknown timeout profile {profile!r}; "
+            f"metadata {MD_TIMEOUT_PROFILE}: unknown timeout profile {quote(profile)}; "
             f"expected one of {', '.join(PROFILES)}", parameter=MD_TIMEOUT_PROFILE)
     affinity = get(MD_AFFINITY)
     if affinity is not None and affinity not in AFFINITY_MODES:
         raise BridgeError.validation(
-            f"metadata {MD_AFFINITY}: unknown affinity {affinity!r}; expected one of "
+            f"metadata {MD_AFFINITY}: unknown affinity {quote(affinity)}; expected one of "
             f"{', '.join(AFFINITY_MODES)}", parameter=MD_AFFINITY)
     rank_raw = get(MD_RANK)
     rank = None
     if rank_raw is not None:
-        if not rank_raw.isdigit():
-            raise BridgeError.validation(f"metadata {MD_RANK}: expected a rank number, got {rank_raw!r}",
+        if not (rank_raw.isascii() and rank_raw.isdigit()):
+            raise BridgeError.validation(f"metadata {MD_RANK}: expected a rank number, got {quote(rank_raw)}",
                                          parameter=MD_RANK)
         rank = int(rank_raw)
     timeout = get(MD_TIMEOUT_MS)
@@ -154,6 +191,7 @@ def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
         refs=tuple(r for r in (refs or "").split(",") if r),
         rank=rank,
         session_sent=MD_SESSION in md,
+        collective=get(MD_COLLECTIVE) == "1",
         stream_encoding=None if encodings is None else stream_encoding(encodings),
         stream_tee=get(MD_STREAM_TEE) in ("1", "true"),
     )

@@ -1,27 +1,52 @@
-"""Binding a call's arguments to the signature of what it calls, before anything runs.
+"""Binding a call's arguments to the signature of what it calls, and checking their types, before
+anything runs.
 
-Every argument mistake is caught here and named (function, parameter, what the signature says), so
-a client learns what is wrong without the call reaching vLLM. Maps given where a parameter expects
-one of the catalog's config classes are built into that class here too.
+Every argument mistake is caught here and named (function, parameter, field, expected and given
+type), so a client learns what is wrong without the call reaching vLLM. That matters beyond the
+message: vLLM checks many values only later, in another thread or process (its engine core's input
+thread dies on msgspec's type check of a float `max_tokens` or an int `request_id`, and the engine
+then hangs every later request). So each argument is checked, strictly, against the installed vLLM's
+annotation of its parameter (or, where vLLM has none, the type the binding documents give), with
+pydantic in strict mode: an int parameter takes an int, not a float or a bool; a str takes a str.
+The checks are derived from the signatures and the record types, never listed by hand, and built
+on first use, once per parameter.
+
+Maps given where a parameter expects one of the catalog's record classes (SamplingParams, ...) are
+built into that class here, each given field checked the same way first; non-finite numbers are
+refused in them (nothing in vLLM's request records can use nan or inf). Enum-typed values may be
+given by value as well as by member, as vLLM's own structs accept; a map for a nested record field
+(SamplingParams' `structured_outputs`) is left to the enclosing class to build.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import inspect
+import math
 import re
+import sys
+import types as pytypes
+import typing
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
+import pydantic
+import typing_extensions
 
-from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.errors import BridgeError, clip, quote
 
 _TYPEERROR_PARAM = re.compile(r"'(\w+)'")
+_STRICT = pydantic.ConfigDict(strict=True, arbitrary_types_allowed=True)
+# The binding documents' types, for parameters the installed vLLM does not annotate.
+_DOC_TYPES: dict[str, Any] = {"integer()": int, "float()": float, "number()": float, "String.t()": str,
+                              "boolean()": bool, "map()": dict, "binary()": bytes}
 
 
 def bind_arguments(label: str, signature: inspect.Signature, args: list[Any], kwargs: dict[str, Any],
-                   types: Mapping[str, type]) -> tuple[list[Any], dict[str, Any]]:
+                   types: Mapping[str, type], checks: Checks | None = None) -> tuple[list[Any], dict[str, Any]]:
     """The arguments as the callee will receive them; INVALID_ARGUMENT naming the parameter if not."""
     try:
         bound = signature.bind(*args, **kwargs)
@@ -30,37 +55,277 @@ def bind_arguments(label: str, signature: inspect.Signature, args: list[Any], kw
         raise BridgeError.validation(f"{label}{_short_sig(signature)}: {exc}", target=label,
                                      parameter=m.group(1) if m else "") from None
     for pname, value in bound.arguments.items():
-        if isinstance(value, dict):
-            built = _build_argument(label, signature.parameters[pname], value, types)
+        param = signature.parameters[pname]
+        if isinstance(value, dict) and param.kind is not inspect.Parameter.VAR_KEYWORD:
+            built = _build_argument(label, param, value, types)
             if built is not value:
-                bound.arguments[pname] = built
+                bound.arguments[pname] = value = built
+        if checks is not None:
+            given = checks.check(label, param, value)
+            if given is not value:
+                bound.arguments[pname] = given
     return list(bound.args), dict(bound.kwargs)
 
 
-def _build_argument(label: str, param: inspect.Parameter, value: dict[Any, Any], types: Mapping[str, type]) -> Any:
-    """A map given where the signature expects one of the catalog's classes is built into it.
+# ------------------------------------------------------------------------------------------ checks
+# Types the wire has no kind for, which a client gives by name instead ("cpu", "bfloat16").
+_BY_NAME: dict[Any, Any] = {}
 
-    Keys are checked against the class's signature first: vLLM's pydantic configs silently drop
-    unknown fields, and a misspelt option must not be ignored.
-    """
+
+def _by_name(tp: Any) -> Any:
+    if not _BY_NAME:
+        import torch
+
+        from bridge_server.wire.codec import TORCH_DTYPES
+        _BY_NAME.update({torch.device: torch.device, torch.dtype: TORCH_DTYPES.__getitem__})
+    return _BY_NAME.get(tp)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Check:
+    """One parameter's (or field's) strict type check."""
+
+    expected: str
+    adapter: pydantic.TypeAdapter[Any]
+    named: Any = None                  # builds the value from a name, for a type the wire lacks
+
+    def problem(self, value: Any) -> str | None:
+        """None when `value` fits; else what is wrong, as "expected ..., got ..." text."""
+        try:
+            self.adapter.validate_python((value,))   # a 1-tuple: pydantic takes no config for a bare record type
+        except pydantic.ValidationError as exc:
+            return _describe(exc, self.expected, value)
+        return None
+
+
+class Checks:
+    """The checks of one callable's parameters, each built when the parameter is first given: from
+    its annotation (strings resolved in `namespace`, the callable's module), else its documented type."""
+
+    def __init__(self, namespace: Mapping[str, Any], documented: Mapping[str, str] | None = None) -> None:
+        self.namespace = namespace
+        self.documented = {k.lower(): v for k, v in (documented or {}).items()}
+        self._built: dict[str, _Check | None] = {}
+
+    def check(self, label: str, param: inspect.Parameter, value: Any) -> Any:
+        """The value to pass on (a device or dtype given by name becomes one); INVALID_ARGUMENT
+        naming the parameter when it does not fit."""
+        name = param.name
+        if name not in self._built:
+            self._built[name] = self._make(param)
+        check = self._built[name]
+        if check is None:
+            return value
+        if check.named is not None and isinstance(value, str):
+            try:
+                value = check.named(value)
+            except Exception:
+                raise BridgeError.validation(f"{label}: parameter {name}: expected {check.expected} (or its name), "
+                                             f"got {quote(value)}, which names none", target=label,
+                                             parameter=name) from None
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            items: list[tuple[str, Any]] = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+        elif param.kind is inspect.Parameter.VAR_KEYWORD:
+            items = [(f"{name}[{k!r}]", v) for k, v in value.items()]
+        else:
+            items = [(name, value)]
+        for where, item in items:
+            problem = check.problem(item)
+            if problem is not None:
+                raise BridgeError.validation(f"{label}: parameter {where}: {problem}", target=label, parameter=name)
+        return value
+
+    def _make(self, param: inspect.Parameter) -> _Check | None:
+        annotation = _resolve(param.annotation, self.namespace)
+        if annotation is None:
+            annotation = _documented(self.documented.get(param.name.lower(), ""))
+        return None if annotation is None else _check_for(annotation, top=True)
+
+
+def _resolve(annotation: Any, namespace: Mapping[str, Any]) -> Any:
+    """An annotation as a type (None: none, or one that cannot be resolved here)."""
+    if annotation is inspect.Parameter.empty or annotation is Any:
+        return None
+    if isinstance(annotation, str):
+        try:
+            annotation = eval(annotation, dict(namespace))   # noqa: S307 - vLLM's own source text, not a client's
+        except Exception:
+            return None
+    return annotation
+
+
+def _documented(doc_type: str) -> Any:
+    if doc_type in _DOC_TYPES:
+        return _DOC_TYPES[doc_type]
+    inner = re.fullmatch(r"list\((.+)\)", doc_type)
+    if inner and (item := _documented(inner.group(1))) is not None:
+        return list[item]  # type: ignore[valid-type]
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _check_cached(annotation: Any, top: bool) -> _Check | None:
+    return _make_check(annotation, top)
+
+
+def _check_for(annotation: Any, top: bool = False) -> _Check | None:
+    try:
+        return _check_cached(annotation, top)
+    except TypeError:          # an unhashable annotation: built each time it is needed
+        return _make_check(annotation, top)
+
+
+def _make_check(annotation: Any, top: bool) -> _Check | None:
+    try:
+        adapted = _adapt(annotation, nested=not top)
+        adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(tuple[adapted], config=_STRICT)  # type: ignore[valid-type]
+        adapter.rebuild(raise_errors=True)   # now, not at the first value: pydantic defers some failures
+    except Exception:   # a type pydantic cannot check (vLLM's own checks still apply later)
+        return None
+    members = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, pytypes.UnionType) \
+        else (annotation,)
+    named = None if str in members else next((f for m in members if (f := _by_name(m)) is not None), None)
+    return _Check(clip(_type_text(annotation), 160), adapter, named)
+
+
+def _is_record_class(tp: Any) -> bool:
+    return isinstance(tp, type) and (dataclasses.is_dataclass(tp) or issubclass(tp, (msgspec.Struct, pydantic.BaseModel)))
+
+
+def _adapt(tp: Any, nested: bool) -> Any:
+    """The annotation as checked: an enum may also be given by one of its values (vLLM's structs
+    accept that), and a nested record class by a map (its enclosing class builds it)."""
+    if tp is Any or isinstance(tp, (typing.ForwardRef, str)):   # Any (a class in 3.11), or a name not resolvable here
+        return Any
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        values = tuple(m.value for m in tp)
+        if values and all(type(v) in (int, str) for v in values):
+            return typing.Union[tp, typing.Literal[values]]  # type: ignore[valid-type]
+        return tp
+    if isinstance(tp, type) and tp.__module__ != "builtins" and not typing_extensions.is_typeddict(tp):
+        # Any other class by isinstance alone: some of vLLM's classes bring pydantic schemas of
+        # their own (SamplingParams validates as a dict), which would refuse their own instances.
+        instance = pydantic.InstanceOf[tp]
+        return typing.Union[instance, dict[str, Any]] if nested and _is_record_class(tp) else instance
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is None or not args or origin is typing.Literal:
+        return tp
+    if origin is typing.Annotated:
+        return typing.Annotated[(_adapt(args[0], nested), *tp.__metadata__)]  # type: ignore[return-value]
+    new = tuple(_adapt(a, nested if origin in (typing.Union, pytypes.UnionType) else True) for a in args)
+    if new == args:
+        return tp
+    if origin in (typing.Union, pytypes.UnionType):
+        return typing.Union[new]
+    if hasattr(tp, "copy_with"):
+        return tp.copy_with(new)
+    return origin[new]
+
+
+def _type_text(tp: Any) -> str:
+    return inspect.formatannotation(tp).replace("typing.", "")
+
+
+def _describe(exc: pydantic.ValidationError, expected: str, value: Any) -> str:
+    """pydantic's findings as one line. Of a union's failures the one that got furthest into the
+    value explains it best (a bad item of a list of token ids, rather than "not a str")."""
+    errors = exc.errors(include_url=False)
+    best = max(errors, key=lambda e: len(e["loc"]))
+    loc = [p for p in best["loc"][1:] if not (isinstance(p, str) and not p.isidentifier())]
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+    got = f"got {type(value).__name__} {quote(value, 60)}"
+    if len(best["loc"]) > 2 or (len(errors) == 1 and path):
+        return f"expected {expected}, {got}: at {path.lstrip('.') or 'the value'}: {best['msg']}"
+    return f"expected {expected}, {got}"
+
+
+# ------------------------------------------------------------------------------------------ records
+def _build_argument(label: str, param: inspect.Parameter, value: dict[Any, Any], types: Mapping[str, type]) -> Any:
+    """A map given where the signature expects one of the catalog's classes is built into it."""
     annotation = param.annotation if isinstance(param.annotation, str) else repr(param.annotation)
     for short, cls in types.items():
-        if not re.search(rf"\b{short}\b", annotation):
-            continue
-        fields = {str(k): v for k, v in value.items()}
-        where = f"{label}: parameter {param.name}: cannot build {short} from the map given"
-        try:
-            _class_signature(cls).bind(**fields)
-        except TypeError as exc:
-            raise BridgeError.validation(f"{where}: {exc}", target=label, parameter=param.name) from None
-        except ValueError:
-            pass   # no introspectable signature: let the class judge
-        try:
-            return cls(**fields)
-        except Exception as exc:  # the class's own validation says what is wrong
-            why = _field_types_error(cls, fields) or f"{type(exc).__name__}: {exc}"
-            raise BridgeError.validation(f"{where}: {why}", target=label, parameter=param.name) from None
+        if re.search(rf"\b{short}\b", annotation):
+            return _build_record(label, param.name, cls, value)
     return value
+
+
+def _build_record(label: str, where: str, cls: type, value: dict[Any, Any], depth: int = 0) -> Any:
+    """Builds `cls` from a map. Keys are checked against the class's signature first (vLLM's pydantic
+    configs silently drop unknown fields, and a misspelt option must not be ignored), then each given
+    field's type; a map for a field whose type is a record class (SamplingParams' structured_outputs)
+    is built the same way, so the class never holds a plain map where it expects a record."""
+    fields = {str(k): v for k, v in value.items()}
+    what = f"{label}: parameter {where}: cannot build {cls.__name__} from the map given"
+    try:
+        _class_signature(cls).bind(**fields)
+    except TypeError as exc:
+        raise BridgeError.validation(f"{what}: {exc}", target=label, parameter=where) from None
+    except ValueError:
+        pass   # no introspectable signature: let the class judge
+    for field, item in fields.items():
+        nested = _nested_record(cls, field) if isinstance(item, dict) and depth < 4 else None
+        if nested is not None:
+            fields[field] = item = _build_record(label, f"{where}.{field}", nested, item, depth + 1)
+        problem = _field_problem(cls, field, item)
+        if problem is not None:
+            raise BridgeError.validation(f"{what}: field {field}: {problem}", target=label,
+                                         parameter=f"{where}.{field}")
+    try:
+        return cls(**fields)
+    except Exception as exc:  # the class's own validation says what is wrong
+        why = _field_types_error(cls, fields) or f"{type(exc).__name__}: {exc}"
+        raise BridgeError.validation(f"{what}: {why}", target=label, parameter=where) from None
+
+
+@functools.lru_cache(maxsize=2048)
+def _nested_record(cls: type, field: str) -> type | None:
+    """The one record class a field's type names (None when it names none, or several)."""
+    annotation = _class_hints(cls).get(field)
+    candidates = [a for a in (typing.get_args(annotation) or (annotation,)) if _is_record_class(a)]
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def _field_problem(cls: type, field: str, value: Any) -> str | None:
+    check = _field_check(cls, field)
+    if check is not None and (problem := check.problem(value)) is not None:
+        return problem
+    bad = _non_finite(value)
+    return None if bad is None else f"expected a finite number, got {bad}"
+
+
+@functools.lru_cache(maxsize=2048)
+def _field_check(cls: type, field: str) -> _Check | None:
+    annotation = _class_hints(cls).get(field)
+    return None if annotation is None else _check_for(annotation, top=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _class_hints(cls: type) -> dict[str, Any]:
+    """A record class's field types: resolved all at once, else one by one (vLLM annotates some
+    fields with names imported only for type checkers, which cannot be resolved at run time)."""
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:
+        pass
+    hints: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        namespace = vars(sys.modules.get(klass.__module__, sys))
+        for name, raw in vars(klass).get("__annotations__", {}).items():
+            resolved = _resolve(raw, namespace)
+            if resolved is not None:
+                hints[name] = resolved
+    return hints
+
+
+def _non_finite(value: Any, depth: int = 0) -> str | None:
+    """The first nan or inf in a value (containers looked into), as text; None when there is none."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if depth < 8 and isinstance(value, (list, tuple, set, frozenset)):
+        return next((bad for v in value if (bad := _non_finite(v, depth + 1)) is not None), None)
+    if depth < 8 and isinstance(value, dict):
+        return next((bad for v in value.values() if (bad := _non_finite(v, depth + 1)) is not None), None)
+    return None
 
 
 def _field_types_error(cls: type, fields: dict[str, Any]) -> str | None:
@@ -78,6 +343,7 @@ def _field_types_error(cls: type, fields: dict[str, Any]) -> str | None:
     return None
 
 
+# ------------------------------------------------------------------------------------------ signatures
 def member_signature(cls: type, name: str, member: Any) -> inspect.Signature | None:
     """A method's signature, computed once per class and name (it is the same for every instance);
     anything else (an instance attribute holding a callable) is inspected each time."""
@@ -98,6 +364,21 @@ def _method_signature(cls: type, name: str) -> inspect.Signature | None:
     return inspect.Signature(params)
 
 
+@functools.lru_cache(maxsize=1024)
+def member_checks(cls: type, name: str, documented: tuple[tuple[str, str], ...] = ()) -> Checks:
+    """The checks of a method's parameters, once per class and name."""
+    return Checks(namespace_of(getattr(cls, name, None)), dict(documented))
+
+
+def namespace_of(obj: Any) -> Mapping[str, Any]:
+    """Where the names in obj's annotations resolve: its module's globals."""
+    target = obj.__func__ if inspect.ismethod(obj) else obj
+    if isinstance(target, type):
+        return vars(sys.modules.get(target.__module__, sys))
+    globals_ = getattr(inspect.unwrap(target), "__globals__", None) if callable(target) else None
+    return globals_ if globals_ is not None else {}
+
+
 @functools.lru_cache(maxsize=256)
 def _class_signature(cls: type) -> inspect.Signature:
     """Resolving a config class's signature walks its type hints: once per class, not per request."""
@@ -106,5 +387,4 @@ def _class_signature(cls: type) -> inspect.Signature:
 
 def _short_sig(sig: inspect.Signature) -> str:
     return "(" + ", ".join(str(p).split(":")[0].split("=")[0].strip() for p in sig.parameters.values()) + ")"
-
 

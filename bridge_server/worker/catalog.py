@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from adapters.spec import AdapterSpec, Guard
+from adapters.spec import AdapterSpec, Guard, Lifecycle
 from adapters.surface import DocEntry, DocSurface, load_surfaces
 from bridge_server.wire.errors import BridgeError
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -58,6 +58,7 @@ class Entry:
     profile: str = "default"
     guard: Guard | None = None
     override: Callable[..., Any] | None = None    # an adapter's replacement for the Python callable
+    collective: bool = False        # communicates with every rank: only as a Collective in a distributed pool
 
     def resolve(self) -> Any:
         """The live object: read at call time, so module attributes reflect the current state."""
@@ -91,6 +92,7 @@ class Catalog:
     records: dict[type, tuple[str, ...]] = field(default_factory=dict)   # plain classes sent by value
     record_constants: dict[type, frozenset[str]] = field(default_factory=dict)   # per stream, see codec
     finalizers: dict[type, Callable[[Any], None]] = field(default_factory=dict)
+    lifecycles: dict[type, Lifecycle] = field(default_factory=dict)
     documents: dict[str, DocSurface] = field(default_factory=dict)
 
     @functools.cached_property
@@ -127,6 +129,10 @@ class Catalog:
                 return obj
         return None
 
+    def lifecycle(self, obj: object) -> Lifecycle | None:
+        """How instances like obj can die under the worker, if they can."""
+        return next((lc for cls in type(obj).__mro__ if (lc := self.lifecycles.get(cls)) is not None), None)
+
     def finalize(self, obj: object) -> None:
         """Called when the last ref to obj is released: engines must not outlive their refs."""
         for cls in type(obj).__mro__:
@@ -158,7 +164,8 @@ def _module_entry(spec: AdapterSpec, module: Any, doc: DocEntry, surface: DocSur
         signature=_signature(obj) if callable_ else None, doc=doc, document=surface.document,
         streams=streams, is_async=is_async, exclusive=spec.exclusive and doc.name not in spec.shared,
         inline=doc.name in spec.inline, result_ref=doc.name in spec.result_refs,
-        profile=spec.profiles.get(doc.name, "streaming" if streams else "default"), guard=_guard(spec, doc.name))
+        profile=spec.profiles.get(doc.name, "streaming" if streams else "default"), guard=_guard(spec, doc.name),
+        override=spec.overrides.get(doc.name), collective=doc.name in spec.collectives)
 
 
 def _class_entry(spec: AdapterSpec, cls: type, doc: DocEntry, surface: DocSurface) -> Entry:
@@ -183,6 +190,7 @@ def _class_entry(spec: AdapterSpec, cls: type, doc: DocEntry, surface: DocSurfac
     streams, is_async = _streams(fn) if fn is not None else (False, False)
     return Entry(name=f"{spec.prefix}.{doc.name}", kind=kind, attr=attr, signature=sig, streams=streams,
                  is_async=is_async, profile=spec.profiles.get(doc.name, "streaming" if streams else "default"),
+                 override=spec.overrides.get(doc.name), collective=doc.name in spec.collectives,
                  **common)  # type: ignore[arg-type]
 
 
@@ -200,6 +208,8 @@ def build_catalog(specs: Iterable[AdapterSpec], documents: dict[str, DocSurface]
             catalog.types[f"{cls.__module__}.{cls.__qualname__}"] = cls
             if spec.finalizer is not None:
                 catalog.finalizers[cls] = spec.finalizer
+            if spec.lifecycle is not None:
+                catalog.lifecycles[cls] = spec.lifecycle
             for doc in surface.entries:
                 catalog.add(_class_entry(spec, cls, doc, surface))
         for ctor in spec.constructors:

@@ -16,7 +16,8 @@ import asyncio
 import difflib
 import functools
 import inspect
-from collections.abc import AsyncIterator, Callable, Mapping
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -28,7 +29,7 @@ from bridge_server.wire.codec import Encoder
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import BridgeError
 from bridge_server.wire.protocol import STREAM_PATCH_V1
-from bridge_server.worker.binding import bind_arguments, member_signature
+from bridge_server.worker.binding import Checks, bind_arguments, member_checks, member_signature, namespace_of
 from bridge_server.worker.catalog import Catalog, Entry, Kind
 from bridge_server.worker.deadlines import Deadlines, with_deadline
 from bridge_server.worker.refs import RefRegistry
@@ -49,10 +50,12 @@ class Plan:
     fn: Callable[..., Any] | None         # called with the bound arguments; None: a read
     read: Callable[[], Any] | None = None
     signature: inspect.Signature | None = None
+    checks: Checks | None = None          # the parameters' type checks
     entry: Entry | None = None
     exclusive: bool = False
     inline: bool = False
     is_async: bool = False
+    streams: bool = False                 # a generator: Stream's, never Call's
     result_ref: bool = False
     profile: str = "default"
     receiver: object = None
@@ -66,7 +69,12 @@ class Invoker:
     objects: dict[str, object] = field(default_factory=dict)    # published by name at start
     tensor_max_bytes: int = 16 * 1024 * 1024
     shared_threads: int = 16
+    distributed: bool = False   # a rank of a distributed pool: collective entries run only as Collectives
     abandoned: int = 0      # blocking calls still running after their caller gave up
+    wedged: str = ""        # a call abandoned in the exclusive lane, still running: it blocks the lane
+    # Called with what a result_ref entry (an engine's constructor) made, before the caller gets it.
+    adopt: Callable[[object], Awaitable[None]] | None = None
+    _activity: dict[int, float] = field(default_factory=dict)   # id(receiver) -> when it last yielded an item
 
     def __post_init__(self) -> None:
         self._exclusive_lane = ThreadPoolExecutor(1, thread_name_prefix="bridge-exclusive")
@@ -74,6 +82,10 @@ class Invoker:
         self._exclusive_lock = asyncio.Lock()
         self._decoder = Decoder(resolve_ref=self._resolve_ref, resolve_type=self.catalog.resolve_type)
         self._entry_plans: dict[str, Plan] = {}   # catalog targets carry no receiver: plan them once
+
+    def active_since(self, obj: object, since: float) -> bool:
+        """Whether a stream on `obj` yielded an item after `since` (time.monotonic()): progress."""
+        return self._activity.get(id(obj), 0.0) > since
 
     def close(self) -> None:
         self._shared_lane.shutdown(wait=False, cancel_futures=True)
@@ -112,13 +124,18 @@ class Invoker:
 
     def _plan_entry(self, e: Entry) -> Plan:
         common = dict(label=e.name, entry=e, exclusive=e.exclusive, inline=e.inline, profile=e.profile,
-                      is_async=e.is_async, result_ref=e.result_ref)
+                      is_async=e.is_async, streams=e.streams, result_ref=e.result_ref)
         if e.kind is Kind.MODULE_ATTR:
             return Plan(fn=None, read=e.resolve, **common)  # type: ignore[arg-type]
+        documented = {p.name: p.type for p in e.doc.params} if e.doc else {}
         if e.kind is Kind.CONSTRUCTOR:
-            return Plan(fn=e.override or e.owner, signature=e.signature, **common)  # type: ignore[arg-type]
+            fn = e.override or e.owner
+            return Plan(fn=fn, signature=e.signature, checks=Checks(namespace_of(fn), documented),
+                        **common)  # type: ignore[arg-type]
         if e.kind in (Kind.FUNCTION, Kind.CLASSMETHOD):
-            return Plan(fn=e.resolve(), signature=e.signature, **common)  # type: ignore[arg-type]
+            fn = e.override or e.resolve()
+            return Plan(fn=fn, signature=e.signature, checks=Checks(namespace_of(fn), documented),
+                        **common)  # type: ignore[arg-type]
         raise BridgeError.validation(f"{e.name} is a {e.kind.name.lower()} of {e.class_name}: call it on a ref "
                                      f"(target kind METHOD or GET_ATTR with name {e.attr!r})", target=e.name)
 
@@ -153,9 +170,16 @@ class Invoker:
         if not callable(member):
             raise BridgeError.validation(f"{label} is an attribute, not a method: use GET_ATTR", target=label)
         is_async = inspect.iscoroutinefunction(member) or inspect.isasyncgenfunction(member)
+        streams = inspect.isasyncgenfunction(member) or inspect.isgeneratorfunction(member)
         sig = member_signature(type(obj), name, member)
-        return Plan(label=label, fn=member, signature=sig, entry=entry, exclusive=exclusive, is_async=is_async,
-                    profile=profile, receiver=obj, fill_exit_args=name in _EXIT_METHODS,
+        documented = tuple((p.name, p.type) for p in entry.doc.params) if entry and entry.doc else ()
+        cls: type = type(obj)
+        checks = member_checks(cls, name, documented) if inspect.ismethod(member) else None
+        if entry is not None and entry.override is not None:   # the adapter's version, receiver first
+            member, is_async = functools.partial(entry.override, obj), True
+        return Plan(label=label, fn=member, signature=sig, checks=checks, entry=entry, exclusive=exclusive,
+                    is_async=is_async,
+                    streams=streams, profile=profile, receiver=obj, fill_exit_args=name in _EXIT_METHODS,
                     result_ref=entry.result_ref if entry else False)
 
     # -------------------------------------------------------------------------------------- binding
@@ -175,7 +199,7 @@ class Invoker:
             args = [None, None, None]
         if plan.signature is None:
             return args, kwargs
-        return bind_arguments(plan.label, plan.signature, args, kwargs, self.catalog.short_types)
+        return bind_arguments(plan.label, plan.signature, args, kwargs, self.catalog.short_types, plan.checks)
 
     # ------------------------------------------------------------------------------------ execution
     async def run(self, plan: Plan, args: list[Any], kwargs: dict[str, Any], deadline: float | None) -> Any:
@@ -212,11 +236,16 @@ class Invoker:
             if not job.done() and not job.cancel():   # already running: cannot be pre-empted
                 loop = asyncio.get_running_loop()
                 self.abandoned += 1
-                job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._settle_abandoned))
+                exclusive = lane is self._exclusive_lane
+                if exclusive:   # everything that touches process-wide state now waits behind it
+                    self.wedged = f"{label} was abandoned at its deadline and still runs in the exclusive lane"
+                job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._settle_abandoned, exclusive))
             raise
 
-    def _settle_abandoned(self) -> None:
+    def _settle_abandoned(self, exclusive: bool) -> None:
         self.abandoned -= 1
+        if exclusive:
+            self.wedged = ""
 
     def encoder(self, session_id: str, exclusive: bool, stream: bool = False) -> Encoder:
         def make_ref(obj: object) -> pb.Ref:
@@ -250,13 +279,29 @@ class Invoker:
         except Exception as exc:
             raise BridgeError.from_exception(exc, plan.label) from exc
 
+    def _admit(self, plan: Plan, collective: bool) -> None:
+        """Refuses, before anything runs, a call that would block this rank's process group: in a
+        distributed pool an entry that talks to every rank runs only as a Collective."""
+        if self.distributed and not collective and plan.entry is not None and plan.entry.collective:
+            raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
+                              f"{plan.label} talks to every rank of the pool's process group: run it with the "
+                              f"Collective RPC (every rank at once); called on one rank it would wait forever",
+                              target=plan.label, reason="use Collective")
+
     async def call(self, request: pb.CallRequest, session_id: str, deadlines: Deadlines,
-                   plan: Plan | None = None) -> pb.Value:
+                   plan: Plan | None = None, collective: bool = False) -> pb.Value:
         plan = plan or self.plan(request.target)
+        self._admit(plan, collective)
+        if plan.streams:
+            raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
+                              f"{plan.label} yields its results one by one: call it with Stream (or a Multiplex "
+                              f"start with stream set), not Call", target=plan.label, reason="use Stream")
         args, kwargs = await self.prepare(plan, *self.decode(request))
         result = await self.run_checked(plan, args, kwargs, deadlines.call)
         if request.target.kind == pb.Target.SET_ATTR:
             result = None
+        elif plan.result_ref and result is not None and self.adopt is not None:
+            await with_deadline(self.adopt(result), deadlines.call, plan.label, "warming up what it made")
         return self.encode_result(plan, result, session_id)
 
     @staticmethod
@@ -297,25 +342,29 @@ class Invoker:
         return obj
 
     async def stream(self, request: pb.CallRequest, session_id: str, deadlines: Deadlines,
-                     interval_s: float | None = None, plan: Plan | None = None,
+                     interval_s: float | None = None, plan: Plan | None = None, collective: bool = False,
                      encoding: str | None = None, tee: bool = False) -> AsyncIterator[tuple[Any, PutItem]]:
         """Yields each item with the function that puts it into the message that carries it (a
         `StreamItem` or a `MuxEvent`), in the stream's encoding: the caller puts it in place.
         `tee` (with PATCH_V1): each item comes twice, to be sent as a patch and then whole."""
         plan = plan or self.plan(request.target)
+        self._admit(plan, collective)
         args, kwargs = await self.prepare(plan, *self.decode(request))
         source = await self.run_checked(plan, args, kwargs, deadlines.call)
         put = self.item_writer(session_id, plan.exclusive, encoding)
         lane = self._exclusive_lane if plan.exclusive else self._shared_lane
         items = iterate(source, plan.label, deadlines, lambda step: self._in_thread(lane, step, None, plan.label),
                         interval_s)
+        activity, receiver = self._activity, id(plan.receiver)
         if tee and encoding == STREAM_PATCH_V1:
             both = Tee(put, self.item_writer(session_id, plan.exclusive, None))
             async for item in items:
+                activity[receiver] = time.monotonic()
                 yield item, both.first
                 yield item, both.second
             return
         async for item in items:
+            activity[receiver] = time.monotonic()
             yield item, put
 
     def item_writer(self, session_id: str, exclusive: bool, encoding: str | None) -> PutItem:

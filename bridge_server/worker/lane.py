@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from bridge_server.wire.framing import Framed
 from bridge_server.worker.invoke import Invoker
 from bridge_server.worker.mux import MuxSession, Outbox
-from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["LaneServer", "serve_lane"]
 
@@ -39,10 +38,10 @@ class _Served:
     def on_frame(self, frame: bytes) -> None:
         self.reading = True
         try:
-            self.session.handle(pb.MuxRequest.FromString(frame))
-        except Exception as exc:   # a peer that sends garbage is not a router of ours
-            log.error("lane: closing a connection that sent an unreadable request: %s", exc)
-            self.framed.close(f"unreadable request: {exc}")
+            self.session.handle_bytes(frame)   # a malformed request fails its call, not the lane
+        except Exception as exc:   # a bug of ours: the router reopens the lane
+            log.exception("lane: closing a connection after a failure handling a request")
+            self.framed.close(f"the worker failed handling a request: {type(exc).__name__}: {exc}")
 
     def end_read(self) -> None:
         self.reading = False
@@ -62,7 +61,8 @@ class _Served:
             return     # resume_writing flushes; meanwhile the calls wait for room in the outbox
         reply = out.take()
         reply.worker_refs = len(self.session.invoker.refs)
-        self.framed.send(reply.SerializeToString())
+        for frame in out.frames(reply, self.session.running):
+            self.framed.send(frame)
 
 
 @dataclass

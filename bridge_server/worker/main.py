@@ -15,6 +15,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from bridge_server.wire import eventloop
+from bridge_server.wire.protocol import MIN_PING_INTERVAL_S
 
 if TYPE_CHECKING:   # imported when a worker runs, not when the `vllm-bridge` parser is built
     from bridge_server.worker.server import WorkerConfig
@@ -40,6 +41,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--objects", default="[]",
                    help='objects to create at start and publish by name, as JSON: '
                         '[{"name": "engine", "target": "vllm.AsyncLLMEngine.from_engine_args", "kwargs": {...}}]')
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="report ready without running each engine once first (the first request then pays "
+                        "for vLLM's first-use compilation)")
+    p.add_argument("--probe-interval", type=float, default=5.0, metavar="S",
+                   help="how often every engine is probed for liveness (default %(default)s s)")
+    p.add_argument("--probe-timeout", type=float, default=10.0, metavar="S",
+                   help="an engine that answers no probe within this, twice in a row, while making no progress, is dead "
+                        "(default %(default)s s)")
+    p.add_argument("--min-ping-interval", type=float, default=MIN_PING_INTERVAL_S, metavar="S",
+                   help="clients may send keepalive pings on an idle connection this often (default %(default)s s)")
     g = p.add_argument_group("distributed pools: join a torch.distributed group at start")
     g.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"])
     g.add_argument("--dist-world-size", type=int, default=1)
@@ -59,7 +70,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
                                args.dist_tp, args.dist_pp)
     return WorkerConfig(distributed=dist, listen=args.listen, worker_id=args.worker_id, session_cap=args.session_cap,
                         idle_ttl_s=args.ref_ttl, tensor_max_bytes=args.tensor_max_bytes, grace_s=args.grace,
-                        objects=json.loads(args.objects), lane=args.lane)
+                        objects=json.loads(args.objects), lane=args.lane, warmup=args.warmup,
+                        probe_interval_s=args.probe_interval, probe_timeout_s=args.probe_timeout,
+                        min_ping_interval_s=args.min_ping_interval)
 
 
 def _take_the_group_down(signum: int, frame: object) -> None:

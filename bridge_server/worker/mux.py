@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from bridge_server.wire.errors import BridgeError, server_error, target_label
-from bridge_server.wire.protocol import parse_metadata, time_left_s
+from bridge_server.wire.protocol import MAX_MESSAGE_BYTES, parse_metadata, time_left_s
 from bridge_server.worker.deadlines import resolve_deadlines
 from bridge_server.worker.invoke import Invoker
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -33,6 +34,7 @@ from vllm_bridge.v1 import bridge_pb2 as pb
 __all__ = ["MuxSession", "Outbox", "multiplex"]
 
 MAX_PENDING = 4096   # events gathered for the next reply before every producer waits
+MAX_REPLY_BYTES = MAX_MESSAGE_BYTES   # one reply message (gRPC's limit; the lane's frames allow a little more)
 PER_CALL = 2         # events of one call gathered before that call waits
 
 
@@ -48,6 +50,7 @@ class Outbox:
     ready: asyncio.Event = field(default_factory=asyncio.Event)    # something to write
     room: asyncio.Event = field(default_factory=asyncio.Event)     # the writer took a reply
     on_first: Callable[[], None] | None = None                     # called when an empty reply gets an event
+    dropped: set[int] = field(default_factory=set)                 # calls ended for a result over the limit
 
     async def wait_for_room(self, call_id: int) -> None:
         while (self.pending.get(call_id, 0) >= self.per_call or len(self.reply.events) >= self.max_pending
@@ -67,7 +70,10 @@ class Outbox:
         return self.add(call_id)
 
     def add(self, call_id: int) -> pb.MuxEvent:
-        """A new event, already in the reply: the caller fills it before its next await."""
+        """A new event, already in the reply: the caller fills it before its next await (for a call
+        already ended for a result over the limit, a detached event that goes nowhere)."""
+        if call_id in self.dropped:
+            return pb.MuxEvent(id=call_id)
         self.ready.set()
         if self.on_first is not None and not self.reply.events:
             self.on_first()
@@ -89,6 +95,38 @@ class Outbox:
         self.room.set()
         return reply
 
+    def frames(self, reply: pb.MuxReply, running: Mapping[int, asyncio.Task[None]]) -> list[bytes]:
+        """The reply as serialized messages, each within the message limit. Serializing is all it
+        costs in the common case; a reply over the limit is split, and an event that alone is over it
+        (a result too large to send) ends its call with RESOURCE_EXHAUSTED instead, so one oversized
+        result never takes down the stream or lane that every other call shares."""
+        data: bytes = reply.SerializeToString()
+        if len(data) <= MAX_REPLY_BYTES:
+            return [data]
+        out: list[bytes] = []
+        current = pb.MuxReply(worker_refs=reply.worker_refs)
+        for event in reply.events:
+            if event.id in self.dropped:
+                continue
+            size = event.ByteSize()
+            if size > MAX_REPLY_BYTES - 1024:
+                self.dropped.add(event.id)
+                task = running.get(event.id)
+                if task is not None:
+                    task.cancel()
+                event = pb.MuxEvent(id=event.id, error=BridgeError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, "worker",
+                    f"the result of call {event.id} is {size:,} bytes, over the limit of {MAX_REPLY_BYTES:,} bytes for "
+                    f"one message: return it as a ref, or in parts", reason="result too large").to_mux_error())
+                size = event.ByteSize()
+            if current.events and current.ByteSize() + size + 16 > MAX_REPLY_BYTES:
+                out.append(current.SerializeToString())
+                current = pb.MuxReply(worker_refs=reply.worker_refs)
+            current.events.append(event)
+        if current.events:
+            out.append(current.SerializeToString())
+        return out
+
 
 async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[str, str | bytes]],
                rpc_remaining: Callable[[], float | None], out: Outbox) -> None:
@@ -100,13 +138,13 @@ async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[st
         limits = [t for t in (opts.timeout_s, rpc_remaining(), time_left_s(start.time_left_ms)) if t is not None]
         deadlines = resolve_deadlines(opts, min(limits) if limits else None, plan.profile)
         if not start.stream:
-            value = await invoker.call(start.call, opts.session_id, deadlines, plan)
+            value = await invoker.call(start.call, opts.session_id, deadlines, plan, opts.collective)
             await out.wait_for_room(start.id)
             out.add(start.id).value.CopyFrom(value)
             return
         async for item, put in invoker.stream(start.call, opts.session_id, deadlines,
-                                              opts.stream_interval_s, plan, opts.stream_encoding,
-                                              opts.stream_tee):
+                                              opts.stream_interval_s, plan, opts.collective,
+                                              opts.stream_encoding, opts.stream_tee):
             await out.wait_for_room(start.id)
             event = out.add_item(start.id)
             try:
@@ -116,6 +154,8 @@ async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[st
                 raise
         out.add(start.id).end.SetInParent()
     except asyncio.CancelledError:
+        if start.id in out.dropped:     # ended for a result over the limit: its error has gone already
+            raise
         out.add(start.id).error.CopyFrom(BridgeError(
             grpc.StatusCode.CANCELLED, "cancelled", f"{label}: cancelled by the client",
             target=label, reason="cancelled").to_mux_error())
@@ -139,12 +179,29 @@ class MuxSession:
         self.idle = asyncio.Event()
         self.idle.set()
 
+    def handle_bytes(self, raw: bytes) -> None:
+        """Handles one request as read off the wire. Bytes that are not a `MuxRequest` end only the
+        call they name (or, when no call id can be read from them, get an error event for id 0,
+        which no call uses), so one bad message never takes a shared stream or lane down."""
+        try:
+            request = pb.MuxRequest.FromString(raw)
+        except (DecodeError, RecursionError, ValueError) as exc:
+            self._refuse(_call_id_of(raw), BridgeError.validation(
+                f"Multiplex: a request is not a valid vllm_bridge.v1.MuxRequest ({len(raw)} bytes): {exc}",
+                parameter="request"))
+            return
+        self.handle(request)
+
     def handle(self, request: pb.MuxRequest) -> None:
-        """Raises BridgeError for a request that is none of start, cancel and credit."""
         kind = request.WhichOneof("kind")
         out = self.out
         if kind == "start":
             start = request.start
+            if start.id == 0:
+                self._refuse(0, BridgeError.validation(
+                    "Multiplex: call id 0 is reserved (for errors about requests that name no call); ids start at 1",
+                    parameter="start.id"))
+                return
             if start.id in self.running:
                 self._refuse(start.id, BridgeError.validation(
                     f"Multiplex: call id {start.id} is still running; ids must be unique among running calls",
@@ -169,7 +226,8 @@ class MuxSession:
         elif kind == "credit":
             out.grant(request.credit.id, request.credit.events)
         else:
-            raise BridgeError.validation("Multiplex: a request must hold start, cancel or credit", parameter="kind")
+            self._refuse(0, BridgeError.validation("Multiplex: a request must hold start, cancel or credit",
+                                                   parameter="kind"))
 
     def _answer_now(self, start: pb.MuxStart) -> bool:
         """Answers a call of a trivial helper (an inline plan) on the spot, as `_run` would, and says
@@ -202,6 +260,7 @@ class MuxSession:
         if self.running.get(call_id) is task:
             del self.running[call_id]
             self.out.credit.pop(call_id, None)
+            self.out.dropped.discard(call_id)
             if not self.running:
                 self.idle.set()
         self.out.ready.set()   # a writer may be waiting for everything to end
@@ -214,9 +273,20 @@ class MuxSession:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def multiplex(invoker: Invoker, requests: AsyncIterator[pb.MuxRequest],
+def _call_id_of(raw: bytes) -> int:
+    """The call a malformed request names, read through the view that leaves the call unparsed
+    (most bad requests carry a bad call, not a bad id); 0 when even that cannot be read."""
+    try:
+        view = pb.MuxRequestView.FromString(raw)
+    except (DecodeError, RecursionError, ValueError):
+        return 0
+    kind = view.WhichOneof("kind")
+    return view.start.id if kind == "start" else view.credit.id if kind == "credit" else 0
+
+
+async def multiplex(invoker: Invoker, requests: AsyncIterator[bytes],
                     defaults: Sequence[tuple[str, str | bytes]],
-                    rpc_remaining: Callable[[], float | None]) -> AsyncIterator[pb.MuxReply]:
+                    rpc_remaining: Callable[[], float | None]) -> AsyncIterator[bytes]:
     """Serves one Multiplex RPC until the client has half-closed and every call has ended.
     `defaults` are the RPC's metadata, `rpc_remaining` its deadline."""
     out = Outbox()
@@ -225,8 +295,8 @@ async def multiplex(invoker: Invoker, requests: AsyncIterator[pb.MuxRequest],
 
     async def read() -> None:
         try:
-            async for request in requests:
-                session.handle(request)
+            async for raw in requests:
+                session.handle_bytes(raw)
         finally:
             out.ready.set()
 
@@ -237,11 +307,12 @@ async def multiplex(invoker: Invoker, requests: AsyncIterator[pb.MuxRequest],
             if out.reply.events:
                 reply = out.take()
                 reply.worker_refs = len(refs)
-                yield reply
+                for frame in out.frames(reply, session.running):
+                    yield frame
             else:
                 out.ready.clear()
             if reader.done():
-                reader.result()   # a malformed request ends the stream with its error
+                reader.result()   # the stream itself failed (a malformed request only fails its call)
                 if not session.running and not out.reply.events:
                     return
     finally:

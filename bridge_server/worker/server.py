@@ -5,6 +5,11 @@ A worker is a complete server on its own (any supervisor, ours or systemd or Eli
 one). With `lane` set it also serves the pool router's lane (`lane.py`): the same Multiplex
 messages without HTTP/2, which is how the router sends it `Call` and `Stream`. The servicer only
 translates between gRPC and the invoker: options and deadlines in, values or a rich error status out.
+
+Its health tells the truth: NOT_SERVING until its published objects exist and are warmed up, and
+again whenever `liveness.py` finds that it cannot serve (a published engine dead and being created
+again, a call stuck in the exclusive lane). `vllm_bridge.v1.Pool/Status` says why, for its
+supervisor and for `vllm-bridge status` (a lone worker is a pool of one).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,19 +29,28 @@ from grpc_reflection.v1alpha import reflection
 
 from bridge_server.wire.errors import BridgeError, server_error, target_label
 from bridge_server.wire.jsonvalue import from_json
-from bridge_server.wire.protocol import GRPC_OPTIONS, MD_WORKER_REFS, parse_metadata
+from bridge_server.wire.protocol import (
+    MD_WORKER_REFS,
+    MIN_PING_INTERVAL_S,
+    parse_metadata,
+    parse_request,
+    server_options,
+)
 from bridge_server.worker.catalog import Catalog, build_catalog, describe
 from bridge_server.worker.deadlines import resolve_deadlines
 from bridge_server.worker.invoke import Invoker
 from bridge_server.worker.lane import LaneServer, serve_lane
+from bridge_server.worker.liveness import Liveness, ObjectConfig
 from bridge_server.worker.mux import multiplex
 from bridge_server.worker.refs import RefRegistry
 from vllm_bridge.v1 import bridge_pb2 as pb
-from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
+from vllm_bridge.v1 import pool_pb2 as ppb
+from vllm_bridge.v1 import pool_pb2_grpc as ppb_grpc
 
 log = logging.getLogger("vllm_bridge.worker")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Bridge"].full_name
+POOL_SERVICE = ppb.DESCRIPTOR.services_by_name["Pool"].full_name
 
 
 @dataclass
@@ -53,6 +68,10 @@ class WorkerConfig:
     objects: list[dict[str, Any]] = field(default_factory=list)
     distributed: DistributedRank | None = None
     lane: str | None = None                # a unix socket path: also serve the router's lane there
+    warmup: bool = True                    # published (and client-made) engines run once before they serve
+    probe_interval_s: float = 5.0          # how often engines are probed (liveness.py)
+    probe_timeout_s: float = 10.0          # two probes unanswered this long (no progress meanwhile): dead
+    min_ping_interval_s: float = MIN_PING_INTERVAL_S   # clients may keepalive-ping an idle connection this often
 
 
 @dataclass(frozen=True)
@@ -74,72 +93,117 @@ class DistributedRank:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
 
 
-class BridgeService(pb_grpc.BridgeServicer):
+class BridgeService:
+    """The `Bridge` RPCs of one worker. Requests arrive as bytes and are parsed here, so that bytes
+    that are not the RPC's message end that call with INVALID_ARGUMENT saying so (gRPC's own
+    deserializer would answer UNKNOWN with a generic text)."""
+
     def __init__(self, invoker: Invoker) -> None:
         self.invoker = invoker
         self._catalog = describe(invoker.catalog)
 
-    async def Call(self, request: pb.CallRequest, context: grpc.aio.ServicerContext) -> pb.CallReply:  # noqa: N802
+    def handler(self) -> grpc.GenericRpcHandler:
+        def unary(fn: Any, reply: Any) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(fn, response_serializer=reply.SerializeToString)
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Call": unary(self.Call, pb.CallReply),
+            "Stream": grpc.unary_stream_rpc_method_handler(self.Stream,
+                                                           response_serializer=pb.StreamItem.SerializeToString),
+            "Multiplex": grpc.stream_stream_rpc_method_handler(self.Multiplex),   # replies serialized by mux.py
+            "Collective": unary(self.Collective, pb.CollectiveReply),
+            "Release": unary(self.Release, pb.ReleaseReply),
+            "Describe": unary(self.Describe, pb.Catalog),
+        })
+
+    def _refs_trailer(self, context: grpc.aio.ServicerContext) -> None:
+        context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
+
+    async def _call(self, request: pb.CallRequest, context: grpc.aio.ServicerContext) -> pb.CallReply:
+        opts = parse_metadata(context.invocation_metadata())
+        plan = self.invoker.plan(request.target)
+        deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
+        return pb.CallReply(value=await self.invoker.call(request, opts.session_id, deadlines, plan,
+                                                         opts.collective))
+
+    async def Call(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.CallReply:  # noqa: N802
+        label = "Call"
         try:
-            opts = parse_metadata(context.invocation_metadata())
-            plan = self.invoker.plan(request.target)
-            deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
-            reply = pb.CallReply(value=await self.invoker.call(request, opts.session_id, deadlines, plan))
-            context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
+            request = parse_request(pb.CallRequest, raw, "Call")
+            label = target_label(request.target)
+            reply = await self._call(request, context)
+            self._refs_trailer(context)
             return reply
         except Exception as exc:
-            await context.abort_with_status(server_error(exc, target_label(request.target)).to_status())
+            await context.abort_with_status(server_error(exc, label).to_status())
             raise  # unreachable: abort raises
 
-    async def Stream(self, request: pb.CallRequest,  # noqa: N802
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StreamItem]:
+    async def Stream(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StreamItem]:  # noqa: N802
+        label = "Stream"
         try:
+            request = parse_request(pb.CallRequest, raw, "Stream")
+            label = target_label(request.target)
             opts = parse_metadata(context.invocation_metadata())
             plan = self.invoker.plan(request.target)
             deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
             index = 0
             async for item, put in self.invoker.stream(request, opts.session_id, deadlines,
-                                                        opts.stream_interval_s, plan, opts.stream_encoding,
-                                                        opts.stream_tee):
+                                                        opts.stream_interval_s, plan, opts.collective,
+                                                        opts.stream_encoding, opts.stream_tee):
                 out = pb.StreamItem(index=index)
                 put(item, out)
                 yield out
                 index += 1
-            context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
+            self._refs_trailer(context)
         except Exception as exc:
-            await context.abort_with_status(server_error(exc, target_label(request.target)).to_status())
+            await context.abort_with_status(server_error(exc, label).to_status())
 
-    async def Multiplex(self, request_iterator: AsyncIterator[pb.MuxRequest],  # noqa: N802
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxReply]:
+    async def Multiplex(self, requests: AsyncIterator[bytes],  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         try:
-            async for reply in multiplex(self.invoker, request_iterator, tuple(context.invocation_metadata() or ()),
+            async for reply in multiplex(self.invoker, requests, tuple(context.invocation_metadata() or ()),
                                          context.time_remaining):
                 yield reply
-            context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
+            self._refs_trailer(context)
         except Exception as exc:
             await context.abort_with_status(server_error(exc, "Multiplex").to_status())
 
-    async def Collective(self, request: pb.CollectiveRequest,  # noqa: N802
-                         context: grpc.aio.ServicerContext) -> pb.CollectiveReply:
+    async def Collective(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.CollectiveReply:  # noqa: N802
         """A worker on its own is a group of one rank: the call runs once. Pools fan out in the router."""
-        if len(request.per_rank) > 1:
-            await context.abort_with_status(BridgeError.validation(
-                f"Collective: this worker is a group of 1 rank, got calls for {len(request.per_rank)} ranks",
-                parameter="per_rank").to_status())
-        call = request.per_rank[0] if request.per_rank else request.call
-        return pb.CollectiveReply(results=[await self.Call(call, context)])
+        label = "Collective"
+        try:
+            request = parse_request(pb.CollectiveRequest, raw, "Collective")
+            if len(request.per_rank) > 1:
+                raise BridgeError.validation(
+                    f"Collective: this worker is a group of 1 rank, got calls for {len(request.per_rank)} ranks",
+                    parameter="per_rank")
+            call = request.per_rank[0] if request.per_rank else request.call
+            label = target_label(call.target)
+            reply = pb.CollectiveReply(results=[await self._call(call, context)])
+            self._refs_trailer(context)
+            return reply
+        except Exception as exc:
+            await context.abort_with_status(server_error(exc, label).to_status())
+            raise  # unreachable: abort raises
 
-    async def Release(self, request: pb.ReleaseRequest,  # noqa: N802
-                      context: grpc.aio.ServicerContext) -> pb.ReleaseReply:
-        refs = self.invoker.refs
-        released = refs.release(list(request.ref_ids))
-        if request.session_id:
-            released += refs.release_session(request.session_id)
-        context.set_trailing_metadata(((MD_WORKER_REFS, str(len(refs))),))
-        return pb.ReleaseReply(released=released)
+    async def Release(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ReleaseReply:  # noqa: N802
+        try:
+            request = parse_request(pb.ReleaseRequest, raw, "Release")
+            refs = self.invoker.refs
+            released = refs.release(list(request.ref_ids))
+            if request.session_id:
+                released += refs.release_session(request.session_id)
+            self._refs_trailer(context)
+            return pb.ReleaseReply(released=released)
+        except Exception as exc:
+            await context.abort_with_status(server_error(exc, "Release").to_status())
+            raise  # unreachable: abort raises
 
-    async def Describe(self, request: pb.DescribeRequest,  # noqa: N802
-                       context: grpc.aio.ServicerContext) -> pb.Catalog:
+    async def Describe(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.Catalog:  # noqa: N802
+        try:
+            request = parse_request(pb.DescribeRequest, raw, "Describe")
+        except Exception as exc:
+            await context.abort_with_status(server_error(exc, "Describe").to_status())
+            raise  # unreachable: abort raises
         if not request.prefix:
             return self._catalog
         return pb.Catalog(entries=[e for e in self._catalog.entries if e.name.startswith(request.prefix)],
@@ -151,6 +215,16 @@ def default_catalog() -> Catalog:
     return build_catalog(SPECS)
 
 
+class _StatusService(ppb_grpc.PoolServicer):
+    """`Pool/Status` of a lone worker: one pool, "worker", of one worker, this one."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+
+    async def Status(self, request: ppb.StatusRequest, context: grpc.aio.ServicerContext) -> ppb.StatusReply:  # noqa: N802
+        return self._worker.status()
+
+
 @dataclass
 class Worker:
     """A built, not yet started worker: its server, services and state."""
@@ -160,8 +234,11 @@ class Worker:
     invoker: Invoker
     health: health.aio.HealthServicer
     port: int
+    liveness: Liveness
     lane: LaneServer | None = None
-    _sweeper: asyncio.Task[None] | None = field(default=None, init=False)
+    started: float = field(default_factory=time.monotonic)
+    ready: bool = False
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
 
     async def start(self) -> None:
         """Serves at once (health NOT_SERVING) and reports SERVING once the configured objects exist."""
@@ -172,13 +249,30 @@ class Worker:
             self.lane = await serve_lane(self.invoker, self.config.lane)
         if self.config.distributed is not None:
             await self._join_group(self.config.distributed)
-        for spec in self.config.objects:
-            log.info("creating published object %r with %s", spec["name"], spec["target"])
-            await self.invoker.create_object(spec["name"], spec["target"], from_json(spec.get("args", [])),
-                                             from_json(spec.get("kwargs", {})))
+        await self.liveness.create_published()
+        self.ready = True
+        await self.report_health()
+        self._tasks = [asyncio.create_task(self._sweep()), asyncio.create_task(self.liveness.run())]
+
+    async def report_health(self) -> None:
+        serving = self.ready and not self.liveness.detail
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._sweeper = asyncio.create_task(self._sweep())
+            await self.health.set(name, status)
+        if self.ready:
+            log.log(logging.INFO if serving else logging.ERROR, "worker %s: %s", self.invoker.refs.worker_id,
+                    "serving" if serving else f"not serving: {self.liveness.detail}")
+
+    def status(self) -> ppb.StatusReply:
+        state = ("ready" if not self.liveness.detail else "unhealthy") if self.ready else "starting"
+        refs = self.invoker.refs
+        worker = ppb.WorkerStatus(id=refs.worker_id, pid=os.getpid(), state=state, address=self.config.listen,
+                                  refs=len(refs), sessions=refs.sessions(), uptime_s=time.monotonic() - self.started,
+                                  detail=self.liveness.detail, replaced=self.liveness.replaced)
+        pool = ppb.PoolStatus(name="worker", state="serving" if state == "ready" else state, workers=[worker],
+                              detail=self.liveness.detail)
+        return ppb.StatusReply(state=pool.state, pools=[pool], uptime_s=worker.uptime_s, listen=self.config.listen,
+                               pid=worker.pid, default_pool="worker")
 
     async def _join_group(self, d: DistributedRank) -> None:
         """Through the catalog, like any client call, so it runs in the exclusive lane."""
@@ -200,8 +294,8 @@ class Worker:
         await self.health.enter_graceful_shutdown()
         grace = self.config.grace_s if grace_s is None else grace_s
         await asyncio.gather(self.server.stop(grace), *([self.lane.stop(grace)] if self.lane else []))
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        for task in self._tasks:
+            task.cancel()
         self.invoker.refs.close()
         for obj in self.invoker.objects.values():
             self.invoker.catalog.finalize(obj)
@@ -215,17 +309,27 @@ def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
     refs = RefRegistry(worker_id, session_cap=config.session_cap, idle_ttl_s=config.idle_ttl_s,
                        finalize=catalog.finalize)
     invoker = Invoker(catalog, refs, objects=dict(objects or {}), tensor_max_bytes=config.tensor_max_bytes,
-                      shared_threads=config.shared_threads)
-    server = grpc.aio.server(options=GRPC_OPTIONS + config.extra_options)
-    pb_grpc.add_BridgeServicer_to_server(BridgeService(invoker), server)
+                      shared_threads=config.shared_threads, distributed=config.distributed is not None)
+    server = grpc.aio.server(options=server_options(config.min_ping_interval_s) + config.extra_options)
+    server.add_generic_rpc_handlers([BridgeService(invoker).handler()])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        (SERVICE_NAME, POOL_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"cannot listen on {config.listen}")
-    return Worker(config, server, invoker, health_servicer, port)
+    published = [ObjectConfig(o["name"], o["target"], from_json(o.get("args", [])), from_json(o.get("kwargs", {})))
+                 for o in config.objects]
+    holder: list[Worker] = []
+    liveness = Liveness(invoker, published, lambda: holder[0].report_health(), interval_s=config.probe_interval_s,
+                        probe_timeout_s=config.probe_timeout_s, warmup=config.warmup)
+    invoker.adopt = liveness.adopt
+    worker = Worker(config, server, invoker, health_servicer, port, liveness)
+    holder.append(worker)
+    ppb_grpc.add_PoolServicer_to_server(_StatusService(worker), server)
+    return worker
 
 
 async def serve_worker(config: WorkerConfig, ready_file: str | None = None) -> None:

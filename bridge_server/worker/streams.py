@@ -70,6 +70,8 @@ async def iterate(source: Any, label: str, deadlines: Deadlines, in_thread: Call
                     raise BridgeError.timeout(f"{label}: deadline exceeded while {doing}",
                                               target=label) from None
                 raise
+            except Exception as exc:   # the called code failed: a python_error, mapped as for Call
+                raise BridgeError.from_exception(exc, label) from exc
             finally:
                 watchdog.disarm()
             if done_exc is StopIteration and item is sentinel:

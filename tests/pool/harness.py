@@ -5,6 +5,7 @@ Not a test module: imported by tests/test_pool_*.py.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -158,3 +159,9 @@ def group_members(pgid: int) -> list[psutil.Process]:
         except (ProcessLookupError, psutil.Error):
             pass
     return out
+
+
+def toml_inline(table: dict[str, object]) -> str:
+    """A TOML inline table (JSON's strings, numbers and booleans read the same in TOML)."""
+    return "{ " + ", ".join(f"{k} = {toml_inline(v) if isinstance(v, dict) else json.dumps(v)}"
+                            for k, v in table.items()) + " }"

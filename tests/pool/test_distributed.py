@@ -17,6 +17,7 @@ import torch
 from bridge_server.client.client import BridgeClient, CallError, Target
 from tests.conftest import free_port
 from tests.pool.harness import GATE_TARGET, PoolServer, start_pool_server, wait_until
+from vllm_bridge.v1 import bridge_pb2 as pb
 
 D = "vllm.distributed"
 CONFIG = """
@@ -131,20 +132,15 @@ def test_a_call_that_fails_on_every_rank_reports_rank_0_and_keeps_the_group(serv
 def test_killing_a_rank_mid_collective_fails_it_fast_and_the_group_comes_back(server: PoolServer,
                                                                              tp: BridgeClient) -> None:
     rank1 = next(w for w in server.pool("tp").workers if w.index == 1)
-    # Rank 0 enters an all-reduce and waits for rank 1, which is held in another blocking call.
-    calls = [((torch.ones(2),), {}), (("127.0.0.1", free_port(), 0, 2, "gloo"), {})]
-    targets = [f"{D}.tensor_model_parallel_all_reduce", GATE_TARGET]
+    # Both ranks are held in a blocking call (each waits for a peer of its own that never comes).
+    calls = [(("127.0.0.1", free_port(), 0, 2, "gloo"), {}), (("127.0.0.1", free_port(), 0, 2, "gloo"), {})]
     result: dict[str, BaseException] = {}
 
     def run() -> None:
         try:
             with server.client(pool="tp") as c:
-                req0, _ = c.request(targets[0], *calls[0])
-                req1, _ = c.request(targets[1], *calls[1])
-                from vllm_bridge.v1 import bridge_pb2 as pb
-                c.stub.Collective(pb.CollectiveRequest(per_rank=[req0, req1]), timeout=60,
-                                  metadata=c._metadata([], {}))
-        except grpc.RpcError as exc:
+                c.collective(GATE_TARGET, per_rank=calls, timeout=60)
+        except CallError as exc:
             result["error"] = exc
 
     t = threading.Thread(target=run)
@@ -155,11 +151,49 @@ def test_killing_a_rank_mid_collective_fails_it_fast_and_the_group_comes_back(se
     t.join(30)
     failed_after = time.monotonic() - killed_at
     err = result["error"]
-    assert err.code() == grpc.StatusCode.UNAVAILABLE   # type: ignore[attr-defined]
-    assert "rank 1" in err.details() and "restarting" in err.details()   # type: ignore[attr-defined]
+    assert isinstance(err, CallError) and err.code == grpc.StatusCode.UNAVAILABLE
+    assert "rank 1" in err.details and "restarting" in err.details
     assert failed_after < 5
     wait_until(lambda: server.pool("tp").state == "serving" and server.pool("tp").restarts >= 2, 90, "the group back")
     assert {w.pid for w in server.pool("tp").workers}.isdisjoint({rank1.pid})
+    out = tp.collective(f"{D}.tensor_model_parallel_all_reduce", per_rank=per_rank(torch.ones(2), torch.ones(2)),
+                        timeout=30)
+    assert [x.tolist() for x in out] == [[2.0, 2.0]] * 2
+
+
+def test_a_collective_called_on_one_rank_is_refused_and_the_group_serves_on(server: PoolServer,
+                                                                             tp: BridgeClient) -> None:
+    """A plain Call of an entry that talks to every rank would wait in gloo for a peer that never
+    joins, and every later collective of the pool behind it: refused before it starts, on any rank."""
+    restarts = server.pool("tp").restarts
+    for rank in (0, 1):
+        t0 = time.monotonic()
+        with pytest.raises(CallError) as err:
+            tp.call(f"{D}.tensor_model_parallel_all_reduce", torch.ones(2), rank=rank, timeout=10)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "Collective" in err.value.details
+        assert err.value.reason == "use Collective" and time.monotonic() - t0 < 2
+    with pytest.raises(grpc.RpcError):   # nor can a client claim to be a collective's share
+        tp.stub.Call(tp.request(f"{D}.tensor_model_parallel_all_reduce", (torch.ones(2),))[0], timeout=10,
+                     metadata=(("x-bridge-pool", "tp"), ("x-bridge-collective", "1")))
+    out = tp.collective(f"{D}.tensor_model_parallel_all_reduce", per_rank=per_rank(torch.ones(2), torch.ones(2)),
+                        timeout=30)
+    assert [x.tolist() for x in out] == [[2.0, 2.0]] * 2
+    assert tp.call(f"{D}.divide", 6, 3) == 2      # what talks to no other rank still runs anywhere
+    assert server.pool("tp").restarts == restarts and server.pool("tp").state == "serving"
+
+
+def test_a_collective_stuck_past_its_deadline_restarts_the_group(server: PoolServer, tp: BridgeClient) -> None:
+    """Ranks stuck inside a collective (here both wait for peers of their own that never come)
+    cannot be pre-empted: at the deadline the caller is told, and the group starts again, NOT_SERVING
+    meanwhile, instead of every later collective timing out behind them."""
+    restarts = server.pool("tp").restarts
+    calls = [(("127.0.0.1", free_port(), 0, 2, "gloo"), {}), (("127.0.0.1", free_port(), 0, 2, "gloo"), {})]
+    with pytest.raises(CallError) as err:
+        tp.collective(GATE_TARGET, per_rank=calls, timeout=2)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "restarting" in err.value.details
+    assert server.pool("tp").state in ("regrouping", "starting")
+    wait_until(lambda: server.pool("tp").state == "serving" and server.pool("tp").restarts >= restarts + 2, 90,
+               "the group back")
     out = tp.collective(f"{D}.tensor_model_parallel_all_reduce", per_rank=per_rank(torch.ones(2), torch.ones(2)),
                         timeout=30)
     assert [x.tolist() for x in out] == [[2.0, 2.0]] * 2
@@ -169,6 +203,15 @@ def test_collective_argument_errors(tp: BridgeClient, server: PoolServer, tmp_pa
     with pytest.raises(CallError) as err:
         tp.collective(f"{D}.divide", per_rank=[((6, 3), {})])
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "2 ranks" in err.value.details
+    # Ranks that would run different collectives wait for each other forever: refused before either starts.
+    restarts = server.pool("tp").restarts
+    reqs = [tp.request(f"{D}.tensor_model_parallel_all_reduce", (torch.ones(2),))[0],
+            tp.request(f"{D}.tensor_model_parallel_all_gather", (torch.ones(2),))[0]]
+    with pytest.raises(grpc.RpcError) as rpc_err:
+        tp.stub.Collective(pb.CollectiveRequest(per_rank=reqs), timeout=30)
+    assert rpc_err.value.code() == grpc.StatusCode.INVALID_ARGUMENT   # type: ignore[attr-defined]
+    assert "every rank must run the same target" in rpc_err.value.details()   # type: ignore[attr-defined]
+    assert tp.collective(f"{D}.divide", 6, 3) == [2, 2] and server.pool("tp").restarts == restarts
 
 
 # Documented vllm.distributed functions, called as collectives on every rank with plausible arguments.

@@ -7,7 +7,6 @@ One pool server with one engine worker for the module (an engine costs ~2.7 GB a
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 
 from bridge_server.client.client import BridgeClient, CallError, Target
 from bridge_server.tools.tiny_model import ensure_tiny_model
-from tests.pool.harness import PoolServer, start_pool_server, wait_until
+from tests.pool.harness import PoolServer, start_pool_server, toml_inline, wait_until
 from tests.worker.test_engine import (
     LONG,
     assert_patches_decode_like_whole_values,
@@ -29,12 +28,6 @@ from tests.worker.test_engine import (
 from tests.worker.test_engine import wait_until as eventually
 
 GENERATE = Target.method("engine", "generate")
-
-
-def toml_inline(table: dict[str, object]) -> str:
-    """A TOML inline table (JSON's strings, numbers and booleans read the same in TOML)."""
-    return "{ " + ", ".join(f"{k} = {toml_inline(v) if isinstance(v, dict) else json.dumps(v)}"
-                            for k, v in table.items()) + " }"
 
 
 @pytest.fixture(scope="module")

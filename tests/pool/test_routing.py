@@ -145,6 +145,32 @@ def test_ref_calls_under_load_always_reach_the_worker_holding_the_ref(server: Po
     assert all(got == want for got, want in results)
 
 
+def test_a_call_on_a_ref_reaches_its_worker_without_any_metadata_from_the_client(server: PoolServer) -> None:
+    """A stranger's client sends only the request: the refs it carries (the receiver, an argument)
+    route it, over Call, Stream and Multiplex alike."""
+    idle(server, "b")
+    refs = []
+    for i in range(8):          # new sessions spread over both workers of the pool
+        with server.client(pool="b", session_id=f"no-md-{i}") as c:
+            refs.append(c.call(PC, kwargs={"data_parallel_size": i + 1}))
+    assert len({holder(r) for r in refs}) == 2
+    with grpc.insecure_channel(server.address) as ch:
+        call = ch.unary_unary("/vllm_bridge.v1.Bridge/Call")
+        stream = ch.unary_stream("/vllm_bridge.v1.Bridge/Stream")
+        for i, ref in enumerate(refs):
+            plain = ref.__class__(id=ref.id)     # only the id: no worker, no session
+            get = pb.CallRequest(target=pb.Target(kind=pb.Target.GET_ATTR, name="data_parallel_size", ref=plain))
+            md = (("x-bridge-pool", "b"),)
+            reply = pb.CallReply.FromString(call(get.SerializeToString(), metadata=md, timeout=10))
+            assert reply.value.int == i + 1
+            as_arg = pb.CallRequest(target=pb.Target(kind=pb.Target.FUNCTION,
+                                                     name="vllm.forward_context.DPMetadata.make"),
+                                    args=[pb.Value(ref=plain), pb.Value(int=7), pb.Value(list=pb.Items())])
+            with pytest.raises(grpc.RpcError) as err:   # vLLM's own error: the call reached the ref's worker
+                list(stream(as_arg.SerializeToString(), metadata=md, timeout=10))
+            assert err.value.code() != grpc.StatusCode.NOT_FOUND, err.value.details()   # type: ignore[attr-defined]
+
+
 def test_a_full_queue_and_a_deadline_that_expires_in_the_queue(server: PoolServer) -> None:
     idle(server, "a")
     gates = [Gate(), Gate()]

@@ -82,25 +82,44 @@ def test_the_lane_answers_every_call_as_the_grpc_service_does(laned: tuple[Worke
                 assert pb.CallReply.FromString(reply).value == pb.Value.FromString(event.value), name
 
 
-def test_an_unreadable_frame_closes_that_connection_and_the_worker_serves_on(
-        laned: tuple[WorkerProcess, str]) -> None:
+def read_reply(s: socket.socket) -> pb.MuxReply:
+    s.settimeout(10)
+    head = b""
+    while len(head) < 4:
+        head += s.recv(4 - len(head))
+    (size,) = struct.unpack("<I", head)
+    body = b""
+    while len(body) < size:
+        body += s.recv(size - len(body))
+    return pb.MuxReply.FromString(body)
+
+
+def test_an_unreadable_request_fails_alone_and_the_connection_serves_on(laned: tuple[WorkerProcess, str]) -> None:
+    """Bytes that are not a MuxRequest get an INVALID_ARGUMENT event, for the call they name when
+    an id can be read (a bad call inside a start), else for id 0; the connection carries on."""
     worker, path = laned
+    good = pb.MuxRequest(start=pb.MuxStart(id=2, call=pb.CallRequest.FromString(request(f"{D}.divide", 6, 3))))
+    bad_call = pb.MuxRequestView(start=pb.MuxStartView(id=7, call=b"\x0a\x01")).SerializeToString()
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(path)
-        garbage = b"\xff\xff\xff not a MuxRequest"
-        s.sendall(struct.pack("<I", len(garbage)) + garbage)
-        s.settimeout(10)
-        assert s.recv(1) == b""            # the worker closed it
-    with socket.socket(socket.AF_UNIX) as s:
+        for frame in (b"\xff\xff\xff not a MuxRequest", bad_call, good.SerializeToString()):
+            s.sendall(struct.pack("<I", len(frame)) + frame)
+        events: dict[int, pb.MuxEvent] = {}
+        while len(events) < 3:
+            events.update((e.id, e) for e in read_reply(s).events)
+    for call_id in (0, 7):
+        assert events[call_id].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], events[call_id]
+        assert "not a valid vllm_bridge.v1.MuxRequest" in events[call_id].error.message
+    assert events[2].value.int == 2
+    with socket.socket(socket.AF_UNIX) as s:    # a frame over the size limit: that peer is cut off
         s.connect(path)
-        s.sendall(struct.pack("<I", 0xFFFFFFF0))    # a frame over the size limit
+        s.sendall(struct.pack("<I", 0xFFFFFFF0))
         s.settimeout(10)
         assert s.recv(1) == b""
     (event,) = asyncio.run(over_lane(path, [request(f"{D}.divide", 6, 3)], ()))
     assert pb.Value.FromString(event.value).int == 2
     with BridgeClient(worker.address) as c:
         assert c.call(f"{D}.divide", 6, 3) == 2
-    assert "unreadable request" in worker.log.read_text()
 
 
 def test_the_time_a_call_has_left_ends_it_in_the_worker(laned: tuple[WorkerProcess, str]) -> None:

@@ -1,0 +1,346 @@
+"""What clients that are not ours send, and how the server heals: each failure ends alone, nothing
+shared (a lane, a Multiplex stream, a worker, an engine) is harmed, health tells the truth, and a
+broken engine is replaced without anyone's help. Real processes, a real engine, real sockets.
+
+The pool server is `stranger_server` (conftest.py), shared with the fuzz suite, which runs first: pool
+`e` (one worker publishing an engine, probed every second) and pool `p` (one worker, no engine).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bridge_server.client.client import BridgeClient, CallError, Target
+from bridge_server.pool.workerproc import lane_path
+from tests.pool.harness import Gate, PoolServer, in_thread, open_gates, wait_until
+from tests.worker.test_engine import greedy
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+D = "vllm.distributed"
+GENERATE = Target.method("engine", "generate")
+RPCS = {m: f"/vllm_bridge.v1.Bridge/{m}" for m in ("Call", "Stream", "Collective", "Release", "Describe")}
+
+
+@pytest.fixture(scope="module")
+def server(stranger_server: PoolServer) -> PoolServer:
+    return stranger_server
+
+
+@pytest.fixture()
+def client(server: PoolServer) -> Iterator[BridgeClient]:
+    with server.client(pool="e") as c:
+        yield c
+
+
+def health(server: PoolServer, service: str = "") -> int:
+    with grpc.insecure_channel(server.address) as ch:
+        return int(health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status)
+
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def tokens(client: BridgeClient, request_id: str, n: int = 8, timeout: float = 30) -> list[int]:
+    items = list(client.stream(GENERATE, "The quick brown fox", greedy(n), request_id, timeout=timeout))
+    return list(items[-1]["outputs"][0]["token_ids"])
+
+
+def assert_untouched(server: PoolServer, client: BridgeClient) -> None:
+    """Nothing shared was harmed: the same worker answers at once, nothing restarted, health SERVING."""
+    t0 = time.monotonic()
+    assert client.call(f"{D}.divide", 6, 3, timeout=5) == 2
+    assert time.monotonic() - t0 < 2
+    for name in ("e", "p"):
+        pool = server.pool(name)
+        assert pool.state == "serving" and pool.restarts == 0, pool
+        assert all(w.state == "ready" for w in pool.workers), pool
+    assert health(server) == SERVING and health(server, "pool/e") == SERVING
+
+
+def raw_call(server: PoolServer, rpc: str, payload: bytes, timeout: float = 10) -> tuple[grpc.StatusCode, str, float]:
+    t0 = time.monotonic()
+    with grpc.insecure_channel(server.address) as ch:
+        try:
+            if rpc == "Stream":
+                list(ch.unary_stream(RPCS[rpc])(payload, timeout=timeout))
+            else:
+                ch.unary_unary(RPCS[rpc])(payload, timeout=timeout)
+        except grpc.RpcError as err:
+            return err.code(), err.details() or "", time.monotonic() - t0   # type: ignore[attr-defined]
+    return grpc.StatusCode.OK, "", time.monotonic() - t0
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field, written by hand: protobuf itself refuses to build messages
+    nested this deep."""
+    size, length = len(payload), b""
+    while True:
+        byte, size = size & 0x7F, size >> 7
+        length += bytes([byte | (0x80 if size else 0)])
+        if not size:
+            return bytes([number << 3 | 2]) + length + payload
+
+
+def nested_call(depth: int) -> bytes:
+    value = pb.Value(int=1).SerializeToString()
+    for _ in range(depth):
+        value = _field(8, _field(1, value))        # Value.list -> Items.items
+    target = pb.Target(kind=pb.Target.FUNCTION, name=f"{D}.divide").SerializeToString()
+    return _field(1, target) + _field(2, value)     # CallRequest.target, CallRequest.args
+
+
+MALFORMED = {
+    "2 bytes": b"\x0a\x01",
+    "invalid UTF-8 in the target name": b"\x0a\x05\x12\x03\xff\xfe\xfd",
+    "a value nested 60 lists deep": nested_call(60),
+    "a truncated field": pb.CallRequest(target=pb.Target(kind=1, name="x" * 50)).SerializeToString()[:-7],
+}
+
+
+@pytest.mark.parametrize("what", list(MALFORMED))
+@pytest.mark.parametrize("rpc", ["Call", "Stream", "Collective", "Release", "Describe"])
+def test_a_malformed_request_fails_alone_on_every_rpc(server: PoolServer, client: BridgeClient, rpc: str,
+                                                      what: str) -> None:
+    payload = MALFORMED[what]
+    if rpc == "Collective":
+        payload = _field(1, payload)       # CollectiveRequest.call holding the bad call
+    elif rpc in ("Release", "Describe") and what == "a value nested 60 lists deep":
+        payload = b"\x0a\x03\xff\xfe\xfd"                           # those carry strings, not values
+    code, details, took = raw_call(server, rpc, payload)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert "not a valid vllm_bridge.v1." in details and took < 5, (details, took)
+    assert_untouched(server, client)
+
+
+def test_a_malformed_multiplex_request_fails_only_its_call(server: PoolServer, client: BridgeClient) -> None:
+    good = pb.MuxRequest(start=pb.MuxStart(id=3, call=pb.CallRequest(
+        target=pb.Target(kind=pb.Target.FUNCTION, name=f"{D}.divide"), args=[pb.Value(int=6), pb.Value(int=3)])))
+    bad_call = pb.MuxRequestView(start=pb.MuxStartView(id=2, call=MALFORMED["2 bytes"])).SerializeToString()
+    requests = [b"\xff\xff\xff garbage", bad_call, good.SerializeToString(),
+                pb.MuxRequest(start=pb.MuxStart(id=4, call=pb.CallRequest(target=pb.Target(kind=99)))).SerializeToString()]
+    with grpc.insecure_channel(server.address) as ch:
+        replies = ch.stream_stream("/vllm_bridge.v1.Bridge/Multiplex")(iter(requests), timeout=10,
+                                                                    metadata=(("x-bridge-pool", "e"),))
+        events = {e.id: e for raw in replies for e in pb.MuxReply.FromString(raw).events}
+    assert sorted(events) == [0, 2, 3, 4], events
+    for call_id in (0, 2, 4):
+        assert events[call_id].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], events[call_id]
+    assert events[3].value.int == 2
+    assert_untouched(server, client)
+
+
+def test_a_target_of_unknown_kind_and_no_name_is_answered(server: PoolServer, client: BridgeClient) -> None:
+    code, details, took = raw_call(server, "Call", pb.CallRequest(target=pb.Target(kind=99)).SerializeToString())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "target kind 99" in details and took < 5
+    worker = server.pool("e").workers[0]
+    with BridgeClient(worker.address) as direct, pytest.raises(CallError) as err:
+        direct.call(Target(pb.Target(kind=99)), timeout=5)      # straight to the worker too
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert_untouched(server, client)
+
+
+@pytest.mark.parametrize("case", [
+    ("max_tokens: 3.0", ("Hi", {"max_tokens": 3.0}, "typed-1"), {}, "max_tokens", "expected int | None, got float 3.0"),
+    ("max_tokens: true", ("Hi", {"max_tokens": True}, "typed-2"), {}, "max_tokens", "got bool True"),
+    ("an int request_id", ("Hi", {"max_tokens": 3}, 5), {}, "request_id", "expected str, got int 5"),
+    ("temperature: nan", ("Hi", {"temperature": math.nan}, "typed-3"), {}, "temperature", "expected a finite number"),
+    ("a float token id", ({"prompt_token_ids": [1, 2.5]}, {"max_tokens": 3}, "typed-4"), {}, "prompt",
+     "prompt_token_ids[1]"),
+    ("an int stop string", ("Hi", {"stop": ["a", 1]}, "typed-5"), {}, "stop", "expected str | list[str] | None"),
+    ("a float priority", ("Hi", {"max_tokens": 3}, "typed-6"), {"priority": 1.5}, "priority", "expected int"),
+], ids=lambda c: c[0])
+def test_a_wrongly_typed_argument_is_refused_before_vllm_and_the_engine_serves_on(
+        server: PoolServer, client: BridgeClient, case: tuple[str, tuple[Any, ...], dict[str, Any], str, str]) -> None:
+    _, args, kwargs, parameter, expected = case
+    t0 = time.monotonic()
+    with pytest.raises(CallError) as err:
+        list(client.stream(GENERATE, *args, kwargs=kwargs, timeout=10))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert err.value.detail is not None and parameter in err.value.detail.parameter
+    assert "vllm.AsyncLLMEngine.generate" in err.value.details and expected in err.value.details
+    assert time.monotonic() - t0 < 5
+    assert len(tokens(client, f"after-{parameter}-{time.monotonic()}", timeout=20)) == 8   # not wedged
+
+
+def test_call_on_a_streaming_target_says_to_use_stream(server: PoolServer, client: BridgeClient) -> None:
+    with pytest.raises(CallError) as err:
+        client.call(GENERATE, "Hi", greedy(2), "unary-generate", timeout=10)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "Stream" in err.value.details
+    assert err.value.reason == "use Stream"
+
+
+def test_a_prompt_that_cannot_fit_is_refused_at_once_and_blocks_nobody(server: PoolServer,
+                                                                       client: BridgeClient) -> None:
+    huge = "The cat sees a dog. " * 500_000          # 10 MB
+    slowest = []
+    stop = threading.Event()
+
+    def others() -> None:
+        with server.client(pool="e") as c:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                c.call(f"{D}.divide", 6, 3, timeout=10)
+                slowest.append(time.monotonic() - t0)
+
+    background = threading.Thread(target=others)
+    background.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CallError) as err:
+            list(client.stream(GENERATE, huge, greedy(4), "huge", timeout=30))
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        background.join(10)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "cannot fit" in err.value.details
+    assert len(err.value.details) < 1500 and took < 5, took
+    assert slowest and max(slowest) < 1.0, max(slowest)
+
+
+def test_an_error_quotes_only_a_prefix_of_what_the_client_sent(server: PoolServer, client: BridgeClient) -> None:
+    with grpc.insecure_channel(server.address) as ch:      # a raw client: ours would list the ref in metadata
+        call = ch.unary_unary("/vllm_bridge.v1.Bridge/Call")
+        for target in (pb.Target(kind=pb.Target.FUNCTION, name="x" * 9000),
+                       pb.Target(kind=pb.Target.METHOD, name="generate", object="e" * 9000),
+                       pb.Target(kind=pb.Target.METHOD, name="x", ref=pb.Ref(id="q" * 9000)),
+                       pb.Target(kind=pb.Target.METHOD, name="m" * 9000, object="engine")):
+            with pytest.raises(grpc.RpcError) as err:
+                call(pb.CallRequest(target=target).SerializeToString(), metadata=(("x-bridge-pool", "e"),), timeout=5)
+            code, details = err.value.code(), err.value.details()   # type: ignore[attr-defined]
+            assert code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
+                            grpc.StatusCode.PERMISSION_DENIED), (code, details)
+            assert len(details) < 1200, len(details)
+    assert_untouched(server, client)
+
+
+def test_quiet_calls_outlive_client_pings_at_the_documented_interval(server: PoolServer) -> None:
+    """Compressed time: this server accepts pings every >= 2 s (min_ping_interval_s = 2; the default
+    is 10, `test_the_documented_ping_interval`). A call that receives nothing for 7 s, from a client
+    pinging every 2.5 s, lives; a client pinging every second (as often as gRPC lets it) is cut off
+    with "too many pings", which shows the policy is what decides."""
+    def quiet_call(ping_ms: int) -> grpc.StatusCode:
+        gate = Gate()
+        options = [("grpc.keepalive_time_ms", ping_ms), ("grpc.keepalive_permit_without_calls", 1),
+                   ("grpc.http2.max_pings_without_data", 0)]
+        with BridgeClient(server.address, channel_options=options) as c:
+            outcome = in_thread(lambda: c.call(*gate.args(), pool="p", timeout=30))
+            outcome.done.wait(7)
+            open_gates([gate])
+            outcome.done.wait(30)
+        return grpc.StatusCode.OK if outcome.error is None else outcome.error.code
+
+    assert quiet_call(2500) == grpc.StatusCode.OK
+    assert quiet_call(1000) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_documented_ping_interval() -> None:
+    """The real defaults: servers accept a ping every MIN_PING_INTERVAL_S on an idle connection
+    (gRPC's own default punishes any within 5 minutes), so a client pinging every 30 s is fine."""
+    from bridge_server.wire.protocol import MIN_PING_INTERVAL_S, server_options
+    options = dict(server_options())
+    assert options["grpc.http2.min_recv_ping_interval_without_data_ms"] == MIN_PING_INTERVAL_S * 1000 <= 30_000
+    assert options["grpc.keepalive_permit_without_calls"] == 1
+
+
+def worker_pid(server: PoolServer, pool: str) -> int:
+    return int(server.pool(pool).workers[0].pid)
+
+
+def shut_down_lane(pid: int, path: str) -> int:
+    """Shuts down the worker's end of its lane connections, as a failure would (the socket closes
+    under both ends): the worker's fds are duplicated into this process (pidfd_getfd) and shut down."""
+    inodes = {line.split()[6] for line in Path("/proc/net/unix").read_text().splitlines()[1:]
+              if len(line.split()) >= 8 and line.split()[7] == path and line.split()[5] == "03"}
+    fds = [int(fd) for fd in os.listdir(f"/proc/{pid}/fd")
+           if os.readlink(f"/proc/{pid}/fd/{fd}") in {f"socket:[{i}]" for i in inodes}]
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(pid)
+    try:
+        for fd in fds:
+            dup = libc.syscall(438, pidfd, fd, 0)     # SYS_pidfd_getfd
+            assert dup >= 0, os.strerror(ctypes.get_errno())
+            with socket.socket(fileno=dup) as s:
+                s.shutdown(socket.SHUT_RDWR)
+    finally:
+        os.close(pidfd)
+    return len(fds)
+
+
+def test_a_lane_that_fails_is_opened_again(server: PoolServer, client: BridgeClient) -> None:
+    worker = server.pool("p").workers[0]
+    assert shut_down_lane(worker.pid, lane_path(worker.address.removeprefix("unix:"))) >= 1
+    wait_until(lambda: server.pool("p").workers[0].state == "ready", 10, "the lane open again")
+    with server.client(pool="p") as c:
+        assert c.call(f"{D}.divide", 6, 3, timeout=5) == 2
+    assert server.pool("p").workers[0].pid == worker.pid and server.pool("p").restarts == 0
+    assert "its lane is open again" in server.log_text()
+
+
+def test_the_engine_was_warmed_up_before_the_worker_said_serving(server: PoolServer) -> None:
+    worker = server.pool("e").workers[0]
+    text = (server.log.parent / "logs" / f"{worker.id}.log").read_text(errors="replace")
+    assert "engine warmed up" in text and text.index("engine warmed up") < text.index(": serving")
+
+
+def engine_core(server: PoolServer) -> psutil.Process:
+    worker = psutil.Process(worker_pid(server, "e"))
+    (core,) = [p for p in worker.children(recursive=True) if "EngineCore" in p.name()]
+    return core
+
+
+def wait_healed(server: PoolServer, replaced: int) -> float:
+    t0 = time.monotonic()
+    wait_until(lambda: server.pool("e").workers[0].replaced == replaced and server.pool("e").state == "serving",
+               90, "the engine replaced")
+    return time.monotonic() - t0
+
+
+def test_a_stopped_engine_core_is_found_dead_and_replaced(server: PoolServer, client: BridgeClient) -> None:
+    """An engine that stops answering (here: its core is SIGSTOPped, as a dead input thread looks)
+    fails its calls in flight with "engine dead" and the cause, the pool says NOT_SERVING meanwhile,
+    and the worker creates the engine again: it serves the same tokens as before, nothing restarted."""
+    before = tokens(client, "before-stop")
+    core = engine_core(server)
+    in_flight = in_thread(lambda: list(client.stream(GENERATE, "Hello", greedy(2000), "wedged", timeout=120)))
+    time.sleep(0.5)
+    stopped_at = time.monotonic()
+    core.send_signal(signal.SIGSTOP)
+    in_flight.done.wait(30)
+    assert in_flight.error is not None and in_flight.error.code == grpc.StatusCode.UNAVAILABLE, in_flight.error
+    assert in_flight.error.reason == "engine dead" and "answered no probe" in in_flight.error.details
+    assert in_flight.ended - stopped_at < 15      # probe every 1 s, two unanswered within 4 s
+    wait_until(lambda: health(server, "pool/e") != SERVING, 10, "pool/e NOT_SERVING")
+    status = server.pool("e")
+    assert status.workers[0].state == "unhealthy" and "being created again" in status.workers[0].detail
+    with pytest.raises(CallError) as err:
+        client.call(f"{D}.divide", 6, 3, timeout=5)      # no worker can serve: at once, saying why
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and "unhealthy" in err.value.details
+    healed = wait_healed(server, 1)
+    assert tokens(client, "after-stop") == before
+    assert health(server, "pool/e") == SERVING and server.pool("e").restarts == 0
+    print(f"a stopped engine core: found dead and serving again in {time.monotonic() - stopped_at:.1f} s "
+          f"({healed:.1f} s after the first check)")
+
+
+def test_a_killed_engine_core_is_replaced(server: PoolServer, client: BridgeClient) -> None:
+    before = tokens(client, "before-kill")
+    killed_at = time.monotonic()
+    engine_core(server).kill()
+    wait_until(lambda: health(server, "pool/e") != SERVING, 10, "pool/e NOT_SERVING")
+    wait_healed(server, 2)
+    assert tokens(client, "after-kill") == before and server.pool("e").restarts == 0
+    print(f"a killed engine core: serving again in {time.monotonic() - killed_at:.1f} s")

@@ -1,0 +1,129 @@
+"""Argument checks (`bridge_server/worker/binding.py`), in process against the real catalog: every
+parameter and record field that vLLM annotates (or the documents type) gets a strict check, and the
+checks refuse what vLLM would only refuse later, in another thread or process."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from bridge_server.wire.errors import BridgeError
+from bridge_server.worker.binding import (
+    Checks,
+    _class_hints,
+    _documented,
+    _field_check,
+    _resolve,
+    bind_arguments,
+    member_checks,
+    namespace_of,
+)
+from bridge_server.worker.catalog import Catalog, Entry, Kind
+from bridge_server.worker.server import default_catalog
+
+
+@pytest.fixture(scope="module")
+def catalog() -> Catalog:
+    return default_catalog()
+
+
+def checks_of(e: Entry) -> Checks:
+    documented = {p.name: p.type for p in e.doc.params} if e.doc else {}
+    if e.kind is Kind.METHOD:
+        return member_checks(e.owner, e.attr, tuple(documented.items()))
+    fn = e.override or (e.owner if e.kind is Kind.CONSTRUCTOR else e.resolve())
+    return Checks(namespace_of(fn), documented)
+
+
+def callables(catalog: Catalog) -> Iterator[tuple[Entry, inspect.Parameter]]:
+    for e in catalog.entries.values():
+        if e.kind not in (Kind.MODULE_ATTR, Kind.ATTRIBUTE) and e.signature is not None:
+            yield from ((e, p) for p in e.signature.parameters.values())
+
+
+def test_every_typed_parameter_of_the_catalog_is_checked(catalog: Catalog) -> None:
+    """A check that fails to build would silently let anything through: none may."""
+    checked, unchecked = 0, []
+    for e, p in callables(catalog):
+        checks = checks_of(e)
+        annotation = _resolve(p.annotation, checks.namespace)
+        if annotation is None and _documented(checks.documented.get(p.name.lower(), "")) is None:
+            continue       # neither vLLM nor the documents say what it takes
+        if checks._make(p) is None:
+            unchecked.append(f"{e.name}({p.name}: {p.annotation})")
+        else:
+            checked += 1
+    assert not unchecked, unchecked
+    assert checked > 300, checked
+
+
+def test_every_field_of_every_record_class_a_map_can_build_is_checked(catalog: Catalog) -> None:
+    unchecked = [f"{cls.__name__}.{name}: {hint}" for cls in catalog.types.values()
+                 for name, hint in _class_hints(cls).items()
+                 if hint is not Any and not name.startswith("_") and _field_check(cls, name) is None]
+    assert not unchecked, unchecked
+
+
+def bind(catalog: Catalog, name: str, *args: Any, **kwargs: Any) -> tuple[list[Any], dict[str, Any]]:
+    entry = catalog.entries[name]
+    assert entry.signature is not None
+    return bind_arguments(name, entry.signature, list(args), kwargs, catalog.short_types, checks_of(entry))
+
+
+REFUSED = [
+    ("vllm.AsyncLLMEngine.generate", ("Hi", {"max_tokens": 3.0}, "r"), {}, "sampling_params.max_tokens",
+     "expected int | None, got float 3.0"),
+    ("vllm.AsyncLLMEngine.generate", ("Hi", {"n": True}, "r"), {}, "sampling_params.n", "got bool True"),
+    ("vllm.AsyncLLMEngine.generate", ("Hi", {"top_p": math.inf}, "r"), {}, "sampling_params.top_p",
+     "expected a finite number, got inf"),
+    ("vllm.AsyncLLMEngine.generate", ("Hi", {"output_kind": 7}, "r"), {}, "sampling_params.output_kind",
+     "expected vllm.sampling_params.RequestOutputKind, got int 7"),
+    ("vllm.AsyncLLMEngine.generate", ("Hi", {"structured_outputs": {"json": 3}}, "r"), {},
+     "sampling_params.structured_outputs.json", "expected str | dict | None, got int 3"),
+    ("vllm.AsyncLLMEngine.generate", ("Hi", {}, 7), {}, "request_id", "expected str, got int 7"),
+    ("vllm.AsyncLLMEngine.generate", ({"prompt": 3}, {}, "r"), {}, "prompt", "at TextPrompt.prompt"),
+    ("vllm.AsyncLLMEngine.generate", ("Hi", {}, "r"), {"lora_request": {"lora_name": "a", "lora_int_id": 1.0,
+                                                                       "lora_path": "/x"}},
+     "lora_request.lora_int_id", "expected int, got float 1.0"),
+    ("vllm.AsyncLLMEngine.encode", ("Hi", {"task": "no-such-task"}, "r"), {}, "pooling_params.task",
+     "got str 'no-such-task'"),
+    ("vllm.AsyncLLMEngine.abort", ("r", 1), {}, "internal", "expected bool, got int 1"),
+    ("vllm.distributed.get_pp_indices", (32.0, 0, 2), {}, "num_hidden_layers", "expected int, got float 32.0"),
+    ("vllm.distributed.tensor_model_parallel_all_reduce", ([1.0, 2.0],), {}, "input_",
+     "expected torch.Tensor, got list"),
+    ("vllm.distributed.graph_capture", ("no-such-device",), {}, "device", "which names none"),
+    ("vllm.config.ParallelConfig", (), {"data_parallel_size": "2"}, "data_parallel_size", "got str '2'"),
+    ("vllm.AsyncEngineArgs", (), {"model": "/m", "max_num_seqs": 2.5}, "max_num_seqs", "got float 2.5"),
+]
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=lambda c: f"{c[0].rpartition('.')[2]}:{c[3]}")
+def test_a_value_vllm_would_refuse_later_is_refused_now(catalog: Catalog,
+                                                        case: tuple[str, tuple[Any, ...], dict[str, Any], str, str]) -> None:
+    name, args, kwargs, parameter, expected = case
+    with pytest.raises(BridgeError) as err:
+        bind(catalog, name, *args, **kwargs)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.parameter == parameter and expected in err.value.message, err.value.message
+    assert err.value.message.startswith(name)
+
+
+def test_values_vllm_takes_are_passed_on_as_given(catalog: Catalog) -> None:
+    args, kwargs = bind(catalog, "vllm.AsyncLLMEngine.generate", {"prompt_token_ids": [1, 2, 3]},
+                        {"max_tokens": 3, "output_kind": 1, "stop": ["x"], "structured_outputs": {"json": {}}},
+                        "r", priority=2)
+    params = args[1]
+    assert type(params).__name__ == "SamplingParams" and params.max_tokens == 3 and int(params.output_kind) == 1
+    assert type(params.structured_outputs).__name__ == "StructuredOutputsParams"
+    assert args[0] == {"prompt_token_ids": [1, 2, 3]} and kwargs == {"priority": 2}
+    (device,), _ = bind(catalog, "vllm.distributed.graph_capture", "cpu")
+    assert device == torch.device("cpu")           # a device by name: the wire has no device kind
+    t = torch.ones(2)
+    (same,), _ = bind(catalog, "vllm.distributed.tensor_model_parallel_all_reduce", t)
+    assert same is t
