@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import weakref
 from collections.abc import AsyncGenerator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +26,8 @@ from typing import Any
 
 import grpc
 
-from adapters.spec import AdapterSpec, Constructor, Lifecycle, RecordType
-from bridge_server.wire.errors import BridgeError
+from adapters.spec import AdapterSpec, CallContext, Constructor, Exposure, Lifecycle, Policy, RecordRule, RecordType
+from bridge_server.wire.errors import BridgeError, quote
 
 log = logging.getLogger("vllm_bridge.engine")
 PREFIX = "vllm.AsyncLLMEngine"
@@ -35,7 +36,7 @@ _causes: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()   # e
 _warmups = itertools.count(1)
 
 
-def _alive(engine: Any, args: Mapping[str, Any]) -> None:
+def _alive(engine: Any, args: Mapping[str, Any], ctx: CallContext | None = None) -> None:
     """Every call on a dead engine fails at once with the cause, instead of vLLM's own error later
     (or, for an engine that stopped answering, never)."""
     if engine is None:
@@ -140,31 +141,44 @@ def _max_token_chars(engine: Any) -> int | None:
     return longest
 
 
-async def _prepared(engine: Any, method: str, prompt: Any, params: Any, request_id: str,
-                    kwargs: dict[str, Any]) -> Any:
-    """The prompt to hand to `method`: as given, or, for a long one, the request vLLM builds from
-    it, built off the event loop. A prompt that cannot fit the model is refused here, at once."""
+def _check_prompt(engine: Any, method: str, prompt: Any, params: Any, tokenization: Mapping[str, Any] | None,
+                  policy: Policy) -> None:
+    """A prompt over the operator's limit, or one that cannot fit the model whatever it says, is
+    refused here, at once, before anything tokenizes it."""
     text = _prompt_text(prompt)
-    if text is None or len(text) <= LONG_PROMPT_CHARS // 8:
-        return prompt
-    tokenization = kwargs.get("tokenization_kwargs") or {}
-    truncating = getattr(params, "truncate_prompt_tokens", None) is not None or tokenization.get("truncation")
+    if text is None:
+        return
+    label = f"{PREFIX}.{method}"
+    if len(text) > policy.max_prompt_chars:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"{label}: parameter prompt: {len(text):,} characters is over this server's limit of "
+                          f"{policy.max_prompt_chars:,} (max_prompt_chars)", target=label, parameter="prompt",
+                          reason="max_prompt_chars")
+    if len(text) <= LONG_PROMPT_CHARS // 8:
+        return
+    truncating = getattr(params, "truncate_prompt_tokens", None) is not None or (tokenization or {}).get("truncation")
     max_len = engine.model_config.max_model_len
     per_token = _max_token_chars(engine)
     if not truncating and per_token is not None and len(text) > max_len * per_token:
         raise BridgeError.validation(
-            f"{PREFIX}.{method}: parameter prompt: a prompt of {len(text):,} characters cannot fit this engine's "
+            f"{label}: parameter prompt: a prompt of {len(text):,} characters cannot fit this engine's "
             f"max_model_len of {max_len:,} tokens (each token stands for at most {per_token} characters); "
-            f"shorten it, or ask for truncation (truncate_prompt_tokens)", target=f"{PREFIX}.{method}",
-            parameter="prompt")
-    if len(text) <= LONG_PROMPT_CHARS:
+            f"shorten it, or ask for truncation (truncate_prompt_tokens)", target=label, parameter="prompt")
+
+
+async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwargs: dict[str, Any]) -> Any:
+    """The prompt to hand to vLLM: as given, or, for a long one, the request vLLM builds from it,
+    built off the event loop (one thread per engine: its tokenizer is never used by two of ours at
+    once)."""
+    text = _prompt_text(prompt)
+    if text is None or len(text) <= LONG_PROMPT_CHARS:
         return prompt
     from vllm.entrypoints.utils import _validate_truncation_size
 
-    tokenization = dict(tokenization)
-    _validate_truncation_size(max_len, params.truncate_prompt_tokens, tokenization)
+    tokenization = dict(kwargs.get("tokenization_kwargs") or {})
+    _validate_truncation_size(engine.model_config.max_model_len, params.truncate_prompt_tokens, tokenization)
     pool = _tokenizing.get(engine)
-    if pool is None:   # one thread per engine: its tokenizer is never used by two of ours at once
+    if pool is None:
         pool = _tokenizing[engine] = ThreadPoolExecutor(1, thread_name_prefix="bridge-tokenize")
     return await asyncio.get_running_loop().run_in_executor(
         pool, lambda: engine.input_processor.process_inputs(
@@ -172,11 +186,17 @@ async def _prepared(engine: Any, method: str, prompt: Any, params: Any, request_
             kwargs.get("trace_headers"), kwargs.get("priority", 0), kwargs.get("data_parallel_rank")))
 
 
+def _generate_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
+    _alive(engine, args)
+    _check_prompt(engine, "generate", args.get("prompt"), args.get("sampling_params"),
+                  args.get("tokenization_kwargs"), ctx.policy)
+
+
 async def _generate(engine: Any, prompt: Any, sampling_params: Any, request_id: str,
                     **kwargs: Any) -> AsyncGenerator[Any, None]:
     """`generate`, with a long prompt tokenized off the event loop first. Returns vLLM's own
     generator (awaited once, then iterated as is: nothing of ours runs per token)."""
-    prepared = await _prepared(engine, "generate", prompt, sampling_params, request_id, kwargs)
+    prepared = await _prepared(engine, prompt, sampling_params, request_id, kwargs)
     if prepared is not prompt:
         kwargs = {"prompt_text": _prompt_text(prompt), "data_parallel_rank": kwargs.get("data_parallel_rank")}
     result: AsyncGenerator[Any, None] = engine.generate(prepared, sampling_params, request_id, **kwargs)
@@ -189,16 +209,17 @@ async def _encode(engine: Any, prompt: Any, pooling_params: Any, request_id: str
     """`encode`, with the same care for long prompts as `generate` (the guard has run already)."""
     options = dict(lora_request=lora_request, trace_headers=trace_headers, priority=priority,
                    tokenization_kwargs=tokenization_kwargs)
-    prepared = await _prepared(engine, "encode", prompt, pooling_params, request_id, options)
+    prepared = await _prepared(engine, prompt, pooling_params, request_id, options)
     result: AsyncGenerator[Any, None] = engine.encode(prepared, pooling_params, request_id,
                                                       truncate_prompt_tokens=truncate_prompt_tokens, **options)
     return result
 
 
-async def _encode_guard(engine: Any, args: Mapping[str, Any]) -> None:
+async def _encode_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
     """vLLM's engine core dies on a pooling task the model does not support: check before sending."""
     _alive(engine, args)
     params = args.get("pooling_params")
+    _check_prompt(engine, "encode", args.get("prompt"), params, args.get("tokenization_kwargs"), ctx.policy)
     task = getattr(params, "task", None)
     supported = tuple(await engine.get_supported_tasks())
     if task is None or task not in supported:
@@ -206,6 +227,104 @@ async def _encode_guard(engine: Any, args: Mapping[str, Any]) -> None:
                           f"{PREFIX}.encode: parameter pooling_params: task {task!r} is not supported by this "
                           f"engine; supported tasks: {', '.join(supported) or 'none'}",
                           target=f"{PREFIX}.encode", parameter="pooling_params", reason="unsupported task")
+
+
+def _collective_rpc_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
+    """vLLM unpickles a `method` given as bytes inside its workers, and runs a callable: a client
+    may only name a worker method the operator allowed."""
+    _alive(engine, args)
+    method, label = args.get("method"), f"{PREFIX}.collective_rpc"
+    allowed = ctx.policy.collective_rpc_methods
+    if not isinstance(method, str):
+        raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                          f"{label}: parameter method: expected the name of a worker method (a str), got "
+                          f"{type(method).__name__}; nothing a client sends is unpickled or run",
+                          target=label, parameter="method", reason="not allowed")
+    if method not in allowed:
+        raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                          f"{label}: worker method {quote(method)} is not one this server allows; allowed: "
+                          f"{', '.join(sorted(allowed)) or 'none'} (pool config key collective_rpc_methods)",
+                          target=label, parameter="method", reason="not allowed")
+
+
+def _shutdown_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
+    """A published engine belongs to the server and serves every client: no client stops it."""
+    if ctx.published:
+        raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                          f"{PREFIX}.shutdown: this engine is published by the server and shared by every client; "
+                          f"only engines a client made itself can be shut down (or released)",
+                          target=f"{PREFIX}.shutdown", reason="published")
+
+
+def _creation_guard(receiver: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
+    """What a remote caller could hand an engine to call back, or where to connect, is not its to
+    give: factories, classes, registries and addresses keep their defaults."""
+    for name in ("executor_class", "stat_loggers", "mm_registry", "client_addresses"):
+        if args.get(name):
+            raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                              f"{PREFIX}: parameter {name}: not settable by a client (it names code to run, or "
+                              f"addresses to connect to)", target=PREFIX, parameter=name, reason="not allowed")
+
+
+def _within(path: str, dirs: tuple[str, ...]) -> bool:
+    real = os.path.realpath(path)
+    return any(real == (d := os.path.realpath(root)) or real.startswith(d.rstrip(os.sep) + os.sep) for root in dirs)
+
+
+def _path_rule(label: str, key: str, dirs: tuple[str, ...], config_key: str, path: object) -> None:
+    if not isinstance(path, str) or not _within(path, dirs):
+        raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                          f"{label}: field {key}: {quote(path)} is not under a directory this server allows "
+                          f"({', '.join(dirs) or 'none'}; pool config key {config_key})", target=label,
+                          parameter=key, reason="path not allowed")
+
+
+# Engine arguments a client may set: sizes, dtypes, scheduling and LoRA switches. Left out: whatever
+# runs code (trust_remote_code, worker_cls, logits_processors, plugins, hf_overrides), reads files or
+# the network the operator did not choose (download_dir, load_format, generation_config, media
+# paths, tracing endpoints), or spawns processes elsewhere (executor backends, addresses, ports).
+SAFE_ENGINE_ARGS = frozenset({
+    "model", "served_model_name", "tokenizer", "runner", "convert", "skip_tokenizer_init", "tokenizer_mode",
+    "dtype", "kv_cache_dtype", "seed", "max_model_len", "block_size", "enable_prefix_caching",
+    "prefix_caching_hash_algo", "disable_sliding_window", "disable_cascade_attn", "swap_space", "cpu_offload_gb",
+    "gpu_memory_utilization", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_partial_prefills",
+    "max_long_partial_prefills", "long_prefill_token_threshold", "max_num_seqs", "max_logprobs", "logprobs_mode",
+    "disable_log_stats", "enforce_eager", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype",
+    "fully_sharded_loras", "num_gpu_blocks_override", "enable_chunked_prefill", "scheduling_policy",
+    "override_generation_config", "enable_log_requests", "async_scheduling", "stream_interval", "quantization",
+    "enable_prompt_embeds", "enable_sleep_mode", "calculate_kv_scales", "tokens_only", "aggregate_engine_logging",
+})
+
+
+def _engine_args_rule(fields: Mapping[str, Any], policy: Policy) -> None:
+    label = "vllm.AsyncEngineArgs"
+    allowed = SAFE_ENGINE_ARGS | policy.engine_args_allowed
+    for key in fields:
+        if key not in allowed:
+            raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                              f"{label}: field {key}: not settable by a client (it can run code, read files or reach "
+                              f"the network); an operator may allow it with the pool config key engine_args_allowed",
+                              target=label, parameter=key, reason="not allowed")
+    for key in ("model", "tokenizer"):
+        if key in fields and fields[key] is not None:
+            _path_rule(label, key, policy.model_dirs, "model_dirs", fields[key])
+
+
+def _lora_rule(fields: Mapping[str, Any], policy: Policy) -> None:
+    label = "vllm.lora.request.LoRARequest"
+    if fields.get("tensorizer_config_dict"):
+        raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                          f"{label}: field tensorizer_config_dict: not settable by a client (it deserializes what "
+                          f"it loads)", target=label, parameter="tensorizer_config_dict", reason="not allowed")
+    if "lora_path" in fields:
+        _path_rule(label, "lora_path", policy.lora_dirs + policy.model_dirs, "lora_dirs", fields["lora_path"])
+
+
+def _sampling_rule(fields: Mapping[str, Any], policy: Policy) -> None:
+    if fields.get("logits_processors"):
+        raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                          "vllm.SamplingParams: field logits_processors: not settable by a client (it names code "
+                          "to run)", target="vllm.SamplingParams", parameter="logits_processors", reason="not allowed")
 
 
 def _new(vllm_config: Any, executor_class: Any = None, log_stats: bool = False, **kwargs: Any) -> Any:
@@ -250,10 +369,21 @@ ASYNC_LLM = AdapterSpec(
     profiles={"new": "ml_inference", "from_engine_args": "ml_inference", "from_vllm_config": "ml_inference",
               "generate": "streaming", "encode": "streaming", "wait_for_requests_to_drain": "ml_inference",
               "add_lora": "ml_inference"},
-    guards={"*": _alive, "encode": _encode_guard},
+    guards={"*": _alive, "generate": _generate_guard, "encode": _encode_guard, "collective_rpc": _collective_rpc_guard,
+            "shutdown": _shutdown_guard, "new": _creation_guard, "from_engine_args": _creation_guard,
+            "from_vllm_config": _creation_guard},
     overrides={"new": _new, "generate": _generate, "encode": _encode},
     finalizer=_shutdown,
     lifecycle=Lifecycle(dead=_dead, answers=_answers, kill=_kill, warmup=_warmup),
+    record_rules=(
+        RecordRule("vllm", "AsyncEngineArgs", check=_engine_args_rule),
+        RecordRule("vllm.lora.request", "LoRARequest", check=_lora_rule),
+        RecordRule("vllm", "SamplingParams", check=_sampling_rule),
+    ),
+    exposures=(
+        Exposure("transformers.tokenization_utils_base", "PreTrainedTokenizerBase", methods=frozenset({"encode", "decode"}),
+                 attributes=frozenset({"eos_token_id", "bos_token_id", "pad_token_id", "vocab_size", "model_max_length"})),
+    ),
     constructors=(
         Constructor("vllm.AsyncEngineArgs", "vllm", "AsyncEngineArgs"),
         Constructor("vllm.SamplingParams", "vllm", "SamplingParams"),

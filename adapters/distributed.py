@@ -6,18 +6,39 @@ arithmetic helpers are pure; the cheapest of them run inline on the event loop.
 """
 
 from collections.abc import Mapping
+from urllib.parse import urlsplit
 
-from adapters.spec import AdapterSpec
-from bridge_server.wire.errors import BridgeError
+import grpc
+
+from adapters.spec import AdapterSpec, CallContext, Exposure
+from bridge_server.wire.errors import BridgeError, quote
 
 
-def _vllm_names_only(receiver: object, args: Mapping[str, object]) -> None:
-    """resolve_obj_by_qualname would otherwise import anything: keep it to vLLM's own names."""
-    qualname = str(args.get("qualname", ""))
-    if not qualname.startswith("vllm."):
-        raise BridgeError.validation(
-            f"vllm.distributed.resolve_obj_by_qualname: parameter qualname: expected a name inside vllm "
-            f"(vllm.…), got {qualname!r}", target="vllm.distributed.resolve_obj_by_qualname", parameter="qualname")
+def _catalog_names_only(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+    """resolve_obj_by_qualname would import any module by name: a client may name only what the
+    catalog serves (which it can call by name anyway)."""
+    qualname = args.get("qualname")
+    if not isinstance(qualname, str) or qualname not in ctx.catalog_names:
+        raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                          f"vllm.distributed.resolve_obj_by_qualname: parameter qualname: {quote(qualname)} is not a "
+                          f"name in the catalog; only those can be resolved", target="vllm.distributed.resolve_obj_by_qualname",
+                          parameter="qualname", reason="not allowed")
+
+
+def _rendezvous_hosts(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+    """A process group meets peers on the network and takes pickled objects from them: only at
+    hosts the operator allows (loopback by default)."""
+    hosts = ctx.policy.rendezvous_hosts
+    for key in ("distributed_init_method", "host"):
+        value = args.get(key)
+        if not isinstance(value, str) or key == "distributed_init_method" and not value.startswith("tcp://"):
+            continue     # env:// reads the server's own environment
+        host = urlsplit(value).hostname if key == "distributed_init_method" else value
+        if host not in hosts:
+            raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                              f"vllm.distributed: parameter {key}: host {quote(host)} is not one this server lets "
+                              f"process groups meet at ({', '.join(sorted(hosts))}; pool config key rendezvous_hosts)",
+                              parameter=key, reason="host not allowed")
 
 
 DISTRIBUTED = AdapterSpec(
@@ -35,7 +56,8 @@ DISTRIBUTED = AdapterSpec(
         "stateless_init_torch_distributed_process_group", "stateless_destroy_torch_distributed_process_group",
     }),
     inline=frozenset({"divide", "ensure_divisibility", "get_pp_indices", "is_torch_equal_or_newer"}),
-    guards={"resolve_obj_by_qualname": _vllm_names_only},
+    guards={"resolve_obj_by_qualname": _catalog_names_only, "init_distributed_environment": _rendezvous_hosts,
+            "stateless_init_torch_distributed_process_group": _rendezvous_hosts},
     # Everything that talks to the other ranks of the group (or sets the group up or down, which is
     # a rendezvous): called on one rank of a distributed pool it would block there, waiting for peers
     # that never come, and every later collective of the pool would queue behind it.
@@ -48,6 +70,10 @@ DISTRIBUTED = AdapterSpec(
         "init_model_parallel_group", "init_world_group", "init_gloo_process_group", "graph_capture",
         "prepare_communication_buffer_for_model",
     }),
+    exposures=(
+        Exposure("vllm.distributed.parallel_state", "GroupCoordinator", attributes=frozenset({
+            "rank", "ranks", "world_size", "local_rank", "rank_in_group", "unique_name"})),
+    ),
     profiles={
         "init_distributed_environment": "ml_inference",
         "initialize_model_parallel": "ml_inference",

@@ -2,8 +2,10 @@
 
 An adapter is data, not code paths: it says which Python module or class a binding document
 describes, how the documented names map onto the installed vLLM, which entries touch process-wide
-state, and what extra argument types clients may build. The catalog turns these into entries; the
-invoker never needs to know which surface an entry came from.
+state, what extra argument types clients may build (and which of their fields), which members of
+the undocumented types that documented calls return a client may reach, and the checks that keep a
+client within what the operator allows (`Policy`). The catalog turns these into entries; the invoker
+never needs to know which surface an entry came from.
 """
 
 from __future__ import annotations
@@ -12,9 +14,58 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# A guard runs before the call with the receiver and the bound arguments, and raises BridgeError to
-# refuse it; it may be a coroutine function (to ask the engine something first).
-Guard = Callable[[Any, Mapping[str, Any]], Any]
+
+@dataclass(frozen=True)
+class Policy:
+    """What the operator allows a worker's clients, beyond the documents (pool config keys, or
+    `vllm-bridge worker` options)."""
+
+    collective_rpc_methods: frozenset[str] = frozenset()   # worker methods `collective_rpc` may name
+    model_dirs: tuple[str, ...] = ()       # where client-made engines may load models and tokenizers from
+    lora_dirs: tuple[str, ...] = ()        # where LoRA adapters may be loaded from (model_dirs too)
+    rendezvous_hosts: frozenset[str] = frozenset({"127.0.0.1", "localhost", "::1"})   # process groups meet here
+    engine_args_allowed: frozenset[str] = frozenset()   # engine arguments allowed beyond the safe ones
+    max_prompt_chars: int = 1_000_000      # a longer prompt is refused (RESOURCE_EXHAUSTED)
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What a guard knows of the call besides its arguments."""
+
+    policy: Policy
+    identity: str = ""          # the client's identity ("" when the server has no authentication)
+    published: bool = False     # the receiver is an object the worker published (shared by every client)
+    catalog_names: frozenset[str] = frozenset()   # every name in the catalog
+
+
+# A guard runs before the call with the receiver, the bound arguments and the call's context, and
+# raises BridgeError to refuse it; it may be a coroutine function (to ask the engine something first).
+Guard = Callable[[Any, Mapping[str, Any], CallContext], Any]
+
+
+@dataclass(frozen=True)
+class RecordRule:
+    """What a client may set when it builds a record class, from a map or through its constructor:
+    the fields it may give (None: any), and a check of the values against the operator's policy
+    (raises BridgeError). Fields that load code, name classes, reach the network or read files an
+    operator did not choose are left out: a record is data, and building one must not run anything."""
+
+    module: str
+    attr: str
+    fields: frozenset[str] | None = None
+    check: Callable[[Mapping[str, Any], Policy], None] | None = None
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """Members a client may reach on instances of an undocumented type that documented calls return
+    (a tokenizer's `encode` and `decode`, a config's fields): everything else is PERMISSION_DENIED."""
+
+    module: str
+    attr: str
+    methods: frozenset[str] = frozenset()
+    attributes: frozenset[str] = frozenset()    # read only
+    fields: bool = False                        # its declared fields (dataclass, struct), read only
 
 
 @dataclass(frozen=True)
@@ -73,6 +124,8 @@ class AdapterSpec:
     # Entries that communicate with every rank of the process group: in a distributed pool they run
     # only as Collectives (all ranks at once); called on one rank they would wait forever.
     collectives: frozenset[str] = frozenset()
+    record_rules: tuple[RecordRule, ...] = ()
+    exposures: tuple[Exposure, ...] = ()
     constructors: tuple[Constructor, ...] = ()
     records: tuple[RecordType, ...] = ()
 

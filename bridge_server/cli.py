@@ -38,7 +38,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"vllm-bridge serve: {exc}", file=sys.stderr)
         return 2
-    rc = run(config, ready_file=args.ready_file, stdin_watch=args.stdin_watch)
+    from bridge_server.wire.security import SecurityError
+    try:
+        rc = run(config, ready_file=args.ready_file, stdin_watch=args.stdin_watch)
+    except SecurityError as exc:
+        print(f"vllm-bridge serve: {exc}", file=sys.stderr)
+        return 2
     logging.shutdown()
     sys.stdout.flush()
     os._exit(rc)   # every worker is stopped; do not wait on gRPC's threads
@@ -91,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     client_commands.add_commands(sub)
 
     p = sub.add_parser("describe", help="print the catalog as JSON")
-    p.add_argument("--address", default=None, help="ask this server instead of building the catalog locally")
+    client_commands.add_connection_options(p)
+    p.set_defaults(address=None)     # no address: the catalog a worker here would build
     p.add_argument("--prefix", default="")
     p.set_defaults(func=cmd_describe)
 

@@ -20,6 +20,7 @@ from bridge_server.wire.codec import Encoder
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import detail_from_rpc_error
 from bridge_server.wire.protocol import GRPC_OPTIONS, STREAM_PATCH_V1, RuntimeOptions, to_metadata
+from bridge_server.wire.security import channel, read_token, token_metadata
 from bridge_server.wire.streamstate import StreamState
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
@@ -103,12 +104,17 @@ def _client_decoder() -> Decoder:
 
 
 class BridgeClient:
+    """`token`: a bearer token for servers that ask for one (default: $VLLM_BRIDGE_TOKEN). `tls_ca`:
+    speak TLS, trusting this CA (PEM file); with `tls_cert` and `tls_key`, mutual TLS."""
+
     def __init__(self, address: str, *, options: RuntimeOptions | None = None,
-                 channel_options: Sequence[tuple[str, Any]] = ()) -> None:
+                 channel_options: Sequence[tuple[str, Any]] = (), token: str | None = None,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=[*GRPC_OPTIONS, *channel_options])
+        self.channel = channel(address, [*GRPC_OPTIONS, *channel_options], tls_ca, tls_cert, tls_key)
         self.stub = pb_grpc.BridgeStub(self.channel)
         self.options = options or RuntimeOptions()
+        self._credentials = token_metadata(token if token is not None else read_token())
         self._decoder = _client_decoder()
 
     def close(self) -> None:
@@ -143,7 +149,7 @@ class BridgeClient:
         opts = replace(self.options, **overrides) if overrides else self.options
         if refs:
             opts = replace(opts, refs=tuple(dict.fromkeys(refs)))
-        return to_metadata(opts)
+        return to_metadata(opts) + self._credentials
 
     def call(self, target: Target | str, *args: Any, kwargs: Mapping[str, Any] | None = None,
              timeout: float | None = None, **options: Any) -> Any:
@@ -202,10 +208,18 @@ class BridgeClient:
 
     def release(self, *refs: pb.Ref | str, session_id: str = "") -> int:
         ids = [r.id if isinstance(r, pb.Ref) else r for r in refs]
-        return int(self.stub.Release(pb.ReleaseRequest(ref_ids=ids, session_id=session_id)).released)
+        try:
+            reply = self.stub.Release(pb.ReleaseRequest(ref_ids=ids, session_id=session_id),
+                                      metadata=self._credentials)
+        except grpc.RpcError as err:
+            raise CallError(err) from None
+        return int(reply.released)
 
     def describe(self, prefix: str = "") -> pb.Catalog:
-        return self.stub.Describe(pb.DescribeRequest(prefix=prefix))
+        try:
+            return self.stub.Describe(pb.DescribeRequest(prefix=prefix), metadata=self._credentials)
+        except grpc.RpcError as err:
+            raise CallError(err) from None
 
     def multiplex(self, timeout: float | None = None, **options: Any) -> Multiplexer:
         """One `Multiplex` stream for many calls from any number of threads; `options` are its defaults."""

@@ -14,6 +14,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from bridge_server.wire.protocol import GRPC_OPTIONS, STREAM_ENCODINGS, RuntimeOptions
+from bridge_server.wire.security import channel, read_token, token_metadata
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import pool_pb2 as ppb
 from vllm_bridge.v1 import pool_pb2_grpc as ppb_grpc
@@ -34,10 +35,28 @@ def status_to_dict(reply: ppb.StatusReply) -> dict[str, Any]:
     return data
 
 
+def add_connection_options(p: argparse.ArgumentParser) -> None:
+    """How a command reaches a server: its address, and the credentials a secured server asks for."""
+    p.add_argument("--address", default=DEFAULT_ADDRESS)
+    p.add_argument("--token-file", default=None, metavar="FILE",
+                   help="send the bearer token in FILE (default: $VLLM_BRIDGE_TOKEN, if set)")
+    p.add_argument("--tls-ca", default=None, metavar="FILE", help="speak TLS, trusting this CA (PEM)")
+    p.add_argument("--tls-cert", default=None, metavar="FILE", help="mutual TLS: this client's certificate (PEM)")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="... and its key (PEM)")
+
+
+def client_of(args: argparse.Namespace, **options: Any) -> Any:
+    """A BridgeClient from the connection options (imported here: it loads the value codec)."""
+    from bridge_server.client.client import BridgeClient
+    return BridgeClient(args.address, token=read_token(args.token_file), tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                        tls_key=args.tls_key, **options)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     try:   # a plain stub, not BridgeClient: `status` must not pay for importing the value codec (torch)
-        with grpc.insecure_channel(args.address, options=GRPC_OPTIONS) as channel:
-            reply = ppb_grpc.PoolStub(channel).Status(ppb.StatusRequest(pool=args.pool), timeout=args.timeout)
+        with channel(args.address, GRPC_OPTIONS, args.tls_ca, args.tls_cert, args.tls_key) as ch:
+            reply = ppb_grpc.PoolStub(ch).Status(ppb.StatusRequest(pool=args.pool), timeout=args.timeout,
+                                                 metadata=token_metadata(read_token(args.token_file)))
     except grpc.RpcError as err:
         print(json.dumps({"error": {"code": err.code().name, "message": err.details()}}),  # type: ignore[attr-defined]
               file=sys.stderr)
@@ -48,8 +67,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_describe(args: argparse.Namespace) -> int:
-    from bridge_server.client.client import BridgeClient
-    with BridgeClient(args.address) as client:
+    with client_of(args) as client:
         print_catalog(client.describe(args.prefix))
     return 0
 
@@ -60,7 +78,7 @@ def print_catalog(catalog: pb.Catalog) -> None:
 
 
 def cmd_call(args: argparse.Namespace) -> int:
-    from bridge_server.client.client import BridgeClient, CallError, Target
+    from bridge_server.client.client import CallError, Target
     from bridge_server.wire.jsonvalue import from_json, to_json
 
     call_args = tuple(from_json(json.loads(a)) for a in args.args)
@@ -74,7 +92,7 @@ def cmd_call(args: argparse.Namespace) -> int:
                              stream_timeout_s=args.stream_timeout / 1000 if args.stream_timeout else None,
                              pool=args.pool, affinity=args.affinity, stream_encoding=args.stream_encoding)
     timeout = args.timeout / 1000 if args.timeout else None
-    with BridgeClient(args.address, options=options) as client:
+    with client_of(args, options=options) as client:
         try:
             if args.stream:
                 for item in client.stream(target, *call_args, kwargs=kwargs, timeout=timeout):
@@ -92,9 +110,13 @@ def cmd_call(args: argparse.Namespace) -> int:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from bridge_server.client.client import BridgeClient
-    with BridgeClient(args.address) as client:
-        print(json.dumps({"released": client.release(*args.refs, session_id=args.session or "")}))
+    from bridge_server.client.client import CallError
+    with client_of(args) as client:
+        try:
+            print(json.dumps({"released": client.release(*args.refs, session_id=args.session or "")}))
+        except CallError as err:
+            print(json.dumps({"error": {"code": err.code.name, "message": err.details}}), file=sys.stderr)
+            return 1
     return 0
 
 
@@ -102,7 +124,7 @@ def add_commands(sub: Any) -> None:
     """Adds `status`, `call` and `release` to the `vllm-bridge` parser (`describe` is shared with the
     worker's local catalog, so the top-level parser adds it)."""
     p = sub.add_parser("status", help="print a pool server's pools and workers as JSON")
-    p.add_argument("--address", default=DEFAULT_ADDRESS)
+    add_connection_options(p)
     p.add_argument("--pool", default="", help="only this pool")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds")
     p.set_defaults(func=cmd_status)
@@ -117,7 +139,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--stream-encoding", default=None, choices=list(STREAM_ENCODINGS),
                    help="how items travel (default: patch-v1, patches against the item before; the same "
                         "values print either way)")
-    p.add_argument("--address", default=DEFAULT_ADDRESS)
+    add_connection_options(p)
     p.add_argument("--session", default="cli")
     p.add_argument("--timeout", type=float, default=None, help="deadline in milliseconds")
     p.add_argument("--timeout-profile", default=None, choices=["default", "ml_inference", "batch_job", "streaming"])
@@ -129,5 +151,5 @@ def add_commands(sub: Any) -> None:
     p = sub.add_parser("release", help="release refs and/or a session")
     p.add_argument("refs", nargs="*")
     p.add_argument("--session", default=None)
-    p.add_argument("--address", default=DEFAULT_ADDRESS)
+    add_connection_options(p)
     p.set_defaults(func=cmd_release)

@@ -125,11 +125,13 @@ def _remaining(route: Route) -> float | None:
 
 
 async def run_collective(router: Router, request: bytes, context: grpc.aio.ServicerContext,
-                         forwarded: list[tuple[str, Any]]) -> tuple[str, bytes]:
-    """Returns (pool name, CollectiveReply bytes); raises BridgeError."""
-    route = read_route(context.invocation_metadata(), context.time_remaining())
+                         forwarded: list[tuple[str, Any]], limit: int | None = None,
+                         identity: str = "") -> tuple[str, bytes]:
+    """Returns (pool name, CollectiveReply bytes); raises BridgeError. `forwarded` is the caller's
+    metadata as the ranks get it (its identity included)."""
+    route = read_route(context.invocation_metadata(), context.time_remaining(), identity=identity)
     pool = router.pool(route.opts.pool)
-    payloads, label = _payloads(parse_request(pb.CollectiveRequestView, request, "Collective"), pool)
+    payloads, label = _payloads(parse_request(pb.CollectiveRequestView, request, "Collective", limit), pool)
     try:
         await asyncio.wait_for(pool.collective_lock.acquire(), _remaining(route))
     except TimeoutError:

@@ -1,7 +1,7 @@
 """The pool configuration: a TOML file, the built-in default, and command-line overrides.
 
 One place decides what a pool is, so that the supervisor, the router and the CLI agree on names,
-defaults and limits. Only the standard library is imported here: the CLI builds its parser from this
+defaults and limits. Neither vLLM nor torch is imported here: the CLI builds its parser from this
 module, and `vllm-bridge status` must not pay for importing vLLM.
 
 File layout (every key optional except a pool's `name`)::
@@ -12,6 +12,8 @@ File layout (every key optional except a pool's `name`)::
     min_ping_interval_s = 10     # clients may keepalive-ping an idle connection this often (no more)
     loop = "uvloop"              # the server's event loop: "uvloop" or "asyncio" (see wire/eventloop.py)
     default_pool = "default"     # calls that name no pool
+    token_file = "/etc/vllm-bridge/tokens"   # bearer tokens (README, Security); also tls_cert, tls_key,
+                                 # tls_client_ca, insecure, auth_health, max_request_bytes
 
     [[pools]]
     name = "default"
@@ -24,6 +26,9 @@ File layout (every key optional except a pool's `name`)::
     probe_interval_s = 5         # engine liveness: probed this often ...
     probe_timeout_s = 10         # ... and dead when two probes in a row go unanswered this long
     unhealthy_timeout_s = 300    # a worker not serving (NOT_SERVING) this long is replaced
+    model_dirs = ["/models"]     # what clients may do and make: model_dirs, lora_dirs, rendezvous_hosts,
+    max_engines_per_client = 2   # collective_rpc_methods, engine_args_allowed, max_engines_per_client,
+                                 # max_sessions, max_refs_per_client, max_prompt_chars (README, Security)
     [pools.env]
     VLLM_CPU_KVCACHE_SPACE = "2"
     [[pools.objects]]
@@ -49,6 +54,7 @@ from typing import Any
 
 from bridge_server.wire.eventloop import DEFAULT_LOOP, LOOPS
 from bridge_server.wire.protocol import MIN_PING_INTERVAL_S
+from bridge_server.wire.security import add_arguments as add_security_arguments
 
 AFFINITY_MODES = ("hint", "strict_queue", "strict_fail_fast")
 POOL_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -128,6 +134,16 @@ class PoolConfig:
     worker_grace_s: float = 10.0         # the worker's own grace on SIGTERM
     log_dir: str = ""                    # per-worker log files here; empty: inherit the server's
     distributed: DistributedConfig | None = None   # the workers are the ranks of one group
+    # What a client may do and make (README, Security): every worker of the pool enforces it.
+    collective_rpc_methods: list[str] = field(default_factory=list)   # worker methods collective_rpc may name
+    model_dirs: list[str] = field(default_factory=list)    # client-made engines load models from under these
+    lora_dirs: list[str] = field(default_factory=list)     # LoRA adapters load from under these (and model_dirs)
+    rendezvous_hosts: list[str] = field(default_factory=lambda: ["127.0.0.1", "localhost", "::1"])
+    engine_args_allowed: list[str] = field(default_factory=list)   # engine arguments beyond the safe ones
+    max_engines_per_client: int = 2      # engines one client may make per worker (published ones aside)
+    max_sessions: int = 10_000           # sessions per worker
+    max_refs_per_client: int = 100_000   # refs one client may hold per worker
+    max_prompt_chars: int = 1_000_000    # the longest prompt
 
 
 @dataclass
@@ -139,6 +155,14 @@ class ServerConfig:
     loop: str = DEFAULT_LOOP
     default_pool: str = ""               # empty: the first pool
     min_ping_interval_s: float = MIN_PING_INTERVAL_S   # clients may keepalive-ping an idle connection this often
+    max_request_bytes: int = 64 * 1024 * 1024   # the largest request a client may send
+    # Security (README, Security): beyond loopback the server needs TLS and client authentication.
+    token_file: str = ""                 # bearer tokens, `token` or `name:token` per line
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""              # mutual TLS
+    insecure: bool = False               # listen beyond this machine without them anyway
+    auth_health: bool = False            # health and reflection need a token too
     pools: list[PoolConfig] = field(default_factory=list)
 
     def pool(self, name: str) -> PoolConfig:
@@ -217,7 +241,8 @@ def _set_pool_key(pool: PoolConfig, key: str, value: Any) -> None:
         value = {str(k): str(v) for k, v in _coerce(where, value, {}).items()}
     elif key == "distributed":
         value = _distributed(where, value)
-    elif key == "worker_args":
+    elif key in ("worker_args", "collective_rpc_methods", "model_dirs", "lora_dirs", "rendezvous_hosts",
+                 "engine_args_allowed"):
         value = [str(a) for a in _coerce(where, value, [])]
     else:
         value = _coerce(where, value, getattr(PoolConfig(name="x"), key))
@@ -274,6 +299,9 @@ def validate(cfg: ServerConfig) -> ServerConfig:
         for key, value in vars(p).items():
             if key.endswith("_s") and isinstance(value, (int, float)) and value < 0:
                 raise ConfigError(f"pool {p.name!r}: {key} must be >= 0, got {value:g}")
+        for key in ("max_engines_per_client", "max_sessions", "max_refs_per_client", "max_prompt_chars"):
+            if getattr(p, key) < 0:
+                raise ConfigError(f"pool {p.name!r}: {key} must be >= 0")
         if p.probe_interval_s <= 0 or p.probe_timeout_s <= 0:
             raise ConfigError(f"pool {p.name!r}: probe_interval_s and probe_timeout_s must be > 0")
         if p.affinity not in AFFINITY_MODES:
@@ -294,6 +322,8 @@ def validate(cfg: ServerConfig) -> ServerConfig:
             raise ConfigError(f"pool {p.name!r}: object names repeat: {names}")
     if cfg.default_pool and cfg.default_pool not in seen:
         raise ConfigError(f"default_pool {cfg.default_pool!r} is not a pool; pools: {', '.join(seen)}")
+    if cfg.max_request_bytes <= 0:
+        raise ConfigError(f"max_request_bytes must be > 0, got {cfg.max_request_bytes}")
     if cfg.min_ping_interval_s <= 0:
         raise ConfigError(f"min_ping_interval_s must be > 0, got {cfg.min_ping_interval_s:g}")
     if cfg.metrics_port < 0:
@@ -323,6 +353,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="POOL.KEY=VALUE",
                    help="override a pool key, VALUE in TOML syntax (POOL '*': every pool); repeatable")
     p.add_argument("--ready-file", default=None, help="write the bound port here once every pool is up")
+    s = p.add_argument_group("security (README, Security)")
+    add_security_arguments(s, unset=True)
+    s.add_argument("--max-request-bytes", type=int, default=None, metavar="N", help="the largest request")
     p.add_argument("--stdin-watch", action="store_true",
                    help="stop (as on SIGTERM) when stdin closes: for a parent that runs the server through a "
                         "pipe (an Elixir Port), so that the server never outlives it")
@@ -338,7 +371,10 @@ def _toml_value(text: str) -> Any:
 def apply_overrides(cfg: ServerConfig, args: argparse.Namespace) -> ServerConfig:
     for attr, key in (("listen", "listen"), ("metrics_port", "metrics_port"), ("metrics_host", "metrics_host"),
                       ("grace", "grace_s"), ("loop", "loop"), ("default_pool", "default_pool"),
-                      ("min_ping_interval", "min_ping_interval_s")):
+                      ("min_ping_interval", "min_ping_interval_s"), ("token_file", "token_file"),
+                      ("tls_cert", "tls_cert"), ("tls_key", "tls_key"), ("tls_client_ca", "tls_client_ca"),
+                      ("insecure", "insecure"), ("auth_health", "auth_health"),
+                      ("max_request_bytes", "max_request_bytes")):
         value = getattr(args, attr, None)
         if value is not None:
             setattr(cfg, key, _coerce(f"--{attr.replace('_', '-')}", value, getattr(ServerConfig(), key)))

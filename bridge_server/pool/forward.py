@@ -30,16 +30,17 @@ from bridge_server.pool.lane import ITEMS, STREAM_WINDOW, LaneClosed
 from bridge_server.pool.metrics import Metrics
 from bridge_server.pool.multiplex import forward_multiplex
 from bridge_server.pool.poolstate import Backend, Flight, pool_error
-from bridge_server.pool.router import Router, read_route, time_left
+from bridge_server.pool.router import Router, read_route, session_key, time_left
 from bridge_server.wire.errors import STATUS_DETAILS_KEY, BridgeError, mux_error_status, status_code
-from bridge_server.wire.protocol import MD_WORKER_REFS, ROUTER_ONLY_KEYS, parse_request
+from bridge_server.wire.protocol import MD_IDENTITY, MD_WORKER_REFS, ROUTER_ONLY_KEYS, parse_request
+from bridge_server.wire.security import MD_AUTHORIZATION, ServerSecurity
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 log = logging.getLogger("vllm_bridge.router")
 
 SERVICE = "vllm_bridge.v1.Bridge"
 CALL, RELEASE, DESCRIBE = (f"/{SERVICE}/{m}" for m in ("Call", "Release", "Describe"))
-_DROP_KEYS = ("user-agent",)
+_DROP_KEYS = ("user-agent", MD_AUTHORIZATION)
 # Transport-level failures of a worker's gRPC service (Release): the worker is going away.
 _TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
                     grpc.StatusCode.UNKNOWN)
@@ -66,11 +67,15 @@ async def release_on(backend: Backend, request: pb.ReleaseRequest, metadata: Seq
     return int(pb.ReleaseReply.FromString(raw).released)
 
 
-def _forwarded(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[tuple[str, str | bytes]]:
-    """The caller's metadata as it goes on to a worker: without transport keys, and without the
-    keys only the pool server may set."""
-    return [(k, v) for k, v in metadata or ()
-            if k not in _DROP_KEYS and k not in ROUTER_ONLY_KEYS and not k.startswith(("grpc-", ":"))]
+def _forwarded(metadata: Sequence[tuple[str, str | bytes]] | None, identity: str = "") -> list[tuple[str, str | bytes]]:
+    """The caller's metadata as it goes on to a worker: without transport keys and credentials,
+    without the keys only the pool server may set, and with the caller's identity, which the
+    worker takes from no one else."""
+    forwarded = [(k, v) for k, v in metadata or () if k not in _DROP_KEYS and k not in ROUTER_ONLY_KEYS
+                 and not k.startswith(("grpc-", ":"))]
+    if identity:
+        forwarded.append((MD_IDENTITY, identity))
+    return forwarded
 
 
 def _has_details(err: grpc.aio.AioRpcError) -> bool:
@@ -98,9 +103,12 @@ class _Outcome:
 
 
 class Forwarder:
-    def __init__(self, router: Router, metrics: Metrics) -> None:
+    def __init__(self, router: Router, metrics: Metrics, security: ServerSecurity = ServerSecurity(),
+                 max_request_bytes: int = 64 * 1024 * 1024) -> None:
         self.router = router
         self.metrics = metrics
+        self.security = security          # who the caller is (its workers take the pool server's word)
+        self.limit = max_request_bytes
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE, {
@@ -146,7 +154,9 @@ class Forwarder:
         out = _Outcome()
         try:
             md = context.invocation_metadata()
-            route = read_route(md, context.time_remaining(), parse_request(pb.CallRequest, request, "Call"))
+            identity = self.security.identity(context)
+            route = read_route(md, context.time_remaining(), parse_request(pb.CallRequest, request, "Call", self.limit),
+                               identity)
             plan = self.router.plan(route)
             pool = plan.pool
             backend = pool.take(plan) or await pool.wait(plan, route.deadline)
@@ -157,7 +167,7 @@ class Forwarder:
             lane = backend.lane
             try:
                 try:
-                    lc = lane.start(request, md, timeout_s=time_left(route))
+                    lc = lane.start(request, md, timeout_s=time_left(route), identity=identity)
                     flight.call = lc
                     if lane.framed.paused:
                         await lane.drain()
@@ -193,8 +203,10 @@ class Forwarder:
         t0 = time.perf_counter()
         out = _Outcome()
         try:
+            identity = self.security.identity(context)
             out.pool, reply = await run_collective(self.router, request, context,
-                                                   _forwarded(context.invocation_metadata()))
+                                                   _forwarded(context.invocation_metadata(), identity), self.limit,
+                                                   identity)
             out.code = "OK"
             return reply
         except BaseException as exc:
@@ -221,7 +233,9 @@ class Forwarder:
     async def _stream(self, request: bytes, context: grpc.aio.ServicerContext,
                       out: _Outcome) -> AsyncGenerator[bytes, None]:
         md = context.invocation_metadata()
-        route = read_route(md, context.time_remaining(), parse_request(pb.CallRequest, request, "Stream"))
+        identity = self.security.identity(context)
+        route = read_route(md, context.time_remaining(), parse_request(pb.CallRequest, request, "Stream", self.limit),
+                           identity)
         pool, backend = await self.router.acquire(route)
         out.pool = pool.name
         flight = Flight()
@@ -230,7 +244,8 @@ class Forwarder:
         lc = None
         try:
             try:
-                lc = lane.start(request, md, stream=True, window=STREAM_WINDOW, timeout_s=time_left(route))
+                lc = lane.start(request, md, stream=True, window=STREAM_WINDOW, timeout_s=time_left(route),
+                                identity=identity)
                 flight.call = lc
                 index = taken = 0
                 while (kind := (event := await lc.next()).WhichOneof("kind")) in ITEMS:
@@ -266,7 +281,8 @@ class Forwarder:
                         ) -> AsyncIterator[bytes]:
         t0 = time.perf_counter()
         out = _Outcome()
-        replies = forward_multiplex(self.router, requests, context, _lane_failure)
+        replies = forward_multiplex(self.router, requests, context, _lane_failure, self.security.identity(context),
+                                    self.limit)
         try:
             async for reply in replies:
                 yield reply
@@ -294,8 +310,9 @@ class Forwarder:
         """Each worker gets its own refs; a session release goes to every worker of the pool (of
         every pool when the caller names none), and unpins the session."""
         md = context.invocation_metadata()
-        route = read_route(md, context.time_remaining())
-        req = parse_request(pb.ReleaseRequest, request, "Release")
+        identity = self.security.identity(context)
+        route = read_route(md, context.time_remaining(), identity=identity)
+        req = parse_request(pb.ReleaseRequest, request, "Release", self.limit)
         by_worker: dict[str, list[str]] = {}
         for ref in req.ref_ids:
             by_worker.setdefault(ref.partition(".")[0], []).append(ref)
@@ -305,10 +322,10 @@ class Forwarder:
         session_backends: set[Backend] = set()
         if req.session_id:
             for p in pools:
-                p.unpin(req.session_id)
+                p.unpin(session_key(identity, req.session_id))
                 session_backends.update(p.backends)
             targets.update((b.id, b) for b in session_backends)
-        fwd = _forwarded(md)
+        fwd = _forwarded(md, identity)
         timeout = time_left(route)
 
         async def one(b: Backend) -> int:
@@ -337,12 +354,12 @@ class Forwarder:
         out = _Outcome()
         try:
             md = context.invocation_metadata()
-            parse_request(pb.DescribeRequest, request, "Describe")
+            parse_request(pb.DescribeRequest, request, "Describe", self.limit)
             route = read_route(md, context.time_remaining())
             backend = self.router.any_backend(route.opts.pool)
             out.pool = backend.pool
             try:
-                reply: bytes = await backend.stubs[DESCRIBE](request, metadata=_forwarded(md),
+                reply: bytes = await backend.stubs[DESCRIBE](request, metadata=_forwarded(md, self.security.identity(context)),
                                                              timeout=time_left(route))
             except grpc.aio.AioRpcError as err:
                 out.code = err.code().name

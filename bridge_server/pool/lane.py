@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from bridge_server.wire.framing import Framed, LaneClosed
-from bridge_server.wire.protocol import ROUTER_ONLY_KEYS
+from bridge_server.wire.protocol import MD_IDENTITY, ROUTER_ONLY_KEYS
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["ITEMS", "Lane", "LaneCall", "LaneClosed", "STREAM_WINDOW", "open_lane"]
@@ -29,10 +29,12 @@ ITEMS = frozenset({"value", "patch"})   # the event kinds that carry a stream's 
 # as one `MuxRequest`, and the options part, which callers repeat call after call, is encoded once
 # per distinct set instead of once per call.
 @functools.lru_cache(maxsize=4096)
-def _options_part(metadata: tuple[tuple[str, str | bytes], ...]) -> bytes:
+def _options_part(metadata: tuple[tuple[str, str | bytes], ...], identity: str) -> bytes:
     """A call's options for the worker: its x-bridge-* metadata, but for the keys only the pool
-    server may set."""
+    server may set, and the client's identity, which the worker takes from nobody else."""
     options = {k: v for k, v in metadata if k.startswith("x-bridge-") and isinstance(v, str) and k not in ROUTER_ONLY_KEYS}
+    if identity:
+        options[MD_IDENTITY] = identity
     part: bytes = pb.MuxRequestView(start=pb.MuxStartView(metadata=options)).SerializeToString()
     return part
 
@@ -134,7 +136,7 @@ class Lane:
 
     def start(self, call: bytes, metadata: Iterable[tuple[str, str | bytes]], stream: bool = False, window: int = 0,
               timeout_s: float | None = None, on_event: Callable[[Any], None] | None = None,
-              on_lost: Callable[[str], None] | None = None) -> LaneCall:
+              on_lost: Callable[[str], None] | None = None, identity: str = "") -> LaneCall:
         """Starts a call (a serialized CallRequest) with Call's or Stream's semantics. `metadata` is
         the caller's (only its x-bridge-* options go on); `timeout_s` the time the call has left."""
         self._next_id += 1
@@ -143,7 +145,7 @@ class Lane:
         head = pb.MuxRequestView(start=pb.MuxStartView(id=lc.id, call=call, stream=stream, window=window,
                                                        time_left_ms=0 if timeout_s is None else timeout_s * 1000))
         self.framed.send(head.SerializeToString(),
-                         _options_part(metadata if isinstance(metadata, tuple) else tuple(metadata or ())))
+                         _options_part(metadata if isinstance(metadata, tuple) else tuple(metadata or ()), identity))
         self.calls[lc.id] = lc
         return lc
 

@@ -81,11 +81,13 @@ def _within_limit(batch: Any) -> list[bytes]:
 
 
 async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
-                            failure: Failure) -> AsyncGenerator[bytes, None]:
+                            failure: Failure, identity: str = "",
+                            limit: int = MAX_MESSAGE_BYTES) -> AsyncGenerator[bytes, None]:
     """Yields the replies of one client Multiplex stream until it half-closes and every call ends.
     `failure` says what a call whose worker's lane closed must report, as for plain calls."""
     loop = asyncio.get_running_loop()
     defaults = tuple((k, v) for k, v in context.invocation_metadata() or () if k.startswith("x-bridge-"))
+    # `identity` is the caller's: what the client names in its own options is not (the lane drops it).
     out: asyncio.Queue[tuple[bytes, list[tuple[_Running, int]]] | None] = asyncio.Queue()
     batch = pb.MuxReplyView()
     credit: dict[_Running, int] = {}           # items in `batch` of streams on the router's window
@@ -173,7 +175,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         try:
             window = start.window or (STREAM_WINDOW if start.stream else 0)
             run.lc = backend.lane.start(start.call, md, stream=start.stream, window=window,
-                                        timeout_s=time_left(route),
+                                        timeout_s=time_left(route), identity=identity,
                                         on_event=functools.partial(on_event, run),
                                         on_lost=functools.partial(on_lost, run))
         except BridgeError as err:       # its deadline passed while it waited for a slot
@@ -216,9 +218,9 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             return
         md = (*defaults, *start.metadata.items())     # the RPC's options, overlaid with the call's
         try:
-            call = parse_request(pb.CallRequest, start.call, f"Multiplex: call {client_id}")
+            call = parse_request(pb.CallRequest, start.call, f"Multiplex: call {client_id}", limit)
             limits = [t for t in (context.time_remaining(), time_left_s(start.time_left_ms)) if t is not None]
-            route = read_route(md, min(limits) if limits else None, call)
+            route = read_route(md, min(limits) if limits else None, call, identity)
             plan = router.plan(route)
             backend = plan.pool.take(plan)
         except BridgeError as err:
@@ -233,7 +235,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     async def read() -> None:
         async for raw in requests:
             try:
-                request = parse_request(pb.MuxRequestView, raw, "Multiplex")
+                request = parse_request(pb.MuxRequestView, raw, "Multiplex", limit + 64 * 1024)
             except BridgeError as err:     # no call id can be read: id 0, which no call uses
                 refuse(0, err)
                 continue

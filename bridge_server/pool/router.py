@@ -41,7 +41,7 @@ from bridge_server.wire.errors import BridgeError, quote
 from bridge_server.wire.protocol import PROFILES, RuntimeOptions, parse_metadata
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-__all__ = ["Route", "Router", "read_route", "time_left"]
+__all__ = ["Route", "Router", "read_route", "session_key", "time_left"]
 
 
 @dataclass
@@ -55,10 +55,16 @@ class Route:
     refs: tuple[str, ...] = ()        # every ref the call uses: x-bridge-refs and the request's own
 
 
+def session_key(identity: str, session: str) -> str:
+    """How the router knows a session: sessions belong to their client, so two clients' sessions of
+    the same name are two sessions (a name holds no "/"; a session id may)."""
+    return f"{identity}/{session}" if identity else session
+
+
 def read_route(metadata: Iterable[tuple[str, str | bytes]] | None, grpc_remaining_s: float | None,
-               request: pb.CallRequest | None = None) -> Route:
+               request: pb.CallRequest | None = None, identity: str = "") -> Route:
     opts = parse_metadata(metadata)
-    session = opts.session_id if opts.session_sent else None
+    session = session_key(identity, opts.session_id) if opts.session_sent else None
     refs = opts.refs
     if request is not None:
         carried = payload_refs(request)

@@ -26,6 +26,7 @@ from bridge_server.pool.router import Router
 from bridge_server.pool.supervisor import Supervisor
 from bridge_server.wire import eventloop
 from bridge_server.wire.protocol import server_options
+from bridge_server.wire.security import ServerSecurity, check_exposure
 from vllm_bridge.v1 import pool_pb2 as ppb
 from vllm_bridge.v1 import pool_pb2_grpc as ppb_grpc
 
@@ -64,14 +65,22 @@ class PoolServer:
         self.supervisor = Supervisor(config, self.router, self.metrics, self._changed)
         self.metrics.watch(self._snapshot)
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=server_options(config.min_ping_interval_s))
-        self.server.add_generic_rpc_handlers([Forwarder(self.router, self.metrics).handler()])
+        security = ServerSecurity.load(config.token_file or None, config.tls_cert or None, config.tls_key or None,
+                                       config.tls_client_ca or None, open_services=not config.auth_health)
+        check_exposure(config.listen, security, config.insecure, "vllm-bridge serve")
+        # Beyond gRPC's own limit, a request is refused by the forwarder, which names max_request_bytes.
+        options = [o for o in server_options(config.min_ping_interval_s) if o[0] != "grpc.max_receive_message_length"]
+        self.server = grpc.aio.server(options=[*options, ("grpc.max_receive_message_length",
+                                                          config.max_request_bytes + 64 * 1024)],
+                                      interceptors=security.interceptors())
+        self.server.add_generic_rpc_handlers([Forwarder(self.router, self.metrics, security,
+                                                        config.max_request_bytes).handler()])
         ppb_grpc.add_PoolServicer_to_server(_StatusService(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE, POOL_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(config.listen)
+        self.port = security.add_port(self.server, config.listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {config.listen}")
         self.metrics_port = 0

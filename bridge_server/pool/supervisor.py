@@ -125,8 +125,9 @@ async def drain(backend: Backend, exited: asyncio.Event, timeout_s: float) -> st
 
 class PoolSupervisor:
     def __init__(self, config: PoolConfig, router: Router, sockets_dir: str, metrics: Metrics,
-                 on_change: Callable[[], None]) -> None:
+                 on_change: Callable[[], None], max_request_bytes: int = 64 * 1024 * 1024) -> None:
         self.config = config
+        self.max_request_bytes = max_request_bytes
         self.name = config.name
         self.router = router
         self.sockets_dir = sockets_dir
@@ -261,7 +262,7 @@ class PoolSupervisor:
         self.procs.append(wp)
         self._changed()
         try:
-            await spawn(wp, self.config)
+            await spawn(wp, self.config, self.max_request_bytes)
         except OSError as exc:
             wp.exit_description = f"could not start: {exc}"
             slot.last_exit = wp.exit_description
@@ -528,7 +529,8 @@ class Supervisor:
 
     def __init__(self, config: ServerConfig, router: Router, metrics: Metrics, on_change: Callable[[], None]) -> None:
         self.sockets_dir = tempfile.mkdtemp(prefix="vllm-bridge-")
-        self.pools = {p.name: PoolSupervisor(p, router, self.sockets_dir, metrics, on_change) for p in config.pools}
+        self.pools = {p.name: PoolSupervisor(p, router, self.sockets_dir, metrics, on_change, config.max_request_bytes)
+                      for p in config.pools}
 
     async def start(self) -> None:
         """Starts every worker at once; returns when each has passed its health check or been given up."""

@@ -106,7 +106,7 @@ class WorkerProc:
         return self.proc.pid if self.proc is not None else 0
 
 
-def worker_command(wp: WorkerProc, cfg: PoolConfig) -> list[str]:
+def worker_command(wp: WorkerProc, cfg: PoolConfig, max_request_bytes: int = 64 * 1024 * 1024) -> list[str]:
     """`worker_args` may say `{index}` (the worker's slot) and `{workers}` (the pool size), e.g. for
     `--dist-rank {index}`."""
     cmd = [sys.executable, "-S", "-c", _LAUNCHER, str(os.getpid()),
@@ -115,20 +115,28 @@ def worker_command(wp: WorkerProc, cfg: PoolConfig) -> list[str]:
            "--probe-interval", str(cfg.probe_interval_s), "--probe-timeout", str(cfg.probe_timeout_s)]
     if not cfg.warmup:
         cmd.append("--no-warmup")
+    cmd += ["--max-engines-per-client", str(cfg.max_engines_per_client), "--max-sessions", str(cfg.max_sessions),
+            "--max-refs-per-client", str(cfg.max_refs_per_client), "--max-prompt-chars", str(cfg.max_prompt_chars),
+            "--max-request-bytes", str(max_request_bytes)]
+    for option, values in (("--collective-rpc-method", cfg.collective_rpc_methods), ("--model-dir", cfg.model_dirs),
+                           ("--lora-dir", cfg.lora_dirs), ("--rendezvous-host", cfg.rendezvous_hosts),
+                           ("--engine-arg-allowed", cfg.engine_args_allowed)):
+        for value in values:
+            cmd += [option, value]
     if cfg.objects:
         cmd += ["--objects", json.dumps([o.to_json() for o in cfg.objects])]
     return cmd + wp.extra_args + [a.replace("{index}", str(wp.index)).replace("{workers}", str(cfg.workers))
                                   for a in cfg.worker_args]
 
 
-async def spawn(wp: WorkerProc, cfg: PoolConfig) -> None:
+async def spawn(wp: WorkerProc, cfg: PoolConfig, max_request_bytes: int = 64 * 1024 * 1024) -> None:
     out: IO[bytes] | None = None
     if cfg.log_dir:
         os.makedirs(cfg.log_dir, exist_ok=True)
         out = open(os.path.join(cfg.log_dir, f"{wp.id}.log"), "ab")   # noqa: SIM115 - the child keeps it
     try:
         wp.proc = await asyncio.create_subprocess_exec(
-            *worker_command(wp, cfg), stdin=subprocess.DEVNULL, stdout=out,
+            *worker_command(wp, cfg, max_request_bytes), stdin=subprocess.DEVNULL, stdout=out,
             stderr=subprocess.STDOUT if out else None, env={**os.environ, **cfg.env}, start_new_session=True)
     finally:
         if out is not None:

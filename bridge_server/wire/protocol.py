@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
+import grpc
 from google.protobuf.message import DecodeError, Message
 
 from bridge_server.wire.errors import BridgeError, quote
@@ -36,8 +37,10 @@ MD_WORKER_REFS = "x-bridge-worker-refs"
 # Set by the pool server on each rank's share of a Collective: in a distributed pool, calls that talk
 # to every rank run only then (on one rank alone they would wait forever for the others).
 MD_COLLECTIVE = "x-bridge-collective"
+# Set by the pool server on what it sends its workers: the identity of the client it serves.
+MD_IDENTITY = "x-bridge-identity"
 # Keys only the pool server sets, on what it sends its workers: it drops them from what clients send.
-ROUTER_ONLY_KEYS = frozenset({MD_COLLECTIVE})
+ROUTER_ONLY_KEYS = frozenset({MD_COLLECTIVE, MD_IDENTITY})
 
 DEFAULT_SESSION = "default"
 
@@ -70,10 +73,19 @@ def server_options(min_ping_interval_s: float = MIN_PING_INTERVAL_S) -> list[tup
 M = TypeVar("M", bound=Message)
 
 
-def parse_request(cls: type[M], data: bytes, rpc: str) -> M:
+def too_large(size: int, limit: int, rpc: str) -> BridgeError:
+    return BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                       f"{rpc}: a request of {size:,} bytes is over this server's limit of {limit:,} "
+                       f"(max_request_bytes)", parameter="request", reason="max_request_bytes")
+
+
+def parse_request(cls: type[M], data: bytes, rpc: str, limit: int | None = None) -> M:
     """A request as read off the wire. Bytes that are not a `cls` (truncated, invalid UTF-8 in a
     string, nested past protobuf's depth limit) are the caller's mistake: INVALID_ARGUMENT naming
-    the RPC and the message type, refused where they are read and never passed on."""
+    the RPC and the message type, refused where they are read and never passed on; more bytes than
+    `limit` are RESOURCE_EXHAUSTED, naming the limit."""
+    if limit is not None and len(data) > limit:
+        raise too_large(len(data), limit, rpc)
     try:
         return cls.FromString(data)
     except (DecodeError, RecursionError, ValueError) as exc:
@@ -121,6 +133,7 @@ class RuntimeOptions:
     rank: int | None = None
     session_sent: bool = False               # the caller named a session (else it is DEFAULT_SESSION)
     collective: bool = False                 # one rank's share of a Collective (set by the pool server)
+    identity: str = ""                       # the client the pool server serves (set by the pool server)
     # How stream items travel: sent as the caller's list of preferences; parsed, the first name this
     # side knows (None: not asked for, which means STREAM_FULL).
     stream_encoding: str | None = None
@@ -192,6 +205,7 @@ def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
         rank=rank,
         session_sent=MD_SESSION in md,
         collective=get(MD_COLLECTIVE) == "1",
+        identity=get(MD_IDENTITY) or "",
         stream_encoding=None if encodings is None else stream_encoding(encodings),
         stream_tee=get(MD_STREAM_TEE) in ("1", "true"),
     )

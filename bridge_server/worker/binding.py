@@ -29,13 +29,15 @@ import re
 import sys
 import types as pytypes
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import grpc
 import msgspec
 import pydantic
 import typing_extensions
 
+from adapters.spec import Policy, RecordRule
 from bridge_server.wire.errors import BridgeError, clip, quote
 
 _TYPEERROR_PARAM = re.compile(r"'(\w+)'")
@@ -45,25 +47,43 @@ _DOC_TYPES: dict[str, Any] = {"integer()": int, "float()": float, "number()": fl
                               "boolean()": bool, "map()": dict, "binary()": bytes}
 
 
+@dataclasses.dataclass(frozen=True)
+class Building:
+    """How maps become records: the classes a map may be built into (by bare name, to match against
+    annotations), what a client may set on each (`RecordRule`), and the operator's policy."""
+
+    types: Mapping[str, type]
+    rule: Callable[[type], RecordRule | None] = lambda cls: None
+    policy: Policy = Policy()
+
+
 def bind_arguments(label: str, signature: inspect.Signature, args: list[Any], kwargs: dict[str, Any],
-                   types: Mapping[str, type], checks: Checks | None = None) -> tuple[list[Any], dict[str, Any]]:
-    """The arguments as the callee will receive them; INVALID_ARGUMENT naming the parameter if not."""
+                   building: Building, checks: Checks | None = None,
+                   constructs: type | None = None) -> tuple[list[Any], dict[str, Any]]:
+    """The arguments as the callee will receive them; INVALID_ARGUMENT naming the parameter if not.
+    For a constructor of a record class (`constructs`), its `RecordRule` applies to the arguments as
+    it would to a map's fields."""
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
         m = _TYPEERROR_PARAM.search(str(exc))
         raise BridgeError.validation(f"{label}{_short_sig(signature)}: {exc}", target=label,
                                      parameter=m.group(1) if m else "") from None
+    rule = building.rule(constructs) if constructs is not None else None
+    if rule is not None and constructs is not None:
+        _allowed_fields(label, "", constructs, bound.arguments, rule)
     for pname, value in bound.arguments.items():
         param = signature.parameters[pname]
         if isinstance(value, dict) and param.kind is not inspect.Parameter.VAR_KEYWORD:
-            built = _build_argument(label, param, value, types)
+            built = _build_argument(label, param, value, building)
             if built is not value:
                 bound.arguments[pname] = value = built
         if checks is not None:
             given = checks.check(label, param, value)
             if given is not value:
                 bound.arguments[pname] = given
+    if rule is not None and rule.check is not None:
+        rule.check(bound.arguments, building.policy)
     return list(bound.args), dict(bound.kwargs)
 
 
@@ -240,21 +260,33 @@ def _describe(exc: pydantic.ValidationError, expected: str, value: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------------ records
-def _build_argument(label: str, param: inspect.Parameter, value: dict[Any, Any], types: Mapping[str, type]) -> Any:
+def _build_argument(label: str, param: inspect.Parameter, value: dict[Any, Any], building: Building) -> Any:
     """A map given where the signature expects one of the catalog's classes is built into it."""
     annotation = param.annotation if isinstance(param.annotation, str) else repr(param.annotation)
-    for short, cls in types.items():
+    for short, cls in building.types.items():
         if re.search(rf"\b{short}\b", annotation):
-            return _build_record(label, param.name, cls, value)
+            return _build_record(label, param.name, cls, value, building)
     return value
 
 
-def _build_record(label: str, where: str, cls: type, value: dict[Any, Any], depth: int = 0) -> Any:
-    """Builds `cls` from a map. Keys are checked against the class's signature first (vLLM's pydantic
-    configs silently drop unknown fields, and a misspelt option must not be ignored), then each given
-    field's type; a map for a field whose type is a record class (SamplingParams' structured_outputs)
-    is built the same way, so the class never holds a plain map where it expects a record."""
-    fields = {str(k): v for k, v in value.items()}
+def _build_record(label: str, where: str, cls: type, value: dict[Any, Any], building: Building, depth: int = 0) -> Any:
+    """Builds `cls` from a map, once `check_record` has passed it."""
+    fields = check_record(label, where, cls, {str(k): v for k, v in value.items()}, building, depth)
+    what = f"{label}: parameter {where}: cannot build {cls.__name__} from the map given"
+    try:
+        return cls(**fields)
+    except Exception as exc:  # the class's own validation says what is wrong
+        why = _field_types_error(cls, fields) or f"{type(exc).__name__}: {exc}"
+        raise BridgeError.validation(f"{what}: {why}", target=label, parameter=where) from None
+
+
+def check_record(label: str, where: str, cls: type, fields: dict[str, Any], building: Building,
+                 depth: int = 0) -> dict[str, Any]:
+    """The fields a client gives for a record class, as they may be passed to it (maps for nested
+    record fields built). Keys are checked against the class's signature first (vLLM's pydantic
+    configs silently drop unknown fields, and a misspelt option must not be ignored), then against
+    what the adapter's `RecordRule` lets a client set (PERMISSION_DENIED), then each field's type,
+    then the rule's check of the values against the operator's policy."""
     what = f"{label}: parameter {where}: cannot build {cls.__name__} from the map given"
     try:
         _class_signature(cls).bind(**fields)
@@ -262,19 +294,31 @@ def _build_record(label: str, where: str, cls: type, value: dict[Any, Any], dept
         raise BridgeError.validation(f"{what}: {exc}", target=label, parameter=where) from None
     except ValueError:
         pass   # no introspectable signature: let the class judge
+    rule = building.rule(cls)
+    if rule is not None:
+        _allowed_fields(label, where, cls, fields, rule)
     for field, item in fields.items():
         nested = _nested_record(cls, field) if isinstance(item, dict) and depth < 4 else None
         if nested is not None:
-            fields[field] = item = _build_record(label, f"{where}.{field}", nested, item, depth + 1)
+            fields[field] = item = _build_record(label, f"{where}.{field}", nested, item, building, depth + 1)
         problem = _field_problem(cls, field, item)
         if problem is not None:
             raise BridgeError.validation(f"{what}: field {field}: {problem}", target=label,
                                          parameter=f"{where}.{field}")
-    try:
-        return cls(**fields)
-    except Exception as exc:  # the class's own validation says what is wrong
-        why = _field_types_error(cls, fields) or f"{type(exc).__name__}: {exc}"
-        raise BridgeError.validation(f"{what}: {why}", target=label, parameter=where) from None
+    if rule is not None and rule.check is not None:
+        rule.check(fields, building.policy)
+    return fields
+
+
+def _allowed_fields(label: str, where: str, cls: type, fields: Mapping[str, Any], rule: RecordRule) -> None:
+    if rule.fields is None:
+        return
+    for key in fields:
+        if key not in rule.fields:
+            raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                              f"{label}: {f'parameter {where}: ' if where else ''}field {key} is not one a client may "
+                              f"set on {cls.__name__} (it may: {', '.join(sorted(rule.fields))})", target=label,
+                              parameter=f"{where}.{key}" if where else key, reason="not allowed")
 
 
 @functools.lru_cache(maxsize=2048)

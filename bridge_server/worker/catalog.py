@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from adapters.spec import AdapterSpec, Guard, Lifecycle
+from adapters.spec import AdapterSpec, Exposure, Guard, Lifecycle, RecordRule
 from adapters.surface import DocEntry, DocSurface, load_surfaces
 from bridge_server.wire.errors import BridgeError
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -93,6 +93,8 @@ class Catalog:
     record_constants: dict[type, frozenset[str]] = field(default_factory=dict)   # per stream, see codec
     finalizers: dict[type, Callable[[Any], None]] = field(default_factory=dict)
     lifecycles: dict[type, Lifecycle] = field(default_factory=dict)
+    rules: dict[type, RecordRule] = field(default_factory=dict)          # what a client may set when building one
+    exposures: dict[type, Exposure] = field(default_factory=dict)       # members of undocumented result types
     documents: dict[str, DocSurface] = field(default_factory=dict)
 
     @functools.cached_property
@@ -128,6 +130,29 @@ class Catalog:
             if isinstance(obj, type) and issubclass(obj, enum.Enum):
                 return obj
         return None
+
+    @functools.cached_property
+    def names(self) -> frozenset[str]:
+        return frozenset(self.entries)
+
+    @functools.cached_property
+    def code_objects(self) -> frozenset[int]:
+        """The ids of the functions and classes the catalog itself names: the only code a ref may
+        point to (read at first use: every catalog entry resolves by then)."""
+        ids = {id(c) for c in self.types.values()}
+        for e in self.entries.values():
+            if e.kind in (Kind.FUNCTION, Kind.CLASSMETHOD, Kind.MODULE_ATTR):
+                ids.add(id(e.resolve()))
+            elif e.kind is Kind.CONSTRUCTOR:
+                ids.add(id(e.owner))
+        return frozenset(ids)
+
+    def exposure(self, obj: object) -> Exposure | None:
+        """What an adapter lets clients reach on obj's (undocumented) type, if anything."""
+        return next((x for cls in type(obj).__mro__ if (x := self.exposures.get(cls)) is not None), None)
+
+    def rule(self, cls: type) -> RecordRule | None:
+        return next((r for c in cls.__mro__ if (r := self.rules.get(c)) is not None), None)
 
     def lifecycle(self, obj: object) -> Lifecycle | None:
         """How instances like obj can die under the worker, if they can."""
@@ -217,6 +242,10 @@ def build_catalog(specs: Iterable[AdapterSpec], documents: dict[str, DocSurface]
             catalog.types[f"{cls.__module__}.{cls.__qualname__}"] = cls
             catalog.add(Entry(name=ctor.name, kind=Kind.CONSTRUCTOR, module=ctor.module, class_name=ctor.attr,
                               attr="__init__", owner=cls, signature=_signature(cls), doc=None, result_ref=True))
+        for rule in spec.record_rules:
+            catalog.rules[getattr(importlib.import_module(rule.module), rule.attr)] = rule
+        for exposure in spec.exposures:
+            catalog.exposures[getattr(importlib.import_module(exposure.module), exposure.attr)] = exposure
         for rec in spec.records:
             cls = getattr(importlib.import_module(rec.module), rec.attr)
             catalog.records[cls] = rec.fields

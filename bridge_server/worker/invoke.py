@@ -8,37 +8,80 @@ Where work runs is decided here, once, for every kind of target:
 Deadlines are enforced here, not by the client: async work is cancelled for real (AsyncLLM aborts
 the request); a blocking call that has not started is dropped from its queue; one that is already
 running inside C code cannot be pre-empted, so it is abandoned and counted in `abandoned`.
+
+The surface is closed here, by construction. On a receiver a client reaches the members the
+documents list for its class, the members an adapter declares for an undocumented type that
+documented calls return (`Exposure`), and the context-manager and iteration protocols; nothing
+else (PERMISSION_DENIED, naming the member and the type). No ref to a module, class, function or
+builtin that is not itself a catalog entry leaves the worker, at any depth of a result, and no such
+ref is taken as an argument. Each call is made for a `Caller`: the identity that owns the refs it
+creates (and may use only its own), its session, and whether it is a rank's share of a Collective.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import difflib
 import functools
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+import types
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import grpc
+import msgspec
+import pydantic
 
+from adapters.spec import CallContext, Policy
 from bridge_server.wire.codec import Encoder
 from bridge_server.wire.decoder import Decoder
-from bridge_server.wire.errors import BridgeError
-from bridge_server.wire.protocol import STREAM_PATCH_V1
-from bridge_server.worker.binding import Checks, bind_arguments, member_checks, member_signature, namespace_of
+from bridge_server.wire.errors import BridgeError, clip, quote
+from bridge_server.wire.protocol import DEFAULT_SESSION, STREAM_PATCH_V1
+from bridge_server.worker.binding import (
+    Building,
+    Checks,
+    bind_arguments,
+    member_checks,
+    member_signature,
+    namespace_of,
+)
 from bridge_server.worker.catalog import Catalog, Entry, Kind
 from bridge_server.worker.deadlines import Deadlines, with_deadline
 from bridge_server.worker.refs import RefRegistry
 from bridge_server.worker.streams import PutItem, Tee, item_writer, iterate
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-_ALLOWED_DUNDERS = frozenset({"__enter__", "__exit__", "__aenter__", "__aexit__", "__len__", "__getitem__",
-                              "__contains__"})
+_PROTOCOL_METHODS = frozenset({"__enter__", "__exit__", "__aenter__", "__aexit__"})   # context managers
 _EXIT_METHODS = frozenset({"__exit__", "__aexit__"})
+# Code, which a ref must never point to unless the catalog names it: a module, class or function
+# reached through a result would lead anywhere.
+_CODE = (ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.CodeType,
+         types.FrameType, types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType,
+         types.ClassMethodDescriptorType, types.GetSetDescriptorType, types.MemberDescriptorType, functools.partial,
+         staticmethod, classmethod, property)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who a call is for: the client identity that owns what the call creates (and may use only what
+    it owns; "" when the server has no authentication), the session its refs join, and whether it is
+    one rank's share of a Collective (set by the pool server)."""
+
+    identity: str = ""
+    session: str = DEFAULT_SESSION
+    collective: bool = False
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one client identity may make a worker hold, beyond its refs (RefRegistry's limits)."""
+
+    max_engines_per_client: int = 2      # objects with a lifecycle (engines) a client makes, published aside
 
 
 
@@ -59,6 +102,7 @@ class Plan:
     result_ref: bool = False
     profile: str = "default"
     receiver: object = None
+    published: bool = False               # the receiver is a published object (shared by every client)
     fill_exit_args: bool = False
 
 
@@ -70,18 +114,22 @@ class Invoker:
     tensor_max_bytes: int = 16 * 1024 * 1024
     shared_threads: int = 16
     distributed: bool = False   # a rank of a distributed pool: collective entries run only as Collectives
+    policy: Policy = field(default_factory=Policy)
+    limits: Limits = field(default_factory=Limits)
     abandoned: int = 0      # blocking calls still running after their caller gave up
     wedged: str = ""        # a call abandoned in the exclusive lane, still running: it blocks the lane
     # Called with what a result_ref entry (an engine's constructor) made, before the caller gets it.
     adopt: Callable[[object], Awaitable[None]] | None = None
     _activity: dict[int, float] = field(default_factory=dict)   # id(receiver) -> when it last yielded an item
+    _making: dict[str, int] = field(default_factory=dict)       # engines being made, by identity
 
     def __post_init__(self) -> None:
         self._exclusive_lane = ThreadPoolExecutor(1, thread_name_prefix="bridge-exclusive")
         self._shared_lane = ThreadPoolExecutor(self.shared_threads, thread_name_prefix="bridge-shared")
         self._exclusive_lock = asyncio.Lock()
-        self._decoder = Decoder(resolve_ref=self._resolve_ref, resolve_type=self.catalog.resolve_type)
         self._entry_plans: dict[str, Plan] = {}   # catalog targets carry no receiver: plan them once
+        self._decoders: dict[str, Decoder] = {}   # by identity
+        self._building = Building(self.catalog.short_types, self.catalog.rule, self.policy)
 
     def active_since(self, obj: object, since: float) -> bool:
         """Whether a stream on `obj` yielded an item after `since` (time.monotonic()): progress."""
@@ -92,24 +140,38 @@ class Invoker:
         self._exclusive_lane.shutdown(wait=False, cancel_futures=True)
 
     # ----------------------------------------------------------------------------------- resolution
-    def _resolve_ref(self, ref: pb.Ref) -> object:
-        return self.refs.get(ref.id).obj
+    def _decoder(self, identity: str) -> Decoder:
+        decoder = self._decoders.get(identity)
+        if decoder is None:
+            decoder = self._decoders[identity] = Decoder(resolve_ref=functools.partial(self._argument_ref, identity),
+                                                         resolve_type=self.catalog.resolve_type)
+        return decoder
 
-    def _receiver(self, target: pb.Target) -> tuple[object, bool]:
+    def _argument_ref(self, identity: str, ref: pb.Ref) -> object:
+        obj = self.refs.get(ref.id, identity).obj
+        if isinstance(obj, _CODE):
+            raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                              f"ref {quote(ref.id)} is a {type(obj).__name__}: code can be named (a catalog entry), "
+                              f"never passed as an argument", parameter=quote(ref.id), reason="code")
+        return obj
+
+    def _receiver(self, target: pb.Target, caller: Caller) -> tuple[object, bool, bool]:
+        """(receiver, exclusive, published)"""
         which = target.WhichOneof("receiver")
         if which == "ref":
-            entry = self.refs.get(target.ref.id)
-            return entry.obj, entry.exclusive
+            entry = self.refs.get(target.ref.id, caller.identity)
+            return entry.obj, entry.exclusive, False
         if which == "object":
             if target.object not in self.objects:
                 raise BridgeError.not_found(
-                    f"no published object {target.object!r}; published: {', '.join(sorted(self.objects)) or 'none'}",
-                    target=target.object, suggestions=sorted(self.objects))
-            return self.objects[target.object], False
-        raise BridgeError.validation(f"{pb.Target.Kind.Name(target.kind)} {target.name!r} needs a receiver: "
+                    f"no published object {quote(target.object)}; published: "
+                    f"{', '.join(sorted(self.objects)) or 'none'}", target=quote(target.object),
+                    suggestions=sorted(self.objects))
+            return self.objects[target.object], False, True
+        raise BridgeError.validation(f"{pb.Target.Kind.Name(target.kind)} {quote(target.name)} needs a receiver: "
                                      f"a ref or a published object name", parameter="target.receiver")
 
-    def plan(self, target: pb.Target) -> Plan:
+    def plan(self, target: pb.Target, caller: Caller = Caller()) -> Plan:
         kind = target.kind
         if kind in (pb.Target.FUNCTION, pb.Target.MODULE_ATTR, pb.Target.CONSTRUCTOR):
             plan = self._entry_plans.get(target.name)
@@ -117,8 +179,8 @@ class Invoker:
                 plan = self._entry_plans[target.name] = self._plan_entry(self.catalog.lookup(target.name))
             return plan
         if kind in (pb.Target.METHOD, pb.Target.GET_ATTR, pb.Target.SET_ATTR, pb.Target.ITERATE):
-            obj, exclusive = self._receiver(target)
-            return self._plan_member(target, obj, exclusive)
+            obj, exclusive, published = self._receiver(target, caller)
+            return self._plan_member(target, obj, exclusive, published)
         raise BridgeError.validation(f"target kind {kind} is not one of FUNCTION, MODULE_ATTR, CONSTRUCTOR, "
                                      f"METHOD, GET_ATTR, SET_ATTR, ITERATE", parameter="target.kind")
 
@@ -139,19 +201,52 @@ class Invoker:
         raise BridgeError.validation(f"{e.name} is a {e.kind.name.lower()} of {e.class_name}: call it on a ref "
                                      f"(target kind METHOD or GET_ATTR with name {e.attr!r})", target=e.name)
 
-    def _plan_member(self, target: pb.Target, obj: object, exclusive: bool) -> Plan:
+    def _denied(self, obj: object, name: str, why: str, allowed: Iterable[str] = ()) -> BridgeError:
+        """PERMISSION_DENIED, the same for a member that exists and one that does not: a client
+        learns what it may reach (the closest names), not what else is there."""
+        label = f"{type(obj).__qualname__}.{clip(name, 80)}"
+        close = difflib.get_close_matches(name, list(allowed), n=5, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        return BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                           f"{label}: {clip(name, 80)!r} is not part of the documented surface of "
+                           f"{type(obj).__module__}.{type(obj).__qualname__} ({why}){hint}", target=label,
+                           parameter="target.name", reason="not documented", suggestions=close)
+
+    def _reachable(self, obj: object, name: str, kind: int) -> Entry | None:
+        """The documented entry for the member, if any; PERMISSION_DENIED for a member a client may
+        not reach (see the module docstring)."""
+        entry = self.catalog.member(obj, name)
+        if entry is not None:
+            if kind == pb.Target.SET_ATTR and entry.kind is not Kind.ATTRIBUTE:
+                raise self._denied(obj, name, "only its documented attributes can be set")
+            return entry
+        if name in _PROTOCOL_METHODS and kind == pb.Target.METHOD and hasattr(type(obj), name):
+            return None
+        exposure = self.catalog.exposure(obj)
+        if exposure is None:
+            members = [n for c in type(obj).__mro__ for n in self.catalog.methods.get(c, {})]
+            raise self._denied(obj, name, "Describe lists its documented members" if members
+                               else "no member of this type is", members)
+        if kind == pb.Target.SET_ATTR:
+            raise self._denied(obj, name, "its members are read only")
+        cls: type = type(obj)
+        allowed = exposure.methods if kind == pb.Target.METHOD else exposure.attributes | (
+            _declared_fields(cls) if exposure.fields else frozenset())
+        if name not in allowed:
+            raise self._denied(obj, name, f"of it a client may {'call' if kind == pb.Target.METHOD else 'read'} "
+                                          f"{', '.join(sorted(allowed)) or 'nothing'}", allowed)
+        return None
+
+    def _plan_member(self, target: pb.Target, obj: object, exclusive: bool, published: bool = False) -> Plan:
         name, kind = target.name, target.kind
-        label = f"{type(obj).__qualname__}.{name}" if name else type(obj).__qualname__
-        if isinstance(obj, ModuleType):
+        label = f"{type(obj).__qualname__}.{clip(name, 80)}" if name else type(obj).__qualname__
+        if isinstance(obj, _CODE):
             raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
-                              f"{label}: members of a module cannot be reached through a ref", target=label)
+                              f"{label}: members of a {type(obj).__name__} cannot be reached through a ref",
+                              target=label)
         if kind == pb.Target.ITERATE:
             return Plan(label=label, fn=None, read=lambda: obj, exclusive=exclusive, receiver=obj)
-        entry = self.catalog.member(obj, name)
-        if entry is None and name.startswith("_") and name not in _ALLOWED_DUNDERS:
-            raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
-                              f"{label}: private member {name!r} is not part of the documented surface",
-                              target=label, parameter="target.name")
+        entry = self._reachable(obj, name, kind)
         if entry is not None:
             label = entry.name
             exclusive = exclusive or entry.exclusive
@@ -162,11 +257,11 @@ class Invoker:
         try:
             member = getattr(obj, name)
         except AttributeError:
-            public = [n for n in dir(obj) if not n.startswith("_")]
-            raise BridgeError.not_found(f"{label}: {type(obj).__qualname__} has no attribute {name!r}", target=label,
-                                        suggestions=difflib.get_close_matches(name, public, n=5)) from None
+            raise BridgeError.not_found(f"{label}: {type(obj).__qualname__} has no attribute {clip(name, 80)!r}",
+                                        target=label) from None
         if kind == pb.Target.GET_ATTR:
-            return Plan(label=label, fn=None, read=lambda: member, exclusive=exclusive, entry=entry, receiver=obj)
+            return Plan(label=label, fn=None, read=lambda: member, exclusive=exclusive, entry=entry, receiver=obj,
+                        published=published)
         if not callable(member):
             raise BridgeError.validation(f"{label} is an attribute, not a method: use GET_ATTR", target=label)
         is_async = inspect.iscoroutinefunction(member) or inspect.isasyncgenfunction(member)
@@ -178,14 +273,14 @@ class Invoker:
         if entry is not None and entry.override is not None:   # the adapter's version, receiver first
             member, is_async = functools.partial(entry.override, obj), True
         return Plan(label=label, fn=member, signature=sig, checks=checks, entry=entry, exclusive=exclusive,
-                    is_async=is_async,
-                    streams=streams, profile=profile, receiver=obj, fill_exit_args=name in _EXIT_METHODS,
-                    result_ref=entry.result_ref if entry else False)
+                    is_async=is_async, streams=streams, profile=profile, receiver=obj, published=published,
+                    fill_exit_args=name in _EXIT_METHODS, result_ref=entry.result_ref if entry else False)
 
     # -------------------------------------------------------------------------------------- binding
-    def decode(self, request: pb.CallRequest) -> tuple[list[Any], dict[str, Any]]:
-        args = [self._decoder.decode(v, f"args[{i}]") for i, v in enumerate(request.args)]
-        kwargs = {k: self._decoder.decode(v, f"kwargs[{k!r}]") for k, v in request.kwargs.items()}
+    def decode(self, request: pb.CallRequest, caller: Caller = Caller()) -> tuple[list[Any], dict[str, Any]]:
+        decoder = self._decoder(caller.identity)
+        args = [decoder.decode(v, f"args[{i}]") for i, v in enumerate(request.args)]
+        kwargs = {k: decoder.decode(v, f"kwargs[{clip(k, 40)!r}]") for k, v in request.kwargs.items()}
         return args, kwargs
 
     def bind(self, plan: Plan, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
@@ -199,7 +294,9 @@ class Invoker:
             args = [None, None, None]
         if plan.signature is None:
             return args, kwargs
-        return bind_arguments(plan.label, plan.signature, args, kwargs, self.catalog.short_types, plan.checks)
+        entry = plan.entry
+        constructs = entry.owner if entry is not None and entry.kind is Kind.CONSTRUCTOR else None
+        return bind_arguments(plan.label, plan.signature, args, kwargs, self._building, plan.checks, constructs)
 
     # ------------------------------------------------------------------------------------ execution
     async def run(self, plan: Plan, args: list[Any], kwargs: dict[str, Any], deadline: float | None) -> Any:
@@ -247,27 +344,48 @@ class Invoker:
         if exclusive:
             self.wedged = ""
 
-    def encoder(self, session_id: str, exclusive: bool, stream: bool = False) -> Encoder:
+    def encoder(self, caller: Caller, exclusive: bool, stream: bool = False,
+                minted: list[str] | None = None) -> Encoder:
+        """Values to protobuf; what cannot go by value becomes a ref the caller owns. Code that the
+        catalog does not name is refused, wherever in the result it is."""
+        code_ok = self.catalog.code_objects
+
         def make_ref(obj: object) -> pb.Ref:
-            entry = self.refs.put(obj, session_id, exclusive=exclusive)
-            return pb.Ref(id=entry.id, session_id=session_id, worker_id=self.refs.worker_id,
+            if isinstance(obj, _CODE) and id(obj) not in code_ok:
+                raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                                  f"the result holds a {type(obj).__name__} ({_short_repr(obj)[:80]}), which is not "
+                                  f"part of the documented surface: no ref to it leaves the worker", reason="code")
+            entry = self.refs.put(obj, caller.session, owner=caller.identity, exclusive=exclusive)
+            if minted is not None:
+                minted.append(entry.id)
+            return pb.Ref(id=entry.id, session_id=caller.session, worker_id=self.refs.worker_id,
                           type_name=entry.type_name, repr=_short_repr(obj))
         return Encoder(make_ref=make_ref, tensor_max_bytes=self.tensor_max_bytes, records=self.catalog.records,
                        constant_fields=self.catalog.record_constants, memo={} if stream else None)
 
-    def encode_result(self, plan: Plan, result: Any, session_id: str) -> pb.Value:
-        enc = self.encoder(session_id, plan.exclusive)
+    def encode_result(self, plan: Plan, result: Any, caller: Caller) -> pb.Value:
+        minted: list[str] = []
+        enc = self.encoder(caller, plan.exclusive, minted=minted)
         if plan.entry is not None and plan.entry.doc is not None:
             result = _as_documented(plan.entry.doc.returns, result)
-        if plan.result_ref and result is not None:
-            return pb.Value(ref=enc.make_ref(result))
-        return enc.encode(result)
+        try:
+            if plan.result_ref and result is not None:
+                return pb.Value(ref=enc.make_ref(result))
+            return enc.encode(result)
+        except BaseException:
+            self.refs.release(minted)      # nothing of a result that cannot be sent stays behind
+            raise
 
-    async def prepare(self, plan: Plan, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    def _context(self, plan: Plan, caller: Caller) -> CallContext:
+        return CallContext(self.policy, caller.identity, plan.published, self.catalog.names)
+
+    async def prepare(self, plan: Plan, args: list[Any], kwargs: dict[str, Any],
+                      caller: Caller = Caller()) -> tuple[list[Any], dict[str, Any]]:
         """Binds the arguments and runs the entry's guard: everything that can refuse a call before it runs."""
         args, kwargs = self.bind(plan, args, kwargs)
         if plan.entry is not None and plan.entry.guard is not None:
-            await _maybe_await(plan.entry.guard(plan.receiver, _bound_map(plan, args, kwargs)))
+            await _maybe_await(plan.entry.guard(plan.receiver, _bound_map(plan, args, kwargs),
+                                                self._context(plan, caller)))
         return args, kwargs
 
     async def run_checked(self, plan: Plan, args: list[Any], kwargs: dict[str, Any], deadline: float | None) -> Any:
@@ -279,30 +397,57 @@ class Invoker:
         except Exception as exc:
             raise BridgeError.from_exception(exc, plan.label) from exc
 
-    def _admit(self, plan: Plan, collective: bool) -> None:
+    def _admit(self, plan: Plan, caller: Caller) -> None:
         """Refuses, before anything runs, a call that would block this rank's process group: in a
         distributed pool an entry that talks to every rank runs only as a Collective."""
-        if self.distributed and not collective and plan.entry is not None and plan.entry.collective:
+        if self.distributed and not caller.collective and plan.entry is not None and plan.entry.collective:
             raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
                               f"{plan.label} talks to every rank of the pool's process group: run it with the "
                               f"Collective RPC (every rank at once); called on one rank it would wait forever",
                               target=plan.label, reason="use Collective")
 
-    async def call(self, request: pb.CallRequest, session_id: str, deadlines: Deadlines,
-                   plan: Plan | None = None, collective: bool = False) -> pb.Value:
-        plan = plan or self.plan(request.target)
-        self._admit(plan, collective)
+    def _makes_engines(self, plan: Plan) -> bool:
+        entry = plan.entry
+        return entry is not None and entry.result_ref and isinstance(entry.owner, type) and \
+            entry.owner in self.catalog.lifecycles
+
+    def _count_engines(self, identity: str) -> int:
+        seen = {id(e.obj) for e in self.refs.owned(identity) if self.catalog.lifecycle(e.obj) is not None}
+        return len(seen) + self._making.get(identity, 0)
+
+    async def _made(self, plan: Plan, caller: Caller, args: list[Any], kwargs: dict[str, Any],
+                    deadline: float | None) -> Any:
+        """Runs a plan that makes an engine, within the caller's limit of engines (each costs GBs)."""
+        limit, identity = self.limits.max_engines_per_client, caller.identity
+        if self._count_engines(identity) >= limit:
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                              f"{plan.label}: this client already holds {limit} engine(s) on this worker, its limit "
+                              f"(max_engines_per_client): release one first", target=plan.label,
+                              reason="max_engines_per_client")
+        self._making[identity] = self._making.get(identity, 0) + 1
+        try:
+            return await self.run_checked(plan, args, kwargs, deadline)
+        finally:
+            self._making[identity] -= 1
+
+    async def call(self, request: pb.CallRequest, caller: Caller, deadlines: Deadlines,
+                   plan: Plan | None = None) -> pb.Value:
+        plan = plan or self.plan(request.target, caller)
+        self._admit(plan, caller)
         if plan.streams:
             raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
                               f"{plan.label} yields its results one by one: call it with Stream (or a Multiplex "
                               f"start with stream set), not Call", target=plan.label, reason="use Stream")
-        args, kwargs = await self.prepare(plan, *self.decode(request))
-        result = await self.run_checked(plan, args, kwargs, deadlines.call)
+        args, kwargs = await self.prepare(plan, *self.decode(request, caller), caller)
+        if self._makes_engines(plan):
+            result = await self._made(plan, caller, args, kwargs, deadlines.call)
+        else:
+            result = await self.run_checked(plan, args, kwargs, deadlines.call)
         if request.target.kind == pb.Target.SET_ATTR:
             result = None
         elif plan.result_ref and result is not None and self.adopt is not None:
             await with_deadline(self.adopt(result), deadlines.call, plan.label, "warming up what it made")
-        return self.encode_result(plan, result, session_id)
+        return self.encode_result(plan, result, caller)
 
     @staticmethod
     def immediate(plan: Plan) -> bool:
@@ -311,11 +456,11 @@ class Invoker:
         return plan.inline and not plan.is_async and not plan.exclusive and plan.fn is not None and (
             plan.entry is None or plan.entry.guard is None)
 
-    def call_now(self, request: pb.CallRequest, session_id: str, plan: Plan) -> pb.Value:
+    def call_now(self, request: pb.CallRequest, caller: Caller, plan: Plan) -> pb.Value:
         """`call` for an `immediate` plan, synchronously: a Multiplex or lane request for a trivial
         helper is answered where it is read, with no task and no loop turn, which would cost more
         than the helper. Deadlines do not apply: an inline helper is never pre-empted anyway."""
-        args, kwargs = self.bind(plan, *self.decode(request))
+        args, kwargs = self.bind(plan, *self.decode(request, caller))
         assert plan.fn is not None
         try:
             result = plan.fn(*args, **kwargs)
@@ -328,7 +473,7 @@ class Invoker:
                 result.close()
             raise BridgeError(grpc.StatusCode.INTERNAL, "python", f"{plan.label} is declared inline (a trivial "
                               f"pure helper) but returned an awaitable", target=plan.label)
-        return self.encode_result(plan, result, session_id)
+        return self.encode_result(plan, result, caller)
 
     async def call_python(self, target: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
         """Runs a catalog entry for the worker itself (start-up work), with Python values in and out."""
@@ -341,23 +486,23 @@ class Invoker:
         self.objects[name] = obj = await self.call_python(target, args, kwargs)
         return obj
 
-    async def stream(self, request: pb.CallRequest, session_id: str, deadlines: Deadlines,
-                     interval_s: float | None = None, plan: Plan | None = None, collective: bool = False,
+    async def stream(self, request: pb.CallRequest, caller: Caller, deadlines: Deadlines,
+                     interval_s: float | None = None, plan: Plan | None = None,
                      encoding: str | None = None, tee: bool = False) -> AsyncIterator[tuple[Any, PutItem]]:
         """Yields each item with the function that puts it into the message that carries it (a
         `StreamItem` or a `MuxEvent`), in the stream's encoding: the caller puts it in place.
         `tee` (with PATCH_V1): each item comes twice, to be sent as a patch and then whole."""
-        plan = plan or self.plan(request.target)
-        self._admit(plan, collective)
-        args, kwargs = await self.prepare(plan, *self.decode(request))
+        plan = plan or self.plan(request.target, caller)
+        self._admit(plan, caller)
+        args, kwargs = await self.prepare(plan, *self.decode(request, caller), caller)
         source = await self.run_checked(plan, args, kwargs, deadlines.call)
-        put = self.item_writer(session_id, plan.exclusive, encoding)
+        put = self.item_writer(caller, plan.exclusive, encoding)
         lane = self._exclusive_lane if plan.exclusive else self._shared_lane
         items = iterate(source, plan.label, deadlines, lambda step: self._in_thread(lane, step, None, plan.label),
                         interval_s)
         activity, receiver = self._activity, id(plan.receiver)
         if tee and encoding == STREAM_PATCH_V1:
-            both = Tee(put, self.item_writer(session_id, plan.exclusive, None))
+            both = Tee(put, self.item_writer(caller, plan.exclusive, None))
             async for item in items:
                 activity[receiver] = time.monotonic()
                 yield item, both.first
@@ -367,8 +512,8 @@ class Invoker:
             activity[receiver] = time.monotonic()
             yield item, put
 
-    def item_writer(self, session_id: str, exclusive: bool, encoding: str | None) -> PutItem:
-        return item_writer(lambda stream: self.encoder(session_id, exclusive, stream), encoding)
+    def item_writer(self, caller: Caller, exclusive: bool, encoding: str | None) -> PutItem:
+        return item_writer(lambda stream: self.encoder(caller, exclusive, stream), encoding)
 
 
 def _as_documented(returns: str, result: Any) -> Any:
@@ -388,6 +533,20 @@ def _bound_map(plan: Plan, args: list[Any], kwargs: dict[str, Any]) -> Mapping[s
     bound = plan.signature.bind_partial(*args, **kwargs)
     bound.apply_defaults()
     return bound.arguments
+
+
+@functools.lru_cache(maxsize=256)
+def _declared_fields(cls: type) -> frozenset[str]:
+    """A record class's declared fields (dataclass, msgspec struct, pydantic model), public ones."""
+    if dataclasses.is_dataclass(cls):
+        names: Iterable[str] = (f.name for f in dataclasses.fields(cls))
+    elif issubclass(cls, msgspec.Struct):
+        names = cls.__struct_fields__
+    elif issubclass(cls, pydantic.BaseModel):
+        names = cls.model_fields
+    else:
+        names = ()
+    return frozenset(n for n in names if not n.startswith("_"))
 
 
 async def _maybe_await(value: Any) -> None:

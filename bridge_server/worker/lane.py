@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 
 from bridge_server.wire.framing import Framed
+from bridge_server.wire.protocol import MAX_MESSAGE_BYTES
 from bridge_server.worker.invoke import Invoker
 from bridge_server.worker.mux import MuxSession, Outbox
 
@@ -71,6 +72,7 @@ class LaneServer:
 
     invoker: Invoker
     path: str
+    max_request_bytes: int = MAX_MESSAGE_BYTES
     server: asyncio.AbstractServer | None = None
     served: set[_Served] = field(default_factory=set)
 
@@ -82,7 +84,8 @@ class LaneServer:
     def _connection(self) -> Framed:
         out = Outbox()
         framed = Framed(lambda frame: conn.on_frame(frame), lambda reason: self._lost(conn))
-        conn = _Served(framed, MuxSession(self.invoker, (), lambda: None, out))
+        conn = _Served(framed, MuxSession(self.invoker, (), lambda: None, out, identity=None,
+                                          max_request_bytes=self.max_request_bytes))
         out.on_first = conn.schedule_flush
         framed.on_resume = conn.schedule_flush
         framed.on_batch = conn.end_read
@@ -114,7 +117,8 @@ class LaneServer:
             os.unlink(self.path)
 
 
-async def serve_lane(invoker: Invoker, path: str) -> LaneServer:
-    lane = LaneServer(invoker, path)
+async def serve_lane(invoker: Invoker, path: str, max_request_bytes: int = MAX_MESSAGE_BYTES) -> LaneServer:
+    """Serves the pool server's lane: its peer is trusted to name the client of each call."""
+    lane = LaneServer(invoker, path, max_request_bytes)
     await lane.start()
     return lane

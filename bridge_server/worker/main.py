@@ -12,12 +12,15 @@ import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bridge_server.wire import eventloop
 from bridge_server.wire.protocol import MIN_PING_INTERVAL_S
+from bridge_server.wire.security import SecurityError
+from bridge_server.wire.security import add_arguments as add_security_arguments
 
 if TYPE_CHECKING:   # imported when a worker runs, not when the `vllm-bridge` parser is built
+    from bridge_server.wire.security import ServerSecurity
     from bridge_server.worker.server import WorkerConfig
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -51,6 +54,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default %(default)s s)")
     p.add_argument("--min-ping-interval", type=float, default=MIN_PING_INTERVAL_S, metavar="S",
                    help="clients may send keepalive pings on an idle connection this often (default %(default)s s)")
+    s = p.add_argument_group("security: who may call, over what, and what a client may make (README, Security)")
+    add_security_arguments(s, unset=False)
+    s.add_argument("--collective-rpc-method", action="append", default=[], metavar="NAME",
+                   help="a worker method AsyncLLMEngine.collective_rpc may name (repeatable; default none)")
+    s.add_argument("--model-dir", action="append", default=[], metavar="DIR",
+                   help="client-made engines may load models from under DIR (repeatable; published models are too)")
+    s.add_argument("--lora-dir", action="append", default=[], metavar="DIR",
+                   help="LoRA adapters may be loaded from under DIR (repeatable; and from under the model dirs)")
+    s.add_argument("--rendezvous-host", action="append", default=None, metavar="HOST",
+                   help="process groups may meet at HOST (repeatable; default 127.0.0.1, localhost, ::1)")
+    s.add_argument("--engine-arg-allowed", action="append", default=[], metavar="NAME",
+                   help="an engine argument a client may set beyond the safe ones (repeatable)")
+    s.add_argument("--max-engines-per-client", type=int, default=2, metavar="N",
+                   help="engines one client may make on this worker, published ones aside (default %(default)s)")
+    s.add_argument("--max-sessions", type=int, default=10_000, metavar="N", help="sessions (default %(default)s)")
+    s.add_argument("--max-refs-per-client", type=int, default=100_000, metavar="N",
+                   help="refs one client may hold (default %(default)s)")
+    s.add_argument("--max-request-bytes", type=int, default=64 * 1024 * 1024, metavar="N",
+                   help="the largest request (default %(default)s)")
+    s.add_argument("--max-prompt-chars", type=int, default=1_000_000, metavar="N",
+                   help="the longest prompt (default %(default)s)")
     g = p.add_argument_group("distributed pools: join a torch.distributed group at start")
     g.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"])
     g.add_argument("--dist-world-size", type=int, default=1)
@@ -60,8 +84,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dist-pp", type=int, default=1, help="pipeline-parallel size")
 
 
+def published_models(objects: list[dict[str, Any]]) -> list[str]:
+    """The model folders the published objects load: client-made engines may load them too."""
+    found = []
+    for spec in objects:
+        engine_args = (spec.get("kwargs") or {}).get("engine_args")
+        if isinstance(engine_args, dict) and isinstance(engine_args.get("model"), str):
+            found.append(engine_args["model"])
+    return found
+
+
+def security_from_args(args: argparse.Namespace) -> ServerSecurity:
+    from bridge_server.wire.security import ServerSecurity
+    return ServerSecurity.load(args.token_file, args.tls_cert, args.tls_key, args.tls_client_ca,
+                               open_services=not args.auth_health)
+
+
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    from adapters.spec import Policy
+    from bridge_server.worker.invoke import Limits
     from bridge_server.worker.server import DistributedRank, WorkerConfig
+    for name in ("max_engines_per_client", "max_sessions", "max_refs_per_client", "max_request_bytes",
+                 "max_prompt_chars"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"vllm-bridge worker: --{name.replace('_', '-')} must be >= 0")
+    objects = json.loads(args.objects)
+    policy = Policy(collective_rpc_methods=frozenset(args.collective_rpc_method),
+                    model_dirs=tuple(args.model_dir) + tuple(published_models(objects)),
+                    lora_dirs=tuple(args.lora_dir), engine_args_allowed=frozenset(args.engine_arg_allowed),
+                    max_prompt_chars=args.max_prompt_chars,
+                    **({"rendezvous_hosts": frozenset(args.rendezvous_host)} if args.rendezvous_host else {}))
     dist = None
     if args.dist_backend:
         if not args.dist_init:
@@ -70,7 +122,11 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
                                args.dist_tp, args.dist_pp)
     return WorkerConfig(distributed=dist, listen=args.listen, worker_id=args.worker_id, session_cap=args.session_cap,
                         idle_ttl_s=args.ref_ttl, tensor_max_bytes=args.tensor_max_bytes, grace_s=args.grace,
-                        objects=json.loads(args.objects), lane=args.lane, warmup=args.warmup,
+                        objects=objects, lane=args.lane, warmup=args.warmup, security=security_from_args(args),
+                        insecure=args.insecure, policy=policy,
+                        limits=Limits(max_engines_per_client=args.max_engines_per_client),
+                        max_sessions=args.max_sessions, max_refs_per_client=args.max_refs_per_client,
+                        max_request_bytes=args.max_request_bytes,
                         probe_interval_s=args.probe_interval, probe_timeout_s=args.probe_timeout,
                         min_ping_interval_s=args.min_ping_interval)
 
@@ -87,8 +143,17 @@ def main(args: argparse.Namespace) -> int:
     if os.getpgrp() == os.getpid():   # a group of its own (as the supervisor starts it): only ours to kill
         signal.signal(signal.SIGHUP, _take_the_group_down)
     from bridge_server.worker.server import serve_worker
+    try:
+        config = config_from_args(args)
+    except SecurityError as exc:
+        print(f"vllm-bridge worker: {exc}", file=sys.stderr)
+        return 2
     # uvloop by default: fewer syscalls and less Python per loop turn, which a streaming worker makes many of.
-    eventloop.run(serve_worker(config_from_args(args), ready_file=args.ready_file), args.loop)
+    try:
+        eventloop.run(serve_worker(config, ready_file=args.ready_file), args.loop)
+    except SecurityError as exc:
+        print(f"vllm-bridge worker: {exc}", file=sys.stderr)
+        return 2
     # The graceful stop is done. A call abandoned inside C code (a gloo wait, say) would otherwise
     # keep the interpreter joining its thread forever: a stopped worker must exit.
     logging.shutdown()

@@ -26,9 +26,9 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from bridge_server.wire.errors import BridgeError, server_error, target_label
-from bridge_server.wire.protocol import MAX_MESSAGE_BYTES, parse_metadata, time_left_s
+from bridge_server.wire.protocol import MAX_MESSAGE_BYTES, RuntimeOptions, parse_metadata, time_left_s, too_large
 from bridge_server.worker.deadlines import resolve_deadlines
-from bridge_server.worker.invoke import Invoker
+from bridge_server.worker.invoke import Caller, Invoker
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["MuxSession", "Outbox", "multiplex"]
@@ -51,6 +51,7 @@ class Outbox:
     room: asyncio.Event = field(default_factory=asyncio.Event)     # the writer took a reply
     on_first: Callable[[], None] | None = None                     # called when an empty reply gets an event
     dropped: set[int] = field(default_factory=set)                 # calls ended for a result over the limit
+    max_bytes: int = MAX_REPLY_BYTES                                # one reply message at most
 
     async def wait_for_room(self, call_id: int) -> None:
         while (self.pending.get(call_id, 0) >= self.per_call or len(self.reply.events) >= self.max_pending
@@ -101,7 +102,8 @@ class Outbox:
         (a result too large to send) ends its call with RESOURCE_EXHAUSTED instead, so one oversized
         result never takes down the stream or lane that every other call shares."""
         data: bytes = reply.SerializeToString()
-        if len(data) <= MAX_REPLY_BYTES:
+        limit = self.max_bytes
+        if len(data) <= limit:
             return [data]
         out: list[bytes] = []
         current = pb.MuxReply(worker_refs=reply.worker_refs)
@@ -109,17 +111,17 @@ class Outbox:
             if event.id in self.dropped:
                 continue
             size = event.ByteSize()
-            if size > MAX_REPLY_BYTES - 1024:
+            if size > limit - 1024:
                 self.dropped.add(event.id)
                 task = running.get(event.id)
                 if task is not None:
                     task.cancel()
                 event = pb.MuxEvent(id=event.id, error=BridgeError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED, "worker",
-                    f"the result of call {event.id} is {size:,} bytes, over the limit of {MAX_REPLY_BYTES:,} bytes for "
+                    f"the result of call {event.id} is {size:,} bytes, over the limit of {limit:,} bytes for "
                     f"one message: return it as a ref, or in parts", reason="result too large").to_mux_error())
                 size = event.ByteSize()
-            if current.events and current.ByteSize() + size + 16 > MAX_REPLY_BYTES:
+            if current.events and current.ByteSize() + size + 16 > limit:
                 out.append(current.SerializeToString())
                 current = pb.MuxReply(worker_refs=reply.worker_refs)
             current.events.append(event)
@@ -128,22 +130,31 @@ class Outbox:
         return out
 
 
+def caller_of(opts: RuntimeOptions, identity: str | None) -> Caller:
+    """Whom a call is for. `identity` None: the peer is our pool server (over the lane), which names
+    the client and marks a Collective's share in the call's options; else the RPC's own caller, whose
+    options cannot claim either."""
+    if identity is None:
+        return Caller(opts.identity, opts.session_id, opts.collective)
+    return Caller(identity, opts.session_id, False)
+
+
 async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[str, str | bytes]],
-               rpc_remaining: Callable[[], float | None], out: Outbox) -> None:
+               rpc_remaining: Callable[[], float | None], out: Outbox, identity: str | None) -> None:
     """One call, start to last event. Never raises: every outcome becomes an event for its id."""
     label = target_label(start.call.target)
     try:
         opts = parse_metadata((*defaults, *start.metadata.items()))
-        plan = invoker.plan(start.call.target)
+        caller = caller_of(opts, identity)
+        plan = invoker.plan(start.call.target, caller)
         limits = [t for t in (opts.timeout_s, rpc_remaining(), time_left_s(start.time_left_ms)) if t is not None]
         deadlines = resolve_deadlines(opts, min(limits) if limits else None, plan.profile)
         if not start.stream:
-            value = await invoker.call(start.call, opts.session_id, deadlines, plan, opts.collective)
+            value = await invoker.call(start.call, caller, deadlines, plan)
             await out.wait_for_room(start.id)
             out.add(start.id).value.CopyFrom(value)
             return
-        async for item, put in invoker.stream(start.call, opts.session_id, deadlines,
-                                              opts.stream_interval_s, plan, opts.collective,
+        async for item, put in invoker.stream(start.call, caller, deadlines, opts.stream_interval_s, plan,
                                               opts.stream_encoding, opts.stream_tee):
             await out.wait_for_room(start.id)
             event = out.add_item(start.id)
@@ -169,8 +180,11 @@ class MuxSession:
     credit them synchronously, and their events gather in `out` for whoever writes replies."""
 
     def __init__(self, invoker: Invoker, defaults: Sequence[tuple[str, str | bytes]],
-                 rpc_remaining: Callable[[], float | None], out: Outbox) -> None:
+                 rpc_remaining: Callable[[], float | None], out: Outbox, identity: str | None = "",
+                 max_request_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.invoker = invoker
+        self.identity = identity            # None: the peer is our pool server (see caller_of)
+        self.max_request_bytes = max_request_bytes
         self.defaults = tuple(defaults)
         self.rpc_remaining = rpc_remaining
         self.out = out
@@ -183,6 +197,9 @@ class MuxSession:
         """Handles one request as read off the wire. Bytes that are not a `MuxRequest` end only the
         call they name (or, when no call id can be read from them, get an error event for id 0,
         which no call uses), so one bad message never takes a shared stream or lane down."""
+        if len(raw) > self.max_request_bytes:
+            self._refuse(_call_id_of(raw), too_large(len(raw), self.max_request_bytes, "Multiplex"))
+            return
         try:
             request = pb.MuxRequest.FromString(raw)
         except (DecodeError, RecursionError, ValueError) as exc:
@@ -215,7 +232,8 @@ class MuxSession:
                 return
             if start.window:
                 out.credit[start.id] = start.window
-            task = asyncio.create_task(_run(self.invoker, start, self.defaults, self.rpc_remaining, out))
+            task = asyncio.create_task(_run(self.invoker, start, self.defaults, self.rpc_remaining, out,
+                                            self.identity))
             self.running[start.id] = task
             self.idle.clear()
             task.add_done_callback(functools.partial(self._finished, start.id))
@@ -246,7 +264,7 @@ class MuxSession:
         try:
             opts = parse_metadata((*self.defaults, *start.metadata.items()))
             time_left_s(start.time_left_ms)   # checked as `_run` does; a trivial helper is never pre-empted
-            value = self.invoker.call_now(start.call, opts.session_id, plan)
+            value = self.invoker.call_now(start.call, caller_of(opts, self.identity), plan)
         except Exception as exc:
             out.add(start.id).error.CopyFrom(server_error(exc, target_label(target)).to_mux_error())
             return True
@@ -286,11 +304,12 @@ def _call_id_of(raw: bytes) -> int:
 
 async def multiplex(invoker: Invoker, requests: AsyncIterator[bytes],
                     defaults: Sequence[tuple[str, str | bytes]],
-                    rpc_remaining: Callable[[], float | None]) -> AsyncIterator[bytes]:
+                    rpc_remaining: Callable[[], float | None], identity: str | None,
+                    max_request_bytes: int = MAX_MESSAGE_BYTES) -> AsyncIterator[bytes]:
     """Serves one Multiplex RPC until the client has half-closed and every call has ended.
-    `defaults` are the RPC's metadata, `rpc_remaining` its deadline."""
+    `defaults` are the RPC's metadata, `rpc_remaining` its deadline, `identity` its caller's."""
     out = Outbox()
-    session = MuxSession(invoker, defaults, rpc_remaining, out)
+    session = MuxSession(invoker, defaults, rpc_remaining, out, identity, max_request_bytes)
     refs = invoker.refs
 
     async def read() -> None:

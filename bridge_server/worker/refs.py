@@ -1,9 +1,13 @@
 """The ref registry: Python objects held by a worker on behalf of its clients.
 
-A ref is owned by a session (for bulk release and caps) but is not locked to it: any session that
-presents the id may use it, so refs can pass between Elixir processes. Ids are unguessable and start
-with the worker id, so whoever holds an id can tell which worker holds the object. When a ref goes
-away its id leaves a tombstone, so a late user is told why it is gone rather than "unknown".
+A ref belongs to the client identity that created it (with authentication on; "" for everyone
+without): another identity can neither use nor release it (PERMISSION_DENIED). Within an identity a
+ref is owned by a session (for bulk release and caps) but is not locked to it: any session of that
+identity that presents the id may use it, so refs can pass between Elixir processes. Ids are
+unguessable and start with the worker id, so whoever holds an id can tell which worker holds the
+object. When a ref goes away its id leaves a tombstone, so a late user is told why it is gone rather
+than "unknown". Limits bound what clients make a worker hold: refs per session (the oldest go),
+sessions per worker and refs per identity (refused: RESOURCE_EXHAUSTED, naming the limit).
 
 The registry is touched only from the worker's event loop thread, so it needs no locks.
 """
@@ -18,7 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.errors import BridgeError, clip
 
 Finalizer = Callable[[object], None]
 
@@ -27,6 +31,7 @@ Finalizer = Callable[[object], None]
 class RefEntry:
     id: str
     obj: object
+    owner: str                    # the client identity that created it
     session_id: str
     type_name: str
     exclusive: bool               # methods of this object touch process-wide state
@@ -45,16 +50,20 @@ def _type_name(obj: object) -> str:
 
 
 class RefRegistry:
-    """Refs by id, grouped by session; evicts by per-session cap (oldest first) and idle TTL."""
+    """Refs by id, grouped by (owner, session); evicts by per-session cap (oldest first) and idle TTL."""
 
     def __init__(self, worker_id: str, *, session_cap: int = 10_000, idle_ttl_s: float | None = None,
-                 finalize: Finalizer | None = None, tombstones: int = 100_000) -> None:
+                 finalize: Finalizer | None = None, tombstones: int = 100_000, max_sessions: int = 10_000,
+                 max_refs_per_client: int = 100_000) -> None:
         self.worker_id = worker_id
         self.session_cap = session_cap
         self.idle_ttl_s = idle_ttl_s
+        self.max_sessions = max_sessions
+        self.max_refs_per_client = max_refs_per_client
         self._finalize = finalize
         self._refs: dict[str, RefEntry] = {}
-        self._sessions: dict[str, OrderedDict[str, None]] = {}
+        self._sessions: dict[tuple[str, str], OrderedDict[str, None]] = {}
+        self._per_owner: dict[str, int] = {}
         self._holders: dict[int, int] = {}   # id(obj) -> number of live refs to it
         self._gone: OrderedDict[str, str] = OrderedDict()
         self._max_tombstones = tombstones
@@ -65,31 +74,52 @@ class RefRegistry:
     def sessions(self) -> int:
         return len(self._sessions)
 
-    def put(self, obj: object, session_id: str, *, exclusive: bool = False, pinned: bool = False,
+    def put(self, obj: object, session_id: str, *, owner: str = "", exclusive: bool = False, pinned: bool = False,
             ref_id: str | None = None) -> RefEntry:
-        entry = RefEntry(ref_id or f"{self.worker_id}.{secrets.token_urlsafe(18)}", obj, session_id,
+        key = (owner, session_id)
+        owned = self._sessions.get(key)
+        if owned is None and len(self._sessions) >= self.max_sessions:
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
+                              f"worker {self.worker_id} holds {len(self._sessions):,} sessions, its limit "
+                              f"(max_sessions): release a session first", reason="max_sessions")
+        if self._per_owner.get(owner, 0) >= self.max_refs_per_client:
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
+                              f"worker {self.worker_id} holds {self.max_refs_per_client:,} refs of this client, its "
+                              f"limit (max_refs_per_client): release some first", reason="max_refs_per_client")
+        entry = RefEntry(ref_id or f"{self.worker_id}.{secrets.token_urlsafe(18)}", obj, owner, session_id,
                          _type_name(obj), exclusive, pinned=pinned)
         self._refs[entry.id] = entry
         self._holders[id(obj)] = self._holders.get(id(obj), 0) + 1
-        owned = self._sessions.setdefault(session_id, OrderedDict())
+        self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
+        if owned is None:
+            owned = self._sessions[key] = OrderedDict()
         owned[entry.id] = None
         while len(owned) > self.session_cap:
             oldest = next(iter(owned))
             self._drop(oldest, f"evicted: session {session_id!r} exceeded its cap of {self.session_cap} refs")
         return entry
 
-    def get(self, ref_id: str) -> RefEntry:
+    def get(self, ref_id: str, owner: str | None = None) -> RefEntry:
+        """The ref; a client (`owner` given) may use only its own identity's."""
         entry = self._refs.get(ref_id)
         if entry is None:
             raise self._gone_error(ref_id)
+        if owner is not None and entry.owner != owner:
+            raise self._foreign(ref_id)
         entry.last_used = time.monotonic()
         return entry
 
-    def release(self, ref_ids: list[str]) -> int:
+    def owned(self, owner: str) -> list[RefEntry]:
+        return [e for e in self._refs.values() if e.owner == owner]
+
+    def release(self, ref_ids: list[str], owner: str | None = None) -> int:
+        foreign = [r for r in ref_ids if r in self._refs and owner is not None and self._refs[r].owner != owner]
+        if foreign:
+            raise self._foreign(foreign[0])
         return sum(self._drop(r, "released by the client") for r in ref_ids if r in self._refs)
 
-    def release_session(self, session_id: str) -> int:
-        owned: dict[str, None] = self._sessions.pop(session_id, OrderedDict())
+    def release_session(self, session_id: str, owner: str = "") -> int:
+        owned: dict[str, None] = self._sessions.pop((owner, session_id), OrderedDict())
         return sum(self._drop(r, f"released with its session {session_id!r}") for r in list(owned))
 
     def sweep(self, now: float | None = None) -> int:
@@ -108,11 +138,15 @@ class RefRegistry:
         entry = self._refs.pop(ref_id, None)
         if entry is None:
             return False
-        owned = self._sessions.get(entry.session_id)
+        key = (entry.owner, entry.session_id)
+        owned = self._sessions.get(key)
         if owned is not None:
             owned.pop(ref_id, None)
             if not owned:
-                del self._sessions[entry.session_id]
+                del self._sessions[key]
+        left_owned = self._per_owner.pop(entry.owner, 1) - 1
+        if left_owned:
+            self._per_owner[entry.owner] = left_owned
         self._gone[ref_id] = reason
         while len(self._gone) > self._max_tombstones:
             self._gone.popitem(last=False)
@@ -123,11 +157,17 @@ class RefRegistry:
             self._finalize(entry.obj)   # the last ref to this object is gone
         return True
 
+    def _foreign(self, ref_id: str) -> BridgeError:
+        return BridgeError(grpc.StatusCode.PERMISSION_DENIED, "ref",
+                           f"ref {clip(ref_id, 80)} belongs to another client: a ref is used and released only by "
+                           f"the identity that made it", reason="not yours", parameter=clip(ref_id, 80))
+
     def _gone_error(self, ref_id: str) -> RefGone:
         reason = self._gone.get(ref_id)
         if reason is not None:
             return RefGone(grpc.StatusCode.NOT_FOUND, "ref", f"ref {ref_id} is gone: {reason}",
                            reason="ref gone", parameter=ref_id)
+        ref_id = clip(ref_id, 80)
         if not ref_id.startswith(self.worker_id + "."):
             return RefGone(grpc.StatusCode.NOT_FOUND, "ref",
                            f"ref {ref_id} is not held by worker {self.worker_id}", reason="wrong worker",

@@ -27,18 +27,22 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from adapters.spec import Policy
 from bridge_server.wire.errors import BridgeError, server_error, target_label
 from bridge_server.wire.jsonvalue import from_json
 from bridge_server.wire.protocol import (
     MD_WORKER_REFS,
     MIN_PING_INTERVAL_S,
+    M,
+    RuntimeOptions,
     parse_metadata,
     parse_request,
     server_options,
 )
+from bridge_server.wire.security import ServerSecurity, check_exposure
 from bridge_server.worker.catalog import Catalog, build_catalog, describe
 from bridge_server.worker.deadlines import resolve_deadlines
-from bridge_server.worker.invoke import Invoker
+from bridge_server.worker.invoke import Caller, Invoker, Limits
 from bridge_server.worker.lane import LaneServer, serve_lane
 from bridge_server.worker.liveness import Liveness, ObjectConfig
 from bridge_server.worker.mux import multiplex
@@ -68,6 +72,13 @@ class WorkerConfig:
     objects: list[dict[str, Any]] = field(default_factory=list)
     distributed: DistributedRank | None = None
     lane: str | None = None                # a unix socket path: also serve the router's lane there
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    insecure: bool = False                 # listen beyond this machine without TLS and tokens anyway
+    policy: Policy = field(default_factory=Policy)
+    limits: Limits = field(default_factory=Limits)
+    max_sessions: int = 10_000
+    max_refs_per_client: int = 100_000
+    max_request_bytes: int = 64 * 1024 * 1024
     warmup: bool = True                    # published (and client-made) engines run once before they serve
     probe_interval_s: float = 5.0          # how often engines are probed (liveness.py)
     probe_timeout_s: float = 10.0          # two probes unanswered this long (no progress meanwhile): dead
@@ -98,9 +109,21 @@ class BridgeService:
     that are not the RPC's message end that call with INVALID_ARGUMENT saying so (gRPC's own
     deserializer would answer UNKNOWN with a generic text)."""
 
-    def __init__(self, invoker: Invoker) -> None:
+    def __init__(self, invoker: Invoker, security: ServerSecurity, trusted: bool, max_request_bytes: int) -> None:
         self.invoker = invoker
+        self.security = security
+        self.trusted = trusted        # its peers speak for their clients (a supervised worker without tokens)
+        self.max_request_bytes = max_request_bytes
         self._catalog = describe(invoker.catalog)
+
+    def _identity(self, context: grpc.aio.ServicerContext) -> str:
+        return self.security.identity(context, context.invocation_metadata() if self.trusted else ())
+
+    def _caller(self, context: grpc.aio.ServicerContext, opts: RuntimeOptions) -> Caller:
+        return Caller(self._identity(context), opts.session_id, opts.collective and self.trusted)
+
+    def _read(self, cls: type[M], raw: bytes, rpc: str) -> M:
+        return parse_request(cls, raw, rpc, self.max_request_bytes)
 
     def handler(self) -> grpc.GenericRpcHandler:
         def unary(fn: Any, reply: Any) -> grpc.RpcMethodHandler:
@@ -120,15 +143,15 @@ class BridgeService:
 
     async def _call(self, request: pb.CallRequest, context: grpc.aio.ServicerContext) -> pb.CallReply:
         opts = parse_metadata(context.invocation_metadata())
-        plan = self.invoker.plan(request.target)
+        caller = self._caller(context, opts)
+        plan = self.invoker.plan(request.target, caller)
         deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
-        return pb.CallReply(value=await self.invoker.call(request, opts.session_id, deadlines, plan,
-                                                         opts.collective))
+        return pb.CallReply(value=await self.invoker.call(request, caller, deadlines, plan))
 
     async def Call(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.CallReply:  # noqa: N802
         label = "Call"
         try:
-            request = parse_request(pb.CallRequest, raw, "Call")
+            request = self._read(pb.CallRequest, raw, "Call")
             label = target_label(request.target)
             reply = await self._call(request, context)
             self._refs_trailer(context)
@@ -140,14 +163,14 @@ class BridgeService:
     async def Stream(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StreamItem]:  # noqa: N802
         label = "Stream"
         try:
-            request = parse_request(pb.CallRequest, raw, "Stream")
+            request = self._read(pb.CallRequest, raw, "Stream")
             label = target_label(request.target)
             opts = parse_metadata(context.invocation_metadata())
-            plan = self.invoker.plan(request.target)
+            caller = self._caller(context, opts)
+            plan = self.invoker.plan(request.target, caller)
             deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
             index = 0
-            async for item, put in self.invoker.stream(request, opts.session_id, deadlines,
-                                                        opts.stream_interval_s, plan, opts.collective,
+            async for item, put in self.invoker.stream(request, caller, deadlines, opts.stream_interval_s, plan,
                                                         opts.stream_encoding, opts.stream_tee):
                 out = pb.StreamItem(index=index)
                 put(item, out)
@@ -160,8 +183,9 @@ class BridgeService:
     async def Multiplex(self, requests: AsyncIterator[bytes],  # noqa: N802
                         context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         try:
+            identity = None if self.trusted else self._identity(context)
             async for reply in multiplex(self.invoker, requests, tuple(context.invocation_metadata() or ()),
-                                         context.time_remaining):
+                                         context.time_remaining, identity, self.max_request_bytes):
                 yield reply
             self._refs_trailer(context)
         except Exception as exc:
@@ -171,7 +195,7 @@ class BridgeService:
         """A worker on its own is a group of one rank: the call runs once. Pools fan out in the router."""
         label = "Collective"
         try:
-            request = parse_request(pb.CollectiveRequest, raw, "Collective")
+            request = self._read(pb.CollectiveRequest, raw, "Collective")
             if len(request.per_rank) > 1:
                 raise BridgeError.validation(
                     f"Collective: this worker is a group of 1 rank, got calls for {len(request.per_rank)} ranks",
@@ -187,11 +211,12 @@ class BridgeService:
 
     async def Release(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ReleaseReply:  # noqa: N802
         try:
-            request = parse_request(pb.ReleaseRequest, raw, "Release")
+            request = self._read(pb.ReleaseRequest, raw, "Release")
+            identity = self._identity(context)
             refs = self.invoker.refs
-            released = refs.release(list(request.ref_ids))
+            released = refs.release(list(request.ref_ids), identity)
             if request.session_id:
-                released += refs.release_session(request.session_id)
+                released += refs.release_session(request.session_id, identity)
             self._refs_trailer(context)
             return pb.ReleaseReply(released=released)
         except Exception as exc:
@@ -200,7 +225,7 @@ class BridgeService:
 
     async def Describe(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.Catalog:  # noqa: N802
         try:
-            request = parse_request(pb.DescribeRequest, raw, "Describe")
+            request = self._read(pb.DescribeRequest, raw, "Describe")
         except Exception as exc:
             await context.abort_with_status(server_error(exc, "Describe").to_status())
             raise  # unreachable: abort raises
@@ -246,7 +271,7 @@ class Worker:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         if self.config.lane:
-            self.lane = await serve_lane(self.invoker, self.config.lane)
+            self.lane = await serve_lane(self.invoker, self.config.lane, self.config.max_request_bytes)
         if self.config.distributed is not None:
             await self._join_group(self.config.distributed)
         await self.liveness.create_published()
@@ -304,20 +329,31 @@ class Worker:
 
 def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
                  objects: dict[str, object] | None = None) -> Worker:
+    security = config.security
+    check_exposure(config.listen, security, config.insecure, "vllm-bridge worker")
     worker_id = config.worker_id or f"w{os.getpid()}"
     catalog = catalog or default_catalog()
     refs = RefRegistry(worker_id, session_cap=config.session_cap, idle_ttl_s=config.idle_ttl_s,
-                       finalize=catalog.finalize)
+                       finalize=catalog.finalize, max_sessions=config.max_sessions,
+                       max_refs_per_client=config.max_refs_per_client)
     invoker = Invoker(catalog, refs, objects=dict(objects or {}), tensor_max_bytes=config.tensor_max_bytes,
-                      shared_threads=config.shared_threads, distributed=config.distributed is not None)
-    server = grpc.aio.server(options=server_options(config.min_ping_interval_s) + config.extra_options)
-    server.add_generic_rpc_handlers([BridgeService(invoker).handler()])
+                      shared_threads=config.shared_threads, distributed=config.distributed is not None,
+                      policy=config.policy, limits=config.limits)
+    # Beyond gRPC's own limit, a request is refused by the handlers, which name max_request_bytes.
+    limit = config.max_request_bytes + 64 * 1024
+    options = [o for o in server_options(config.min_ping_interval_s) if o[0] != "grpc.max_receive_message_length"]
+    server = grpc.aio.server(options=[*options, ("grpc.max_receive_message_length", limit), *config.extra_options],
+                             interceptors=security.interceptors())
+    # A supervised worker (it serves a lane, on a socket only its supervisor can reach) without
+    # tokens of its own takes the pool server's word for who each call is for.
+    trusted = config.lane is not None and security.tokens is None
+    server.add_generic_rpc_handlers([BridgeService(invoker, security, trusted, config.max_request_bytes).handler()])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, POOL_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(config.listen)
+    port = security.add_port(server, config.listen)
     if port == 0:
         raise OSError(f"cannot listen on {config.listen}")
     published = [ObjectConfig(o["name"], o["target"], from_json(o.get("args", [])), from_json(o.get("kwargs", {})))

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import psutil
 
 from bridge_server.client.client import BridgeClient, CallError
+from bridge_server.wire.security import channel, token_metadata
 from tests.conftest import ROOT, free_port
 from vllm_bridge.v1 import pool_pb2 as ppb
 from vllm_bridge.v1 import pool_pb2_grpc as ppb_grpc
@@ -34,10 +34,13 @@ class PoolServer:
     address: str
     log: Path
     metrics_port: int
+    credentials: dict[str, Any] = field(default_factory=dict)   # what its clients need: token, tls_ca, ...
 
     def status(self, pool: str = "") -> ppb.StatusReply:
-        with grpc.insecure_channel(self.address) as ch:
-            reply: ppb.StatusReply = ppb_grpc.PoolStub(ch).Status(ppb.StatusRequest(pool=pool), timeout=5)
+        c = self.credentials
+        with channel(self.address, [], c.get("tls_ca"), c.get("tls_cert"), c.get("tls_key")) as ch:
+            reply: ppb.StatusReply = ppb_grpc.PoolStub(ch).Status(ppb.StatusRequest(pool=pool), timeout=5,
+                                                                  metadata=token_metadata(c.get("token")))
             return reply
 
     def pool(self, name: str) -> ppb.PoolStatus:
@@ -45,7 +48,7 @@ class PoolServer:
 
     def client(self, **options: Any) -> BridgeClient:
         from bridge_server.wire.protocol import RuntimeOptions
-        return BridgeClient(self.address, options=RuntimeOptions(**options))
+        return BridgeClient(self.address, options=RuntimeOptions(**options), **self.credentials)
 
     def stop(self, timeout: float = 30) -> None:
         if self.proc.poll() is None:
@@ -60,8 +63,10 @@ class PoolServer:
         return self.log.read_text(errors="replace")[-6000:]
 
 
-def start_pool_server(tmp: Path, config: str, *extra: str, metrics: bool = False, timeout: float = 180) -> PoolServer:
-    """Writes `config` (TOML) and runs `vllm-bridge serve` on it; returns once every pool is up."""
+def start_pool_server(tmp: Path, config: str, *extra: str, metrics: bool = False, timeout: float = 180,
+                      **credentials: Any) -> PoolServer:
+    """Writes `config` (TOML) and runs `vllm-bridge serve` on it; returns once every pool is up.
+    `credentials` are what its clients need (token, tls_ca, tls_cert, tls_key)."""
     cfg = tmp / "pools.toml"
     cfg.write_text(config)
     address = f"127.0.0.1:{free_port()}"
@@ -71,7 +76,7 @@ def start_pool_server(tmp: Path, config: str, *extra: str, metrics: bool = False
     proc = subprocess.Popen([sys.executable, "-m", "bridge_server.cli", "serve", "--config", str(cfg), "--listen", address,
                              "--ready-file", str(ready), "--metrics-port", str(metrics_port), *extra],
                             cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    server = PoolServer(proc, address, log, metrics_port)
+    server = PoolServer(proc, address, log, metrics_port, credentials)
     deadline = time.monotonic() + timeout
     while not ready.exists():
         if proc.poll() is not None:

@@ -20,10 +20,10 @@ from tests.worker.test_engine import (
     LONG,
     assert_patches_decode_like_whole_values,
     assert_same_generations,
+    drained,
     engine_args,
     generate_together,
     greedy,
-    unfinished,
 )
 from tests.worker.test_engine import wait_until as eventually
 
@@ -58,7 +58,7 @@ def worker_log(server: PoolServer) -> str:
 def assert_aborted(server: PoolServer, client: BridgeClient, request_id: str) -> None:
     assert eventually(lambda: f"Request {request_id} aborted" in worker_log(server)), \
         f"the engine never aborted {request_id}"
-    assert eventually(lambda: unfinished(client) == 0)
+    assert drained(client)
     wait_until(lambda: server.pool("e").in_flight == 0, timeout=5, what="the stream's slot freed")
 
 
@@ -91,7 +91,7 @@ def test_a_slow_reader_through_the_router_gets_merged_items_and_every_token(rout
             stream = mux.stream(GENERATE, "slow reader", greedy(LONG), f"routed-slow-{way}",
                                 window=0 if way == "multiplex-no-window" else 32, stream_encoding="full")
         assert next(stream)["finished"] is False
-        assert eventually(lambda: unfinished(client) == 0, timeout=120), "the engine never finished"
+        assert drained(client, timeout=120), "the engine never finished"
         rest = list(stream)
     assert rest[-1]["finished"] is True and len(rest[-1]["outputs"][0]["token_ids"]) == LONG
     if way != "multiplex-no-window":

@@ -185,7 +185,7 @@ def test_call_on_a_streaming_target_says_to_use_stream(server: PoolServer, clien
 
 def test_a_prompt_that_cannot_fit_is_refused_at_once_and_blocks_nobody(server: PoolServer,
                                                                        client: BridgeClient) -> None:
-    huge = "The cat sees a dog. " * 500_000          # 10 MB
+    huge = "The cat sees a dog. " * 45_000           # 900 KB: under max_prompt_chars (1,000,000)
     slowest = []
     stop = threading.Event()
 
@@ -209,6 +209,9 @@ def test_a_prompt_that_cannot_fit_is_refused_at_once_and_blocks_nobody(server: P
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "cannot fit" in err.value.details
     assert len(err.value.details) < 1500 and took < 5, took
     assert slowest and max(slowest) < 1.0, max(slowest)
+    with pytest.raises(CallError) as err:           # 10 MB: over the limit, refused before anything looks at it
+        list(client.stream(GENERATE, huge * 12, greedy(4), "huger", timeout=30))
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_prompt_chars" in err.value.details
 
 
 def test_an_error_quotes_only_a_prefix_of_what_the_client_sent(server: PoolServer, client: BridgeClient) -> None:

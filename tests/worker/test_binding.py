@@ -15,6 +15,7 @@ import torch
 
 from bridge_server.wire.errors import BridgeError
 from bridge_server.worker.binding import (
+    Building,
     Checks,
     _class_hints,
     _documented,
@@ -73,7 +74,8 @@ def test_every_field_of_every_record_class_a_map_can_build_is_checked(catalog: C
 def bind(catalog: Catalog, name: str, *args: Any, **kwargs: Any) -> tuple[list[Any], dict[str, Any]]:
     entry = catalog.entries[name]
     assert entry.signature is not None
-    return bind_arguments(name, entry.signature, list(args), kwargs, catalog.short_types, checks_of(entry))
+    return bind_arguments(name, entry.signature, list(args), kwargs, Building(catalog.short_types, catalog.rule),
+                          checks_of(entry))
 
 
 REFUSED = [

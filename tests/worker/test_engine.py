@@ -88,9 +88,19 @@ def engine_processes(worker: WorkerProcess) -> set[int]:
     return live
 
 
-def unfinished(client: BridgeClient, engine: Any = "engine") -> int:
-    processor = client.call(Target.get(engine, "output_processor"))
-    return int(client.call(Target.method(processor, "get_num_unfinished_requests")))
+def drained(client: BridgeClient, engine: Any = "engine", timeout: float = 10.0) -> bool:
+    """Whether the engine finishes every request it has within `timeout`, seen through the documented
+    surface: pausing it with wait_for_inflight_requests waits for exactly that."""
+    try:
+        client.call(Target.method(engine, "pause_generation"),
+                    kwargs={"wait_for_inflight_requests": True, "clear_cache": False}, timeout=timeout)
+    except CallError as err:
+        if err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return False
+        raise
+    finally:
+        client.call(Target.method(engine, "resume_generation"), timeout=30)
+    return True
 
 
 def wait_until(predicate: Any, timeout: float = 10.0) -> bool:
@@ -106,7 +116,7 @@ def assert_aborted_in_engine(worker: WorkerProcess, client: BridgeClient, reques
     """The engine itself says the request was aborted, and nothing of it is left running."""
     assert wait_until(lambda: f"Request {request_id} aborted" in worker.log.read_text()), \
         f"the engine never aborted {request_id}"
-    assert wait_until(lambda: unfinished(client) == 0)
+    assert drained(client)
 
 
 def in_process_token_ids(model: Path, prompt: str, n: int) -> list[int]:
@@ -211,7 +221,7 @@ def test_abort_from_a_second_call_ends_the_stream_with_finish_reason_abort(bridg
         rest = list(stream)
     assert rest and rest[-1]["outputs"][0]["finish_reason"] == "abort"
     assert len(rest[-1]["outputs"][0]["token_ids"]) < LONG
-    assert wait_until(lambda: unfinished(bridge) == 0)
+    assert drained(bridge)
 
 
 def test_tokenizer_ref_encodes_like_the_engine(bridge: BridgeClient) -> None:
@@ -332,14 +342,14 @@ def test_multiplexed_errors_end_one_call_with_the_plain_status(bridge: BridgeCli
         assert err.value.category == plain.value.category and "max_tokens" in err.value.details
         with pytest.raises(CallError) as err:
             mux.call(Target.method("engine", "no_such_method"))
-        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        assert err.value.code == grpc.StatusCode.PERMISSION_DENIED     # not a documented member
         # A per-call deadline ends that call only, and aborts its request in the engine.
         with pytest.raises(CallError) as err:
             list(mux.stream(Target.method("engine", "generate"), "slow", greedy(LONG), "mux-deadline",
                             timeout=0.2))
         assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert mux.call(Target.method("engine", "check_health")) is None
-    assert wait_until(lambda: unfinished(bridge) == 0)
+    assert drained(bridge)
 
 
 @pytest.mark.parametrize("way", ["stream", "multiplex"])
@@ -355,7 +365,7 @@ def test_a_slow_reader_gets_merged_items_not_a_backlog(bridge: BridgeClient, way
         stream = source.stream(Target.method("engine", "generate"), "slow reader", greedy(LONG), f"slow-{way}",
                                stream_encoding="full")
         assert next(stream)["finished"] is False
-        assert wait_until(lambda: unfinished(bridge) == 0, timeout=120), "the engine never finished"
+        assert drained(bridge, timeout=120), "the engine never finished"
         rest = list(stream)
     assert rest[-1]["finished"] is True and len(rest[-1]["outputs"][0]["token_ids"]) == LONG
     # What was already on its way (gRPC's flow-control window) arrives one by one; the rest is merged.

@@ -1,0 +1,425 @@
+"""The trust boundary, over real sockets: only the documented surface is reachable, nothing a client
+sends is unpickled or run, tokens and (mutual) TLS guard the ports, sessions and refs belong to the
+client that made them, and every limit holds. Escapes run against `stranger_server` (its engine);
+authentication, TLS and limits against servers of their own, started here."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bridge_server.client.client import BridgeClient, CallError, Target
+from bridge_server.tools.tiny_model import ensure_tiny_model
+from tests.conftest import ROOT, free_port
+from tests.pool.harness import PoolServer, start_pool_server
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+D = "vllm.distributed"
+E = "vllm.AsyncLLMEngine"
+DENIED = grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.fixture(scope="module")
+def server(stranger_server: PoolServer) -> PoolServer:
+    return stranger_server
+
+
+@pytest.fixture()
+def client(server: PoolServer) -> Iterator[BridgeClient]:
+    with server.client(pool="e") as c:
+        yield c
+
+
+def denied(call: Any) -> CallError:
+    with pytest.raises(CallError) as err:
+        call()
+    assert err.value.code == DENIED, err.value
+    return err.value
+
+
+# ------------------------------------------------------------------------------------------ escapes
+class _Touch:
+    """A pickle that, once loaded, creates a file: what an attacker sends to run code."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_collective_rpc_runs_no_pickle_and_only_allowed_methods(client: BridgeClient, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_Touch(marker))
+    for method in (payload, bytearray(payload)):      # vLLM would unpickle bytes as the method: refused first
+        with pytest.raises(CallError) as refused:
+            client.call(Target.method("engine", "collective_rpc"), method, timeout=10)
+        assert refused.value.code in (grpc.StatusCode.INVALID_ARGUMENT, DENIED) and "method" in refused.value.details
+    err = denied(lambda: client.call(Target.method("engine", "collective_rpc"), "check_health", timeout=10))
+    assert "collective_rpc_methods" in err.details
+    time.sleep(0.5)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("walk", [("engine_core",), ("output_processor",), ("input_processor",),
+                                  ("engine_core", "resources"), ("vllm_config",), ("__class__",), ("__dict__",),
+                                  ("__init__",)])
+def test_members_outside_the_documents_are_unreachable(client: BridgeClient, walk: tuple[str, ...]) -> None:
+    err = denied(lambda: client.call(Target.get("engine", walk[0]), timeout=10))
+    assert walk[0] in err.details and "vllm.v1.engine.async_llm.AsyncLLM" in err.details
+    denied(lambda: client.call(Target.method("engine", walk[0]), timeout=10))
+
+
+@pytest.mark.parametrize("qualname", ["vllm.envs.os", "vllm.v1.serial_utils.pickle", "vllm.__builtins__",
+                                      "vllm.envs", "os.system", "vllm.distributed.parallel_state.GroupCoordinator"])
+def test_resolving_a_name_reaches_only_the_catalog(client: BridgeClient, qualname: str) -> None:
+    err = denied(lambda: client.call(f"{D}.resolve_obj_by_qualname", qualname, timeout=10))
+    assert "not a name in the catalog" in err.details
+
+
+def test_code_the_catalog_names_can_be_named_never_passed(client: BridgeClient) -> None:
+    divide = client.call(f"{D}.resolve_obj_by_qualname", f"{D}.divide", timeout=10)
+    assert isinstance(divide, pb.Ref) and divide.type_name == "builtins.function"
+    err = denied(lambda: client.call(f"{D}.divide", divide, 3, timeout=10))
+    assert "never passed as an argument" in err.details
+    denied(lambda: client.call(Target.method(divide, "__call__"), 6, 3, timeout=10))
+    assert client.release(divide) == 1
+    # A documented method can be called, not taken: reading it would hand out a bound method (and
+    # from there its function's globals).
+    err = denied(lambda: client.call(Target.get("engine", "_add_request"), timeout=10))
+    assert err.reason == "code" and "no ref to it leaves the worker" in err.details
+
+
+def test_a_published_engine_cannot_be_shut_down_by_a_client(client: BridgeClient) -> None:
+    err = denied(lambda: client.call(Target.method("engine", "shutdown"), timeout=10))
+    assert "published" in err.details
+    assert client.call(Target.method("engine", "check_health"), timeout=10) is None
+
+
+@pytest.mark.parametrize("case", [
+    ("trust_remote_code", {"model": "MODEL", "trust_remote_code": True}, "engine_args_allowed"),
+    ("worker_cls", {"model": "MODEL", "worker_cls": "os.system"}, "engine_args_allowed"),
+    ("a model elsewhere", {"model": "/etc"}, "model_dirs"),
+    ("a tokenizer elsewhere", {"model": "MODEL", "tokenizer": "/tmp"}, "model_dirs"),
+], ids=lambda c: c[0])
+def test_engine_arguments_that_run_code_or_read_elsewhere_are_refused(client: BridgeClient,
+                                                                       case: tuple[str, dict[str, Any], str]) -> None:
+    _, args, names = case
+    args = {k: str(ensure_tiny_model()) if v == "MODEL" else v for k, v in args.items()}
+    t0 = time.monotonic()
+    err = denied(lambda: client.call(f"{E}.from_engine_args", args, timeout=30))
+    assert names in err.details and time.monotonic() - t0 < 5      # refused before any engine starts
+    denied(lambda: client.call("vllm.AsyncEngineArgs", kwargs=args, timeout=30))
+
+
+def test_records_take_only_what_a_client_may_set(client: BridgeClient) -> None:
+    err = denied(lambda: client.call("vllm.config.ParallelConfig", kwargs={"worker_cls": "os.system"}, timeout=10))
+    assert "worker_cls" in err.details
+    denied(lambda: client.call("vllm.config.VllmConfig", kwargs={"model_config": {}}, timeout=10))
+    err = denied(lambda: client.call("vllm.lora.request.LoRARequest", "x", 1, "/etc", timeout=10))
+    assert "lora_dirs" in err.details
+    lora = str(ensure_tiny_model() / "lora")
+    assert isinstance(client.call("vllm.lora.request.LoRARequest", "x", 1, lora, timeout=10), pb.Ref)
+    denied(lambda: client.call("vllm.SamplingParams", kwargs={"logits_processors": ["os.system"]}, timeout=10))
+
+
+def test_process_groups_meet_only_where_the_operator_allows(client: BridgeClient) -> None:
+    t0 = time.monotonic()
+    err = denied(lambda: client.call(f"{D}.stateless_init_torch_distributed_process_group", "203.0.113.7",
+                                     free_port(), 0, 2, "gloo", timeout=10))
+    assert "rendezvous_hosts" in err.details and time.monotonic() - t0 < 5
+    denied(lambda: client.call(f"{D}.init_distributed_environment", 2, 0, "tcp://203.0.113.7:1234", timeout=10))
+
+
+def reachable(client: BridgeClient, receiver: Any, name: str) -> bool:
+    """Whether the member is within the surface: anything but a "not documented" refusal."""
+    try:
+        client.call(Target.get(receiver, name), timeout=10)
+    except CallError as err:
+        return not (err.code == DENIED and err.reason == "not documented")
+    return True
+
+
+def test_a_walk_over_every_reachable_object_finds_nothing_outside_the_declared_set(client: BridgeClient) -> None:
+    """Every name `dir()` shows on each kind of object a client can reach through the documented
+    surface is tried: only the declared ones (documented members, an adapter's exposures, the
+    context-manager protocol) are within reach."""
+    from transformers import PreTrainedTokenizerFast
+    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.forward_context import DPMetadata
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from adapters.async_llm import ASYNC_LLM
+    from adapters.forward_context import DP_METADATA, FORWARD_CONTEXT
+    from adapters.surface import load_surfaces
+
+    surfaces = load_surfaces()
+    documented = {AsyncLLM: {e.name for e in surfaces[ASYNC_LLM.surface].entries},
+                  DPMetadata: {e.name for e in surfaces[DP_METADATA.surface].entries}}
+    exposed = {x.attr: x for spec in (ASYNC_LLM, FORWARD_CONTEXT) for x in spec.exposures}
+    pc = client.call("vllm.config.ParallelConfig", timeout=10)
+    receivers: list[tuple[Any, type, set[str]]] = [
+        ("engine", AsyncLLM, documented[AsyncLLM]),
+        (client.call(Target.method("engine", "get_tokenizer"), timeout=10), PreTrainedTokenizerFast,
+         set(exposed["PreTrainedTokenizerBase"].attributes)),
+        (pc, ParallelConfig, set(ParallelConfig.__dataclass_fields__) | set(exposed["ParallelConfig"].attributes)),
+        (client.call("vllm.config.VllmConfig", timeout=10), VllmConfig, set(VllmConfig.__dataclass_fields__)),
+        (client.call("vllm.forward_context.DPMetadata", __import__("torch").tensor(7),
+                     __import__("torch").tensor([5, 7, 3]), timeout=10), DPMetadata, documented[DPMetadata]),
+        (client.call(f"{D}.init_logger", "walk", timeout=10), object, set()),
+        (client.call("vllm.forward_context.current_platform", timeout=10), object, set()),
+    ]
+    extra = {"engine_core", "output_processor", "input_processor", "output_handler", "logger_manager", "resources",
+             "processes", "stats", "__dict__", "__globals__", "__builtins__", "__code__", "__self__", "__func__"}
+    walked, outside = 0, []
+    for receiver, cls, declared in receivers:
+        assert isinstance(receiver, (pb.Ref, str)), receiver
+        for name in sorted(set(dir(cls)) | extra):
+            walked += 1
+            public = {n for n in declared if not n.startswith("_") or n in documented.get(cls, ())}
+            if reachable(client, receiver, name) != (name in public):
+                outside.append(f"{cls.__qualname__}.{name}")
+    assert walked > 500 and not outside, outside
+
+
+# ------------------------------------------------------------------------------------------ TLS
+def _pem(obj: Any) -> bytes:
+    if isinstance(obj, x509.Certificate):
+        return obj.public_bytes(serialization.Encoding.PEM)
+    return obj.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _cert(name: str, issuer: tuple[x509.Certificate, Any] | None, ca: bool = False,
+          sans: tuple[str, ...] = ()) -> tuple[x509.Certificate, Any]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(subject)
+               .issuer_name(issuer[0].subject if issuer else subject).public_key(key.public_key())
+               .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if sans:
+        import ipaddress
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.IPAddress(ipaddress.ip_address(s)) if s[0].isdigit() else x509.DNSName(s) for s in sans]),
+            critical=False)
+    return builder.sign(issuer[1] if issuer else key, hashes.SHA256()), key
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A CA, a certificate for 127.0.0.1 and localhost, and a client certificate (CN alice)."""
+    d = tmp_path_factory.mktemp("pki")
+    ca = _cert("vllm-bridge test CA", None, ca=True)
+    files = {"ca": ca[0], "server": _cert("server", ca, sans=("127.0.0.1", "localhost")),
+             "client": _cert("alice", ca)}
+    out = {}
+    for name, value in files.items():
+        cert, key = value if isinstance(value, tuple) else (value, None)
+        (d / f"{name}.pem").write_bytes(_pem(cert))
+        out[name] = str(d / f"{name}.pem")
+        if key is not None:
+            (d / f"{name}.key").write_bytes(_pem(key))
+            out[f"{name}_key"] = str(d / f"{name}.key")
+    out["ca"] = str(d / "ca.pem")
+    return out
+
+
+TOKENS = "alice:alice-token-0123456789abcdef\nbob:bob-token-0123456789abcdef0\n"
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory, pki: dict[str, str]) -> Iterator[PoolServer]:
+    """TLS, tokens and small limits: pool `p` (one worker, no engine)."""
+    tmp = tmp_path_factory.mktemp("secured")
+    (tmp / "tokens").write_text(TOKENS)
+    (tmp / "tokens").chmod(0o600)
+    config = f"""
+token_file = "{tmp / 'tokens'}"
+tls_cert = "{pki['server']}"
+tls_key = "{pki['server_key']}"
+max_request_bytes = 65536
+[[pools]]
+name = "p"
+workers = 1
+max_sessions = 3
+max_refs_per_client = 5
+
+[[pools]]
+name = "g"
+workers = 1
+max_engines_per_client = 1
+model_dirs = ["{ensure_tiny_model()}"]
+"""
+    s = start_pool_server(tmp, config, tls_ca=pki["ca"], token=TOKENS.split("\n")[0].partition(":")[2])
+    yield s
+    s.stop()
+
+
+def client_as(server: PoolServer, pki: dict[str, str], who: str | None, **options: Any) -> BridgeClient:
+    tokens = dict(line.split(":") for line in TOKENS.split())
+    return BridgeClient(server.address, token=tokens[who] if who else "", tls_ca=pki["ca"], **options)
+
+
+def test_every_call_needs_a_listed_token_but_health(secured: PoolServer, pki: dict[str, str]) -> None:
+    for who in (None, "mallory"):
+        with BridgeClient(secured.address, token=None if who is None else "mallory-token-0123456789",
+                          tls_ca=pki["ca"]) as c:
+            if who is None:
+                c._credentials = []
+            for call in (lambda: c.call(f"{D}.divide", 6, 3, timeout=10), lambda: c.describe(),
+                         lambda: list(c.stream(f"{D}.get_pp_indices", 32, 0, 2, timeout=10)),
+                         lambda: c.multiplex().call(f"{D}.divide", 6, 3)):
+                with pytest.raises(CallError) as err:
+                    call()
+                assert err.value.code == grpc.StatusCode.UNAUTHENTICATED, err.value
+    with client_as(secured, pki, "alice") as c:
+        assert c.call(f"{D}.divide", 6, 3, timeout=10) == 2
+        with c.multiplex() as mux:
+            assert mux.call(f"{D}.divide", 8, 2) == 4
+    creds = grpc.ssl_channel_credentials(Path(pki["ca"]).read_bytes())
+    with grpc.secure_channel(secured.address, creds) as ch:   # health stays open: no token
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_plain_text_does_not_reach_a_tls_port(secured: PoolServer) -> None:
+    with BridgeClient(secured.address, token="alice-token-0123456789abcdef") as c:
+        with pytest.raises(CallError) as err:
+            c.call(f"{D}.divide", 6, 3, timeout=5)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_sessions_and_refs_belong_to_their_client(secured: PoolServer, pki: dict[str, str]) -> None:
+    with client_as(secured, pki, "alice", options=None) as alice, client_as(secured, pki, "bob") as bob:
+        ref = alice.call("vllm.config.ParallelConfig", kwargs={"data_parallel_size": 2}, session_id="shared-name")
+        # Within one identity a ref passes between sessions (Elixir processes).
+        assert alice.call(Target.get(ref, "data_parallel_size"), session_id="another") == 2
+        for call in (lambda: bob.call(Target.get(ref, "data_parallel_size")),
+                     lambda: bob.call("vllm.forward_context.DPMetadata.make", ref, 7, [5, 7]),
+                     lambda: bob.release(ref)):
+            err = denied(call)
+            assert "belongs to another client" in err.details
+        # The same session name is two sessions: bob releasing his frees nothing of alice's.
+        bob.call("vllm.config.ParallelConfig", session_id="shared-name")
+        assert bob.release(session_id="shared-name") == 1
+        assert alice.call(Target.get(ref, "data_parallel_size")) == 2
+        # Naming another identity in metadata changes nothing: the pool server says who calls.
+        spoof = pb.CallRequest(target=pb.Target(kind=pb.Target.GET_ATTR, name="data_parallel_size", ref=ref))
+        with pytest.raises(grpc.RpcError) as rpc:
+            bob.stub.Call(spoof, metadata=bob._metadata([], {}) + [("x-bridge-identity", "alice")], timeout=10)
+        assert rpc.value.code() == DENIED   # type: ignore[attr-defined]
+        assert alice.release(session_id="shared-name") == 1
+
+
+def test_each_limit_is_refused_with_its_name(secured: PoolServer, pki: dict[str, str]) -> None:
+    with client_as(secured, pki, "bob") as bob:
+        with pytest.raises(CallError) as err:
+            bob.call(f"{D}.divide", "x" * 70_000, 3, timeout=10)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_request_bytes" in err.value.details
+        refs = [bob.call("vllm.config.ParallelConfig", session_id=f"limits-{i % 2}") for i in range(5)]
+        with pytest.raises(CallError) as err:
+            bob.call("vllm.config.ParallelConfig", session_id="limits-0")
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_refs_per_client" in err.value.details
+        bob.release(*refs)
+    with client_as(secured, pki, "alice") as alice:
+        kept = [alice.call("vllm.config.ParallelConfig", session_id=f"cap-{i}") for i in range(3)]
+        with pytest.raises(CallError) as err:
+            alice.call("vllm.config.ParallelConfig", session_id="cap-3")
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_sessions" in err.value.details
+        alice.release(*kept)
+
+
+def test_a_client_makes_at_most_its_share_of_engines(secured: PoolServer, pki: dict[str, str]) -> None:
+    """Each engine costs GBs: a client may make max_engines_per_client of them per worker (here 1);
+    the next is refused before it starts, and releasing one makes room again."""
+    args = {"model": str(ensure_tiny_model()), "dtype": "float32", "max_model_len": 256, "enforce_eager": True,
+            "num_gpu_blocks_override": 64, "max_num_seqs": 4}
+    with client_as(secured, pki, "alice", options=None) as alice, client_as(secured, pki, "bob") as bob:
+        engine = alice.call(f"{E}.from_engine_args", args, pool="g", timeout=120)
+        t0 = time.monotonic()
+        with pytest.raises(CallError) as err:
+            alice.call(f"{E}.from_engine_args", args, pool="g", timeout=120)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_engines_per_client" in err.value.details
+        assert time.monotonic() - t0 < 5
+        denied(lambda: bob.call(Target.method(engine, "check_health"), pool="g"))   # not his either
+        assert alice.call(Target.method(engine, "check_health"), pool="g") is None
+        assert alice.release(engine) == 1
+        with pytest.raises(CallError) as err:     # gone with its last ref; alice may make another now
+            alice.call(Target.method(engine, "check_health"), pool="g")
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_mutual_tls_names_its_client(tmp_path: Path, pki: dict[str, str]) -> None:
+    config = f"""
+tls_cert = "{pki['server']}"
+tls_key = "{pki['server_key']}"
+tls_client_ca = "{pki['ca']}"
+[[pools]]
+name = "p"
+workers = 1
+"""
+    s = start_pool_server(tmp_path, config, tls_ca=pki["ca"], tls_cert=pki["client"], tls_key=pki["client_key"])
+    try:
+        with BridgeClient(s.address, tls_ca=pki["ca"], token="") as anonymous, pytest.raises(CallError) as err:
+            anonymous.call(f"{D}.divide", 6, 3, timeout=5)    # no client certificate: no connection
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        with BridgeClient(s.address, tls_ca=pki["ca"], tls_cert=pki["client"], tls_key=pki["client_key"],
+                          token="") as alice:
+            ref = alice.call("vllm.config.ParallelConfig")
+            assert alice.call(Target.get(ref, "world_size")) == 1
+    finally:
+        s.stop()
+
+
+def _start(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "bridge_server.cli", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_listening_beyond_this_machine_needs_tls_and_tokens_or_insecure(tmp_path: Path) -> None:
+    (tmp_path / "pool.toml").write_text('[[pools]]\nname = "p"\nworkers = 1\n')
+    for argv in (["serve", "--config", str(tmp_path / "pool.toml"), "--listen", f"0.0.0.0:{free_port()}"],
+                 ["worker", "--listen", f"0.0.0.0:{free_port()}"]):
+        done = _start(*argv)
+        assert done.returncode == 2 and "--insecure" in done.stderr, done.stderr[-2000:]
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bridge_server.cli", "worker", "--listen", f"0.0.0.0:{port}",
+                             "--insecure"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        from tests.conftest import wait_healthy
+        wait_healthy(f"127.0.0.1:{port}", proc, None)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_the_cli_speaks_tls_with_a_token(secured: PoolServer, pki: dict[str, str], tmp_path: Path) -> None:
+    (tmp_path / "mine").write_text("alice:alice-token-0123456789abcdef\n")
+    done = _start("call", f"{D}.divide", "6", "3", "--address", secured.address, "--token-file",
+                  str(tmp_path / "mine"), "--tls-ca", pki["ca"])
+    assert done.returncode == 0 and done.stdout.strip() == "2", done.stderr[-2000:]
+    env = {**os.environ, "VLLM_BRIDGE_TOKEN": "bob-token-0123456789abcdef0"}
+    done = subprocess.run([sys.executable, "-m", "bridge_server.cli", "status", "--address", secured.address,
+                           "--tls-ca", pki["ca"]], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0 and '"pools"' in done.stdout, done.stderr[-2000:]
+    done = _start("status", "--address", secured.address, "--tls-ca", pki["ca"])
+    assert done.returncode == 1 and "UNAUTHENTICATED" in done.stderr
