@@ -1,7 +1,9 @@
-"""Generation throughput and time to first token: the bridge against in-process vLLM and `vllm serve`.
+"""Generation throughput, time to first token and CPU per token: the bridge against in-process vLLM
+and `vllm serve`.
 
-    python -m bench.bench_engine [--json PATH] [--rounds 6] [--concurrency 8 32] [--wait-quiet 20]
-                                 [--kinds cumulative delta] [--stream-interval N] [--ways ...]
+    python -m bench.bench_engine [--json PATH] [--rounds 6] [--concurrency 8 32 64 256] [--wait-quiet 20]
+                                 [--kinds cumulative delta] [--encodings patch-v1 full]
+                                 [--stream-interval N] [--ways ...]
 
 For each concurrency level N, N concurrent 64-token generations (temperature 0, ignore_eos, distinct
 prompts and request ids) are run as one warm-up round plus `--rounds` measured rounds, three ways,
@@ -9,7 +11,8 @@ one after the other so that they never share the machine's CPU cores:
 
 1. bridge      a worker (`python -m bridge_server.cli worker --objects ...`) publishing an engine as
                `engine`; each request is a gRPC `Stream` call of `Target.method("engine", "generate")`
-               with (prompt, sampling params map, request id), made from a grpc.aio client here.
+               with (prompt, sampling params map, request id), made from a grpc.aio client here: what
+               a client that does not multiplex (grpcurl, `BridgeClient.stream`) costs.
    bridge-mux  the same worker and engine; all requests of the run share one `Multiplex` stream (a
                message starts each request; items ready together come back in one reply).
 2. in-process  `AsyncLLM.from_engine_args` in a separate Python process (this module, `--phase`),
@@ -18,7 +21,7 @@ one after the other so that they never share the machine's CPU cores:
                completions over HTTP (aiohttp) from here.
 
 All three use the same engine arguments: the tiny model, float32, max_model_len 256, enforce_eager,
-max_num_seqs 16 (`--max-num-seqs`); so 32 concurrent requests queue, the same way everywhere.
+max_num_seqs 16 (`--max-num-seqs`); so from 32 concurrent requests on they queue, the same way everywhere.
 
 All three also run with one core kept free of vLLM's OpenMP threads (`VLLM_CPU_NUM_OF_RESERVED_CPU=1`,
 `--reserved-cpus`), where the machine has two cores or more: serving processes off the OpenMP cores
@@ -29,9 +32,16 @@ each microsecond of front-end or client CPU also slows the engine; on a 2-core m
 measures how much CPU each way burns per token.
 
 Figures per way and level: aggregate output tokens/s (a round's tokens over its wall time; median
-over the measured rounds) and time to first token (from issuing a request to its first streamed
-item; p50 and p90 over every request of the measured rounds). Then the ratios bridge/in-process
-(goal >= 0.9) and bridge/vllm-serve (goal > 1), for both bridge transports.
+over the measured rounds), time to first token (from issuing a request to its first streamed item;
+p50 and p90 over every request of the measured rounds), and CPU per generated token of every process
+of the way (below). Then the ratios within the run, for each bridge transport against in-process and
+against vllm serve: tok/s, TTFT p50, and the serving process's CPU per token (the worker against the
+in-process loop, which is its own client too, or against vllm serve's API server).
+
+The bridge ways stream in the `patch-v1` encoding (each item after the first as the changes from the
+one before; `x-bridge-stream-encoding`), as the Python client does by default. `--encodings patch-v1
+full` also runs them with whole items (what grpcurl or a client that does not ask gets), on the same
+worker, for a comparison within the run.
 
 Options for experiments (the client's or the operator's choice; no server change):
 - `--kinds cumulative delta final_only`: also run the bridge and in-process ways with that
@@ -41,16 +51,23 @@ Options for experiments (the client's or the operator's choice; no server change
   output per token), so pair it with `--kinds delta`.
 
 CPU accounting: during the measured rounds of each level the CPU time of every process involved is
-read (the client, the server's front-end process, vLLM's engine core) and reported in microseconds
-per generated token, next to the CPU used by processes that are not ours. This machine may be
-shared: before each level the benchmark waits (up to `--wait-quiet` seconds) for other processes
+read and reported in microseconds per generated token: the client (this process), the front-end (the
+bridge worker; vllm serve's API server; the in-process phase, which is front-end and client in one),
+and vLLM's engine core; next to it, the CPU used meanwhile by processes that are not ours. This machine
+may be shared: before each level the benchmark waits (up to `--wait-quiet` seconds) for other processes
 to leave the CPU alone, and a run with much foreign CPU says so instead of passing off noise as a
-result. Runtime: about 90 s on a quiet machine, plus any waiting.
+result. Runtime: about 6 minutes on a quiet machine (the 256 level takes half of it), plus any waiting.
+
+`--summarize run1.json run2.json ...` measures nothing: it prints the figures of issue 18 (the ratios
+above that have goals) over several runs' `--json` files, grouped by reserved cores: the median at
+each level and every run's value, so the spread shows.
 
 The clients do as little as they can, so as not to steal CPU from the server they measure: the
-bridge client sends a pre-serialized request and keeps the stream's raw bytes, parsing only the
-last item (with the default CUMULATIVE kind it carries every token id; with DELTA every item is
-parsed, just deep enough to count its token ids); the HTTP client parses only the final usage chunk.
+bridge client sends a pre-serialized request; with whole items it keeps the stream's raw bytes and
+parses only the last item (with the default CUMULATIVE kind it carries every token id; with DELTA
+every item is parsed, just deep enough to count its token ids); with patches it applies each to the
+stream's state (`StreamState`), as any client must, and looks only at the last; the HTTP client
+parses only the final usage chunk.
 """
 
 from __future__ import annotations
@@ -62,6 +79,7 @@ import dataclasses
 import enum
 import itertools
 import json
+import math
 import os
 import signal
 import statistics
@@ -95,10 +113,9 @@ for _k, _v in ENV.items():
 
 WAYS = ("bridge", "bridge-mux", "in-process", "vllm-serve")
 KINDS = ("cumulative", "delta", "final_only")
+ENCODINGS = ("patch-v1", "full")
 STREAM_METHOD = "/vllm_bridge.v1.Bridge/Stream"
 MUX_METHOD = "/vllm_bridge.v1.Bridge/Multiplex"
-GOAL_VS_IN_PROCESS = 0.9
-GOAL_VS_SERVE = 1.0
 CONTENDED_CORES = 0.25    # a round during which other processes used more than this is not trusted
 
 
@@ -107,7 +124,7 @@ CONTENDED_CORES = 0.25    # a round during which other processes used more than 
 @dataclass(frozen=True)
 class Workload:
     model: str
-    concurrency: tuple[int, ...] = (8, 32)
+    concurrency: tuple[int, ...] = (8, 32, 64, 256)
     rounds: int = 6
     max_tokens: int = 64
     max_num_seqs: int = 16
@@ -307,6 +324,30 @@ def _request_output_kind(kind: str) -> enum.Enum:
     return cls[kind.upper()]  # type: ignore[no-any-return]
 
 
+class _Items:
+    """What a bridge client keeps of one stream: its latest item's Value. Patches (the PATCH_V1
+    encoding) are applied as they come, as any client must; a whole item is only kept (a later
+    patch makes it the state), so with the full encoding nothing is copied or applied."""
+
+    def __init__(self) -> None:
+        from bridge_server.wire.streamstate import StreamState
+        self.state = StreamState()
+        self.whole: Any = None
+
+    def add(self, msg: Any) -> None:
+        """`msg`: a parsed StreamItem or MuxEvent carrying an item."""
+        if msg.HasField("patch"):
+            if self.whole is not None:
+                self.state.full(self.whole)
+                self.whole = None
+            self.state.patch(msg.patch)
+        else:
+            self.whole = msg.value
+
+    def value(self) -> Any:
+        return self.whole if self.whole is not None else self.state.value
+
+
 def _inspect_item(item_bytes: bytes) -> tuple[int, float | None]:
     from vllm_bridge.v1 import bridge_pb2 as pb
     return _inspect_value(pb.StreamItem.FromString(item_bytes).value)
@@ -336,9 +377,10 @@ def _inspect_value(value: Any) -> tuple[int, float | None]:
     return tokens, latency
 
 
-def _bridge_request(work: Workload, kind: str) -> tuple[Callable[[str, str], Any], tuple[tuple[str, str], ...]]:
+def _bridge_request(work: Workload, kind: str,
+                    encoding: str) -> tuple[Callable[[str, str], Any], tuple[tuple[str, str], ...]]:
     """What both bridge transports send: a builder of `generate`'s CallRequest for (request id, prompt),
-    with the sampling params encoded once, and the call's metadata."""
+    with the sampling params encoded once, and the call's metadata (with the stream encoding)."""
     from bridge_server.client.client import Target
     from bridge_server.wire.codec import Encoder
     from bridge_server.wire.protocol import RuntimeOptions, to_metadata
@@ -352,20 +394,24 @@ def _bridge_request(work: Workload, kind: str) -> tuple[Callable[[str, str], Any
         params["output_kind"] = _request_output_kind(kind)
     target, params_value = Target.method("engine", "generate").msg, Encoder(make_ref=no_refs).encode(params)
     interval = work.bridge_interval_ms / 1000 if work.bridge_interval_ms else None
-    metadata = tuple(to_metadata(RuntimeOptions(session_id="bench", stream_interval_s=interval)))
+    metadata = tuple(to_metadata(RuntimeOptions(session_id="bench", stream_interval_s=interval,
+                                                stream_encoding=None if encoding == "full" else encoding)))
 
     def request(request_id: str, prompt: str) -> Any:
         return pb.CallRequest(target=target, args=[pb.Value(str=prompt), params_value, pb.Value(str=request_id)])
     return request, metadata
 
 
-async def bridge_measure(work: Workload, address: str, kind: str, roles: Roles) -> dict[str, Any]:
+async def bridge_measure(work: Workload, address: str, kind: str, roles: Roles,
+                         encoding: str = "patch-v1") -> dict[str, Any]:
     import grpc
 
     from bridge_server.wire.protocol import GRPC_OPTIONS
+    from vllm_bridge.v1 import bridge_pb2 as pb
 
-    make_request, metadata = _bridge_request(work, kind)
+    make_request, metadata = _bridge_request(work, kind, encoding)
     delta = kind == "delta"
+    raw_items = encoding == "full" and not delta   # only the last item is ever looked at: parse only it
 
     async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
         # No (de)serializers: requests go as bytes built up front, items come back as bytes.
@@ -374,28 +420,36 @@ async def bridge_measure(work: Workload, address: str, kind: str, roles: Roles) 
         async def one(request_id: str, prompt: str) -> Sample:
             payload = make_request(request_id, prompt).SerializeToString()
             first, last, tokens, items = None, b"", 0, 0
+            kept = _Items()
             async for raw in stream(payload, metadata=metadata):
                 items += 1
                 if first is None:
                     first = time.perf_counter()
+                if raw_items:
+                    last = raw
+                    continue
+                kept.add(pb.StreamItem.FromString(raw))
                 if delta:
-                    tokens += _inspect_item(raw)[0]
-                last = raw
+                    tokens += _inspect_value(kept.value())[0]
             end = time.perf_counter()
-            n, engine_ttft = _inspect_item(last) if last else (0, None)
+            if raw_items:
+                n, engine_ttft = _inspect_item(last) if last else (0, None)
+            else:
+                n, engine_ttft = _inspect_value(kept.value()) if items else (0, None)
             return Sample(first or end, end, tokens if delta else n, items, engine_ttft)
 
-        return await run_schedule(work, one, roles, f"bridge-{kind}")
+        return await run_schedule(work, one, roles, f"bridge-{kind}-{encoding}")
 
 
-async def bridge_mux_measure(work: Workload, address: str, kind: str, roles: Roles) -> dict[str, Any]:
+async def bridge_mux_measure(work: Workload, address: str, kind: str, roles: Roles,
+                             encoding: str = "patch-v1") -> dict[str, Any]:
     """The same requests over one `Multiplex` stream, as a client that runs many at once would send them."""
     import grpc
 
     from bridge_server.wire.protocol import GRPC_OPTIONS
     from vllm_bridge.v1 import bridge_pb2 as pb
 
-    make_request, metadata = _bridge_request(work, kind)
+    make_request, metadata = _bridge_request(work, kind, encoding)
     delta = kind == "delta"
 
     async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
@@ -417,33 +471,37 @@ async def bridge_mux_measure(work: Workload, address: str, kind: str, roles: Rol
             payload = start.SerializeToString()
             async with write_lock:
                 await call.write(payload)
-            first, last, tokens, items = None, None, 0, 0
-            while (event := await events.get()).WhichOneof("kind") == "value":
+            tokens, items = 0, 0
+            first = None
+            kept = _Items()
+            while (event := await events.get()).WhichOneof("kind") in ("value", "patch"):
                 items += 1
                 if first is None:
                     first = time.perf_counter()
+                kept.add(event)
                 if delta:
-                    tokens += _inspect_value(event.value)[0]
-                last = event
+                    tokens += _inspect_value(kept.value())[0]
             end = time.perf_counter()
             del waiting[call_id]
             if event.WhichOneof("kind") == "error":
                 raise RuntimeError(f"{request_id}: {event.error.message}")
-            n, engine_ttft = _inspect_value(last.value) if last is not None else (0, None)
+            n, engine_ttft = _inspect_value(kept.value()) if items else (0, None)
             return Sample(first or end, end, tokens if delta else n, items, engine_ttft)
 
         reader = asyncio.create_task(dispatch())
         try:
-            return await run_schedule(work, one, roles, f"bridge-mux-{kind}")
+            return await run_schedule(work, one, roles, f"bridge-mux-{kind}-{encoding}")
         finally:
             await call.done_writing()
             reader.cancel()
 
 
 def run_bridge(work: Workload, kinds: Sequence[str], log_dir: Path,
-               transports: Sequence[str] = ("bridge",)) -> dict[str, dict[str, Any]]:
+               transports: Sequence[str] = ("bridge",),
+               encodings: Sequence[str] = ("patch-v1",)) -> dict[str, dict[str, Any]]:
     """One worker and engine for both transports: a call per request ("bridge") and one Multiplex
-    stream for all ("bridge-mux"). Results are keyed by label (way and kind)."""
+    stream for all ("bridge-mux"), in each stream encoding. Results are keyed by label (way, kind
+    and encoding)."""
     objects = [{"name": "engine", "target": "vllm.AsyncLLMEngine.from_engine_args",
                 "kwargs": {"engine_args": work.engine_args()}}]
     t0 = time.monotonic()
@@ -456,9 +514,9 @@ def run_bridge(work: Workload, kinds: Sequence[str], log_dir: Path,
             return {"client": [me], "front-end": [psutil.Process(pid)], "engine core": children(pid)}
 
         measure = {"bridge": bridge_measure, "bridge-mux": bridge_mux_measure}
-        return {_label(way, kind): {"ready_s": ready_s,
-                                    **asyncio.run(measure[way](work, server.address, kind, roles))}
-                for way in transports for kind in kinds}
+        return {_label(way, kind, encoding): {
+                    "ready_s": ready_s, **asyncio.run(measure[way](work, server.address, kind, roles, encoding))}
+                for encoding in encodings for way in transports for kind in kinds}
     finally:
         stop_group(server.proc)
 
@@ -622,23 +680,40 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
-def compare(rows: dict[str, Any], work: Workload, kinds: Sequence[str]) -> dict[str, Any]:
-    """bridge / in-process for each output kind, and bridge / vllm-serve."""
-    pairs = [(_label(w, k), _label("in-process", k)) for w in ("bridge", "bridge-mux") for k in kinds]
-    pairs += [(_label(w, k), "vllm-serve") for w in ("bridge", "bridge-mux") for k in kinds]
+def _front_cpu(level: dict[str, Any]) -> float:
+    """The serving process's CPU per token: the worker, vllm serve's API server, or the in-process
+    loop (which is its own client too)."""
+    per = level["cpu"].get("us_per_token", {})
+    return float(per.get("front-end", per.get("front-end+client", math.nan)))
+
+
+def compare(rows: dict[str, Any], work: Workload, kinds: Sequence[str],
+            encodings: Sequence[str] = ("patch-v1",)) -> dict[str, Any]:
+    """bridge / in-process for each output kind and encoding, and bridge / vllm-serve: tok/s, TTFT
+    p50, and the serving process's CPU per token."""
+    bridges = [(w, k, e) for e in encodings for w in ("bridge", "bridge-mux") for k in kinds]
+    pairs = [(_label(w, k, e), _label("in-process", k)) for w, k, e in bridges]
+    pairs += [(_label(w, k, e), "vllm-serve") for w, k, e in bridges]
     out: dict[str, Any] = {}
     for a, b in pairs:
         if a in rows and b in rows:
-            out[f"{a} / {b}"] = {str(c): {"tok_s": _ratio(rows[a]["levels"][str(c)]["tok_s"],
-                                                           rows[b]["levels"][str(c)]["tok_s"]),
-                                          "ttft_p50": _ratio(rows[a]["levels"][str(c)]["ttft_p50_ms"],
-                                                             rows[b]["levels"][str(c)]["ttft_p50_ms"])}
-                                 for c in work.concurrency}
+            out[f"{a} / {b}"] = {
+                str(c): {"tok_s": _ratio(la["tok_s"], lb["tok_s"]),
+                         "ttft_p50": _ratio(la["ttft_p50_ms"], lb["ttft_p50_ms"]),
+                         "front_cpu": _ratio(_front_cpu(la), _front_cpu(lb))}
+                for c in work.concurrency
+                for la, lb in [(rows[a]["levels"][str(c)], rows[b]["levels"][str(c)])]}
     return out
 
 
-def _label(way: str, kind: str) -> str:
-    return way if kind == "cumulative" or way == "vllm-serve" else f"{way} [{kind}]"
+def _label(way: str, kind: str, encoding: str = "patch-v1") -> str:
+    """A way's row name: the way, then what differs from the headline (cumulative items; patches
+    for the bridge ways)."""
+    if way == "vllm-serve":
+        return way
+    tags = [t for t in (kind if kind != "cumulative" else "",
+                        encoding if way.startswith("bridge") and encoding != "patch-v1" else "") if t]
+    return f"{way} [{', '.join(tags)}]" if tags else way
 
 
 def report(results: dict[str, Any], work: Workload) -> None:
@@ -690,12 +765,13 @@ def report(results: dict[str, Any], work: Workload) -> None:
         table.append(cells)
     print_table(headers, table)
 
-    print()
-    for name, by_level in results["ratios"].items():
-        goal = GOAL_VS_SERVE if name.endswith("vllm-serve") else GOAL_VS_IN_PROCESS
-        parts = [f"@{c}: tok/s {v['tok_s']:.2f}{' ok' if v['tok_s'] >= goal else ''}, TTFT p50 {v['ttft_p50']:.2f}x"
-                 for c, v in by_level.items()]
-        print(f"{name:<36} " + "; ".join(parts) + f"   (tok/s goal {'>' if goal == 1.0 else '>='} {goal})")
+    if results["ratios"]:
+        print("\nRatios within this run: tok/s, TTFT p50 and the serving process's CPU per token (worker / in-process "
+              "loop or vllm serve's API server)\n")
+        headers = ["ratio"] + [h for c in levels for h in (f"tok/s @{c}", f"TTFT @{c}", f"CPU @{c}")]
+        print_table(headers, [[name] + [f"{v[k]:.2f}" for c in levels for v in [by_level[c]]
+                                        for k in ("tok_s", "ttft_p50", "front_cpu")]
+                              for name, by_level in results["ratios"].items()])
     used = [lv for row in rows.values() for lv in row["levels"].values()]
     if any(lv["skewed"] for lv in used):
         print(f"\nWARNING: other processes kept using more than {CONTENDED_CORES} of the {psutil.cpu_count()} "
@@ -707,7 +783,7 @@ def report(results: dict[str, Any], work: Workload) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.bench_engine", description=__doc__.split("\n\n")[0])
-    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64, 256])
     p.add_argument("--rounds", type=int, default=6, help="measured rounds per level, after one warm-up")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=16, help="engine batch limit, the same for all ways")
@@ -724,9 +800,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "CPU alone (0: do not wait)")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=["cumulative"],
                    help="RequestOutputKinds to run the bridge and in-process ways with (first: the headline)")
+    p.add_argument("--encodings", nargs="+", choices=ENCODINGS, default=["patch-v1"],
+                   help="stream encodings to run the bridge ways with (first: the headline; full: every item "
+                        "whole, what clients that do not ask for patches get)")
     p.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
     p.add_argument("--model", default=None, help="model folder (default: the tiny model, built if missing)")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--summarize", nargs="+", metavar="JSON", default=None,
+                   help="measure nothing: print the goal figures (median, and each run) of earlier runs' --json files")
     p.add_argument("--logs", default=None, help="keep the servers' logs in this folder")
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     p.add_argument("--phase-out", default=None, help=argparse.SUPPRESS)
@@ -734,9 +815,48 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The figures of issue 18, each a ratio within one run: (row, ratio name in results["ratios"], key).
+GOALS = (
+    ("worker CPU per token / vllm serve's API server", "bridge-mux / vllm-serve", "front_cpu", "<= 0.5"),
+    ("  the same, Stream per request", "bridge / vllm-serve", "front_cpu", ""),
+    ("bridge-mux tok/s / in-process", "bridge-mux / in-process", "tok_s", ">= 0.95 (1.0 reserved core)"),
+    ("bridge (Stream per request) tok/s / in-process", "bridge / in-process", "tok_s", ">= 0.9 @32"),
+    ("TTFT p50 bridge-mux / in-process", "bridge-mux / in-process", "ttft_p50", "<= 1.1 @8"),
+    ("bridge-mux tok/s / vllm serve", "bridge-mux / vllm-serve", "tok_s", ""),
+)
+
+
+def summarize_runs(paths: Sequence[str]) -> int:
+    """The goal figures over several runs' JSON: the median at each level, and every run's value (the
+    spread). Runs are grouped by reserved cores; each group is one table."""
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        groups.setdefault(int(data["workload"].get("reserved_cpus", 0)), []).append(data)
+    for reserved, runs in sorted(groups.items()):
+        levels = sorted({c for r in runs for c in r["workload"]["concurrency"]}, key=int)
+        foreign = [round(lv["cpu"].get("foreign_cores", 0.0), 2) for r in runs for row in r["rows"].values()
+                   for lv in row["levels"].values()]
+        print(f"\nVLLM_CPU_NUM_OF_RESERVED_CPU={reserved}: {len(runs)} runs; foreign cores per level and way: "
+              f"median {statistics.median(foreign) if foreign else 0:.2f}, max {max(foreign, default=0):.2f}\n")
+        table = []
+        for row, ratio, key, goal in GOALS:
+            cells: list[object] = [row, goal]
+            for c in levels:
+                values = [r["ratios"][ratio][str(c)][key] for r in runs
+                          if ratio in r["ratios"] and str(c) in r["ratios"][ratio]]
+                cells.append(f"{statistics.median(values):.2f} ({', '.join(f'{v:.2f}' for v in values)})"
+                             if values else "-")
+            table.append(cells)
+        print_table(["figure (median over runs; each run)", "goal"] + [f"@{c}" for c in levels], table)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     exit_on_sigterm()
     args = build_parser().parse_args(argv)
+    if args.summarize:
+        return summarize_runs(args.summarize)
     if args.phase == "in-process":
         spec = json.loads(args.phase_workload)
         kinds = spec.pop("kinds")
@@ -758,6 +878,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     stream_interval=args.stream_interval, wait_quiet_s=args.wait_quiet,
                     bridge_interval_ms=args.bridge_interval_ms, reserved_cpus=reserved)
     kinds = list(dict.fromkeys(args.kinds))
+    encodings = list(dict.fromkeys(args.encodings))
     started = time.monotonic()
     raw: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
@@ -772,7 +893,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 transports = [w for w in ("bridge", "bridge-mux") if w in args.ways]
                 if way != transports[0]:
                     continue   # measured with the first, on the same worker
-                raw.update(run_bridge(work, kinds, log_dir, transports))
+                raw.update(run_bridge(work, kinds, log_dir, transports, encodings))
             elif way == "in-process":
                 for kind, data in run_in_process(work, kinds, log_dir).items():
                     raw[_label(way, kind)] = data
@@ -783,7 +904,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "levels": {str(c): summarize(data, c) for c in work.concurrency}} for name, data in raw.items()}
     results = {"benchmark": "engine", "machine": machine_info(), "workload": asdict(work), "kinds": kinds,
                "engine_args": work.engine_args(), "sampling": work.sampling(), "rows": rows,
-               "ratios": compare(rows, work, kinds), "total_s": time.monotonic() - started}
+               "encodings": encodings, "ratios": compare(rows, work, kinds, encodings), "total_s": time.monotonic() - started}
     report(results, work)
     print(f"\ntotal {results['total_s']:.0f} s")
     if args.json:

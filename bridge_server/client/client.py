@@ -19,10 +19,15 @@ import grpc
 from bridge_server.wire.codec import Encoder
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import detail_from_rpc_error
-from bridge_server.wire.protocol import GRPC_OPTIONS, RuntimeOptions, to_metadata
+from bridge_server.wire.protocol import GRPC_OPTIONS, STREAM_PATCH_V1, RuntimeOptions, to_metadata
 from bridge_server.wire.security import channel, read_token, token_metadata
+from bridge_server.wire.streamstate import StreamState
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
+
+# What `stream` asks for unless told otherwise: patches, which the server answers with whole values
+# where it does not know them, so asking costs nothing.
+DEFAULT_STREAM_ENCODING = STREAM_PATCH_V1
 
 
 class CallError(Exception):
@@ -158,15 +163,26 @@ class BridgeClient:
 
     def stream(self, target: Target | str, *args: Any, kwargs: Mapping[str, Any] | None = None,
                timeout: float | None = None, **options: Any) -> Iterator[Any]:
+        """Streams the call's items, decoded. Items travel as patches against the item before
+        (`stream_encoding="patch-v1"`, the default) or whole (`stream_encoding="full"`); either way
+        each item decodes to the same value."""
         req, refs = self.request(target, args, kwargs)
-        call = self.stub.Stream(req, timeout=timeout, metadata=self._metadata(refs, options))
+        call = self.stub.Stream(req, timeout=timeout, metadata=self._metadata(refs, self._streaming(options)))
+        state = StreamState()
         try:
             for item in call:
-                yield self._decoder.decode(item.value)
+                yield self._decoder.decode(state.item(item))
         except grpc.RpcError as err:
             raise CallError(err) from None
         finally:
             call.cancel()
+
+    def _streaming(self, options: dict[str, Any]) -> dict[str, Any]:
+        """A stream call's options: the client's stream encoding unless the caller or the client's
+        options name one."""
+        if "stream_encoding" not in options and self.options.stream_encoding is None:
+            options["stream_encoding"] = DEFAULT_STREAM_ENCODING
+        return options
 
     def collective(self, target: Target | str, *args: Any, kwargs: Mapping[str, Any] | None = None,
                    per_rank: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]] | None = None,
@@ -284,9 +300,10 @@ class Multiplexer:
                timeout: float | None = None, window: int = 32, **options: Any) -> Iterator[Any]:
         """`window`: items the server may send ahead of this consumer (0: no limit); credit goes back
         in halves as items are consumed."""
-        call_id, q = self._start(target, args, kwargs, True, timeout, options, window)
+        call_id, q = self._start(target, args, kwargs, True, timeout, self._client._streaming(options), window)
         step, consumed = max(1, window // 2), 0
         ended = False
+        state = StreamState()
         try:
             while True:
                 try:
@@ -297,7 +314,7 @@ class Multiplexer:
                 if event.WhichOneof("kind") == "end":
                     ended = True
                     return
-                yield self._client._decoder.decode(event.value)
+                yield self._client._decoder.decode(state.item(event))
                 consumed += 1
                 if window and consumed == step:
                     self._requests.put(pb.MuxRequest(credit=pb.MuxCredit(id=call_id, events=consumed)))

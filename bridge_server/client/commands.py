@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from bridge_server.wire.protocol import GRPC_OPTIONS, RuntimeOptions
+from bridge_server.wire.protocol import GRPC_OPTIONS, STREAM_ENCODINGS, RuntimeOptions
 from bridge_server.wire.security import channel, read_token, token_metadata
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import pool_pb2 as ppb
@@ -90,7 +90,7 @@ def cmd_call(args: argparse.Namespace) -> int:
         target = Target.fn(args.target)
     options = RuntimeOptions(session_id=args.session, timeout_profile=args.timeout_profile,
                              stream_timeout_s=args.stream_timeout / 1000 if args.stream_timeout else None,
-                             pool=args.pool, affinity=args.affinity)
+                             pool=args.pool, affinity=args.affinity, stream_encoding=args.stream_encoding)
     timeout = args.timeout / 1000 if args.timeout else None
     with client_of(args, options=options) as client:
         try:
@@ -136,6 +136,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--on", default=None, help="call a member of a published object NAME, or of a ref $ID")
     p.add_argument("--get", action="store_true", help="with --on: read the attribute instead of calling it")
     p.add_argument("--stream", action="store_true", help="stream the result item by item")
+    p.add_argument("--stream-encoding", default=None, choices=list(STREAM_ENCODINGS),
+                   help="how items travel (default: patch-v1, patches against the item before; the same "
+                        "values print either way)")
     add_connection_options(p)
     p.add_argument("--session", default="cli")
     p.add_argument("--timeout", type=float, default=None, help="deadline in milliseconds")

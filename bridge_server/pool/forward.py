@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from bridge_server.pool.collective import run_collective
-from bridge_server.pool.lane import STREAM_WINDOW, LaneClosed
+from bridge_server.pool.lane import ITEMS, STREAM_WINDOW, LaneClosed
 from bridge_server.pool.metrics import Metrics
 from bridge_server.pool.multiplex import forward_multiplex
 from bridge_server.pool.poolstate import Backend, Flight, pool_error
@@ -248,10 +248,13 @@ class Forwarder:
                                 identity=identity)
                 flight.call = lc
                 index = taken = 0
-                while (event := await lc.next()).WhichOneof("kind") == "value":
+                while (kind := (event := await lc.next()).WhichOneof("kind")) in ITEMS:
                     # Written to the caller once the generator resumes: gRPC's flow control, passed on
-                    # to the worker as credit.
-                    yield pb.StreamItemView(index=index, value=event.value).SerializeToString()
+                    # to the worker as credit. A patch (STREAM_ENCODING_PATCH_V1) goes on as bytes too.
+                    if kind == "value":
+                        yield pb.StreamItemView(index=index, value=event.value).SerializeToString()
+                    else:
+                        yield pb.StreamItemView(index=index, patch=event.patch).SerializeToString()
                     index += 1
                     taken += 1
                     if taken == _CREDIT_EVERY:

@@ -18,9 +18,10 @@ from bridge_server.wire.framing import Framed, LaneClosed
 from bridge_server.wire.protocol import CACHED_METADATA_BYTES, MD_IDENTITY, ROUTER_ONLY_KEYS, metadata_bytes
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-__all__ = ["Lane", "LaneCall", "LaneClosed", "STREAM_WINDOW", "open_lane"]
+__all__ = ["ITEMS", "Lane", "LaneCall", "LaneClosed", "STREAM_WINDOW", "open_lane"]
 
 STREAM_WINDOW = 32         # stream items a worker may send ahead of the router's caller (when it gave none)
+ITEMS = frozenset({"value", "patch"})   # the event kinds that carry a stream's item (a whole Value or a patch)
 
 
 # A `start` goes out in two encoded parts: the call itself (with the time it has left), then its
@@ -178,7 +179,7 @@ class Lane:
             lc = calls.get(event.id)
             if lc is None:
                 continue        # cancelled by the router; the worker's last word on it is moot
-            if not lc.stream or event.WhichOneof("kind") != "value":
+            if not lc.stream or event.WhichOneof("kind") not in ITEMS:
                 del calls[event.id]
                 lc._ended = True
             lc._push(event)

@@ -134,8 +134,11 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             return
         ev = add_event(run.client_id)
         kind = event.WhichOneof("kind")
-        if kind == "value":
-            ev.value = event.value
+        if kind == "value" or kind == "patch":
+            if kind == "value":
+                ev.value = event.value
+            else:
+                ev.patch = event.patch        # a stream's item as a patch: bytes, as values are
             if run.lc is not None and not run.lc.stream:
                 end(run)
             elif run.own_window:

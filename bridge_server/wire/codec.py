@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -21,7 +22,8 @@ import torch
 
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-__all__ = ["TORCH_DTYPES", "CodecError", "Encoder", "qualified_name", "short_repr"]
+__all__ = ["SCALAR_WRITERS", "TORCH_DTYPES", "CodecError", "Encoder", "FieldReader", "field_reader", "qualified_name",
+           "short_repr"]
 
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
@@ -76,6 +78,9 @@ _SCALARS: dict[type, Callable[[Any, pb.Value], None]] = {
     float: _put("float"), str: _put("str"), bytes: _put("bytes"),
 }
 _SCALARS[bytearray] = _SCALARS[memoryview] = lambda obj, out: setattr(out, "bytes", bytes(obj))
+# How each scalar type is written into a Value, by exact type (for the patcher, which writes the
+# scalars it sends itself).
+SCALAR_WRITERS: Mapping[type, Callable[[Any, pb.Value], None]] = _SCALARS
 # Exact container types, then (in this order) the bases that subclasses such as OrderedDict match.
 _CONTAINERS: dict[type, str] = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset", dict: "map"}
 
@@ -145,6 +150,56 @@ _type_name_of = _per_class(qualified_name)   # once per class: it is written int
 _INT_ONLY = {int}
 
 
+class FieldReader:
+    """How to read a record class's fields fast, worked out once per class: every field name in
+    order, and a C getter of all their values at once. It applies to an object that has every field
+    (none missing or msgspec UNSET), which is the usual case; for any other the encoder's own listing
+    decides (`Encoder.record_fields`)."""
+
+    __slots__ = ("names", "get", "check_unset")
+
+    def __init__(self, names: tuple[str, ...], get: Callable[[Any], tuple[Any, ...]] | None, check_unset: bool) -> None:
+        self.names = names
+        self.get = get
+        self.check_unset = check_unset
+
+    def values(self, obj: Any) -> tuple[Any, ...] | None:
+        get = self.get
+        if get is None:
+            return None
+        try:
+            values = get(obj)
+        except AttributeError:
+            return None
+        if self.check_unset and _UNSET_ID in map(id, values):
+            return None
+        return values
+
+
+_UNSET_ID = id(msgspec.UNSET)
+
+
+@functools.lru_cache(maxsize=1024)
+def field_reader(cls: type, adapter_names: tuple[str, ...] | None) -> FieldReader:
+    """The FieldReader of a record class (`adapter_names`: the fields an adapter declares for it)."""
+    if adapter_names is not None:
+        names = adapter_names
+    elif issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        return FieldReader(tuple(cls._fields), tuple, False)
+    elif dataclasses.is_dataclass(cls):
+        names = tuple(f.name for f in dataclasses.fields(cls))
+    elif issubclass(cls, msgspec.Struct):
+        names = tuple(cls.__struct_fields__)
+    else:      # pydantic: extra fields come and go, so always the encoder's listing
+        return FieldReader((), None, False)
+    if not names:
+        return FieldReader(names, lambda obj: (), False)
+    getter = operator.attrgetter(*names)
+    get = getter if len(names) > 1 else (lambda obj: (getter(obj),))
+    return FieldReader(names, get, adapter_names is None)
+
+
+
 @dataclasses.dataclass(frozen=True)
 class Encoder:
     """Turns Python objects into Values; anything not expressible by value becomes a ref."""
@@ -174,6 +229,22 @@ class Encoder:
         else:
             self._fill(obj, out, 0, set())
         return out
+
+    def encode_at(self, obj: object, out: pb.Value, depth: int, active: set[int]) -> None:
+        """Fills `out` with obj as the encoder fills it `depth` levels down, inside the containers
+        whose ids are in `active` (its ancestors): for senders of parts of a value (the patcher),
+        whose parts must encode exactly as they do inside the whole."""
+        self._fill(obj, out, depth, active)
+
+    def record_fields(self, obj: object) -> list[tuple[str, object]] | None:
+        """obj's fields as the encoder sends them, in order, if obj goes as a record (else None)."""
+        cls = type(obj)
+        names = self.records.get(cls)
+        if names is not None:
+            return [(n, getattr(obj, n)) for n in names if hasattr(obj, n)]
+        if _leaf_kind(cls) is not None:
+            return None
+        return _record_fields(obj)
 
     def _ref(self, obj: object, out: pb.Value) -> None:
         out.ref.CopyFrom(self.make_ref(obj))

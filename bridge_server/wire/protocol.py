@@ -29,6 +29,8 @@ MD_POOL = "x-bridge-pool"
 MD_AFFINITY = "x-bridge-affinity"
 MD_REFS = "x-bridge-refs"
 MD_RANK = "x-bridge-rank"
+MD_STREAM_ENCODING = "x-bridge-stream-encoding"
+MD_STREAM_TEE = "x-bridge-stream-tee"     # "1": with patch-v1, every item twice (a patch, then whole)
 # Sent back by a worker in the trailing metadata of every successful gRPC call: the live refs it
 # holds (the pool router reads the same count from its lanes' `MuxReply.worker_refs`).
 MD_WORKER_REFS = "x-bridge-worker-refs"
@@ -49,6 +51,10 @@ GRPC_OPTIONS: list[tuple[str, int]] = [("grpc.max_send_message_length", MAX_MESS
                                        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                        ("grpc.so_reuseport", 0)]
 AFFINITY_MODES = ("hint", "strict_queue", "strict_fail_fast")
+# Stream encodings by their metadata names (the `StreamEncoding` enum of the .proto).
+STREAM_FULL = "full"
+STREAM_PATCH_V1 = "patch-v1"
+STREAM_ENCODINGS = (STREAM_FULL, STREAM_PATCH_V1)
 
 # Keepalive: a client may ping a connection that carries no data (a long `batch_job` call, a stream
 # waiting for its first item) every MIN_PING_INTERVAL_S or more without being cut off; gRPC's
@@ -128,6 +134,12 @@ class RuntimeOptions:
     session_sent: bool = False               # the caller named a session (else it is DEFAULT_SESSION)
     collective: bool = False                 # one rank's share of a Collective (set by the pool server)
     identity: str = ""                       # the client the pool server serves (set by the pool server)
+    # How stream items travel: sent as the caller's list of preferences; parsed, the first name this
+    # side knows (None: not asked for, which means STREAM_FULL).
+    stream_encoding: str | None = None
+    # For checking a receiver's patch decoding: with patch-v1, each item is sent as a patch and then
+    # again whole, encoded at the same moment, so that the two decoded values can be compared.
+    stream_tee: bool = False
 
 
 def _ms(key: str, raw: str) -> float | None:
@@ -203,6 +215,7 @@ def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
     if session is not None and len(session) > MAX_SESSION_ID_CHARS:
         raise BridgeError.validation(f"metadata {MD_SESSION}: a session id of {len(session):,} characters; at most "
                                      f"{MAX_SESSION_ID_CHARS}", parameter=MD_SESSION)
+    encodings = get(MD_STREAM_ENCODING)
     return RuntimeOptions(
         session_id=session or DEFAULT_SESSION,
         timeout_profile=profile,
@@ -216,7 +229,20 @@ def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
         session_sent=MD_SESSION in md,
         collective=get(MD_COLLECTIVE) == "1",
         identity=get(MD_IDENTITY) or "",
+        stream_encoding=None if encodings is None else stream_encoding(encodings),
+        stream_tee=get(MD_STREAM_TEE) in ("1", "true"),
     )
+
+
+def stream_encoding(preferences: str) -> str:
+    """The first of a caller's comma-separated stream encodings that this side knows, else STREAM_FULL.
+    Unknown names are skipped rather than refused: a newer client may list an encoding this server
+    predates, and FULL is always correct."""
+    for name in preferences.split(","):
+        name = name.strip()
+        if name in STREAM_ENCODINGS:
+            return name
+    return STREAM_FULL
 
 
 def time_left_s(time_left_ms: float) -> float | None:
@@ -248,4 +274,8 @@ def to_metadata(opts: RuntimeOptions) -> list[tuple[str, str]]:
         md.append((MD_REFS, ",".join(opts.refs)))
     if opts.rank is not None:
         md.append((MD_RANK, str(opts.rank)))
+    if opts.stream_encoding is not None:
+        md.append((MD_STREAM_ENCODING, opts.stream_encoding))
+    if opts.stream_tee:
+        md.append((MD_STREAM_TEE, "1"))
     return md

@@ -41,7 +41,7 @@ from adapters.spec import CallContext, Policy
 from bridge_server.wire.codec import Encoder
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import BridgeError, clip, quote
-from bridge_server.wire.protocol import DEFAULT_SESSION
+from bridge_server.wire.protocol import DEFAULT_SESSION, STREAM_PATCH_V1
 from bridge_server.worker.binding import (
     Building,
     Checks,
@@ -52,8 +52,9 @@ from bridge_server.worker.binding import (
     namespace_of,
 )
 from bridge_server.worker.catalog import Catalog, Entry, Kind
-from bridge_server.worker.deadlines import Deadlines, Watchdog, with_deadline
+from bridge_server.worker.deadlines import Deadlines, with_deadline
 from bridge_server.worker.refs import RefRegistry
+from bridge_server.worker.streams import PutItem, Tee, item_writer, iterate
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 _PROTOCOL_METHODS = frozenset({"__enter__", "__exit__", "__aenter__", "__aexit__"})   # context managers
@@ -82,6 +83,7 @@ class Limits:
     """What one client identity may make a worker hold, beyond its refs (RefRegistry's limits)."""
 
     max_engines_per_client: int = 2      # objects with a lifecycle (engines) a client makes, published aside
+
 
 
 @dataclass
@@ -510,78 +512,33 @@ class Invoker:
         return obj
 
     async def stream(self, request: pb.CallRequest, caller: Caller, deadlines: Deadlines,
-                     interval_s: float | None = None, plan: Plan | None = None) -> AsyncIterator[tuple[Any, Encoder]]:
-        """Yields each item with the encoder to encode it with (the caller encodes it in place)."""
+                     interval_s: float | None = None, plan: Plan | None = None,
+                     encoding: str | None = None, tee: bool = False) -> AsyncIterator[tuple[Any, PutItem]]:
+        """Yields each item with the function that puts it into the message that carries it (a
+        `StreamItem` or a `MuxEvent`), in the stream's encoding: the caller puts it in place.
+        `tee` (with PATCH_V1): each item comes twice, to be sent as a patch and then whole."""
         plan = plan or self.plan(request.target, caller)
         self._admit(plan, caller)
         args, kwargs = await self.prepare(plan, *self.decode(request, caller, plan.label), caller)
         source = await self.run_checked(plan, args, kwargs, deadlines.call)
-        encoder = self.encoder(caller, plan.exclusive, stream=True)
+        put = self.item_writer(caller, plan.exclusive, encoding)
         lane = self._exclusive_lane if plan.exclusive else self._shared_lane
+        items = iterate(source, plan.label, deadlines, lambda step: self._in_thread(lane, step, None, plan.label),
+                        interval_s)
         activity, receiver = self._activity, id(plan.receiver)
-        async for item in self._iterate(source, plan, deadlines, lane, interval_s):
+        if tee and encoding == STREAM_PATCH_V1:
+            both = Tee(put, self.item_writer(caller, plan.exclusive, None))
+            async for item in items:
+                activity[receiver] = time.monotonic()
+                yield item, both.first
+                yield item, both.second
+            return
+        async for item in items:
             activity[receiver] = time.monotonic()
-            yield item, encoder
+            yield item, put
 
-    async def _iterate(self, source: Any, plan: Plan, deadlines: Deadlines, lane: ThreadPoolExecutor,
-                       interval_s: float | None = None) -> AsyncIterator[Any]:
-        if hasattr(source, "__anext__") or hasattr(source, "__aiter__"):
-            agen = source.__aiter__()
-            step: Callable[[], Any] = agen.__anext__
-            done_exc: type[BaseException] = StopAsyncIteration
-            close = getattr(agen, "aclose", None)
-        elif hasattr(source, "__iter__") and not isinstance(source, (str, bytes, dict)):
-            it = iter(source)
-            sentinel = object()
-            step = lambda: self._in_thread(lane, lambda: next(it, sentinel), None, plan.label)  # noqa: E731
-            done_exc = StopIteration
-            close = getattr(it, "close", None)
-        else:
-            raise BridgeError.validation(f"{plan.label} returned {type(source).__qualname__}, which is not iterable: "
-                                         f"use Call instead of Stream", target=plan.label)
-        first = True
-        watchdog = Watchdog()
-        try:
-            while True:
-                if first:
-                    limit = deadlines.call
-                else:
-                    idle = None if deadlines.stream_idle_s is None else time.monotonic() + deadlines.stream_idle_s
-                    limit = min((t for t in (idle, deadlines.total) if t is not None), default=None)
-                watchdog.arm(limit)
-                try:
-                    item = await step()
-                except done_exc:
-                    return
-                except asyncio.CancelledError:
-                    if watchdog.expired_cancel():
-                        doing = "waiting for the first item" if first else "waiting for the next item"
-                        raise BridgeError.timeout(f"{plan.label}: deadline exceeded while {doing}",
-                                                  target=plan.label) from None
-                    raise
-                except Exception as exc:   # the called code failed: a python_error, mapped as for Call
-                    raise BridgeError.from_exception(exc, plan.label) from exc
-                finally:
-                    watchdog.disarm()
-                if done_exc is StopIteration and item is sentinel:
-                    return
-                first = False
-                sent = time.monotonic()
-                yield item
-                if interval_s:
-                    # Coalescing: not asking for the next item yet lets vLLM merge the outputs that
-                    # arrive meanwhile into one (its per-request collector), so fewer messages carry
-                    # the same tokens. The first item is never held back.
-                    await asyncio.sleep(max(0.0, sent + interval_s - time.monotonic()))
-        finally:
-            watchdog.close()
-            if close is not None:
-                try:
-                    result = close()
-                    if inspect.isawaitable(result):
-                        await result
-                except Exception:  # closing is best effort: the stream's outcome is already decided
-                    pass
+    def item_writer(self, caller: Caller, exclusive: bool, encoding: str | None) -> PutItem:
+        return item_writer(lambda stream: self.encoder(caller, exclusive, stream), encoding)
 
 
 def _not_operator(plan: Plan) -> BridgeError:

@@ -154,11 +154,12 @@ async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[st
             await out.wait_for_room(start.id)
             out.add(start.id).value.CopyFrom(value)
             return
-        async for item, encoder in invoker.stream(start.call, caller, deadlines, opts.stream_interval_s, plan):
+        async for item, put in invoker.stream(start.call, caller, deadlines, opts.stream_interval_s, plan,
+                                              opts.stream_encoding, opts.stream_tee):
             await out.wait_for_room(start.id)
             event = out.add_item(start.id)
             try:
-                encoder.encode_into(item, event.value)
+                put(item, event)
             except BaseException:
                 out.drop_last()
                 raise

@@ -170,9 +170,10 @@ class BridgeService:
             plan = self.invoker.plan(request.target, caller)
             deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
             index = 0
-            async for item, encoder in self.invoker.stream(request, caller, deadlines, opts.stream_interval_s, plan):
+            async for item, put in self.invoker.stream(request, caller, deadlines, opts.stream_interval_s, plan,
+                                                        opts.stream_encoding, opts.stream_tee):
                 out = pb.StreamItem(index=index)
-                encoder.encode_into(item, out.value)
+                put(item, out)
                 yield out
                 index += 1
             self._refs_trailer(context)

@@ -17,7 +17,15 @@ import pytest
 from bridge_server.client.client import BridgeClient, CallError, Target
 from bridge_server.tools.tiny_model import ensure_tiny_model
 from tests.pool.harness import PoolServer, start_pool_server, toml_inline, wait_until
-from tests.worker.test_engine import LONG, assert_same_generations, drained, engine_args, generate_together, greedy
+from tests.worker.test_engine import (
+    LONG,
+    assert_patches_decode_like_whole_values,
+    assert_same_generations,
+    drained,
+    engine_args,
+    generate_together,
+    greedy,
+)
 from tests.worker.test_engine import wait_until as eventually
 
 GENERATE = Target.method("engine", "generate")
@@ -78,11 +86,12 @@ def test_a_slow_reader_through_the_router_gets_merged_items_and_every_token(rout
     client's window and credit, or (window 0) on the router's, credited as replies are written."""
     with BridgeClient(routed.address, channel_options=[("grpc.http2.bdp_probe", 0)]) as client, \
             client.multiplex() as mux:
+        # Whole items: the transport's window holds a few of those, but a thousand one-token patches.
         if way == "stream":
-            stream = client.stream(GENERATE, "slow reader", greedy(LONG), f"routed-slow-{way}")
+            stream = client.stream(GENERATE, "slow reader", greedy(LONG), f"routed-slow-{way}", stream_encoding="full")
         else:
             stream = mux.stream(GENERATE, "slow reader", greedy(LONG), f"routed-slow-{way}",
-                                window=0 if way == "multiplex-no-window" else 32)
+                                window=0 if way == "multiplex-no-window" else 32, stream_encoding="full")
         assert next(stream)["finished"] is False
         assert drained(client, timeout=120), "the engine never finished"
         rest = list(stream)
@@ -130,3 +139,24 @@ def test_a_routed_deadline_aborts_the_request_in_the_engine(routed: PoolServer) 
                 pass
         assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert_aborted(routed, client, "routed-deadline")
+
+
+def test_patched_streams_through_the_router_decode_to_the_same_items_as_whole_ones(routed: PoolServer) -> None:
+    """The router passes the encoding option on and the patches through as bytes, for calls of
+    their own and for calls of a Multiplex stream."""
+    with BridgeClient(routed.address) as client:
+        assert_patches_decode_like_whole_values(client, "routed-enc")
+        with client.multiplex() as mux:
+            assert_patches_decode_like_whole_values(mux, "routed-enc-mux")
+
+
+def test_a_routed_client_that_does_not_ask_for_patches_gets_whole_values(routed: PoolServer) -> None:
+    from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
+
+    with BridgeClient(routed.address) as client:
+        request, _ = client.request(GENERATE, ("routed plain items", greedy(8), "routed-plain-items"))
+        items = list(pb_grpc.BridgeStub(client.channel).Stream(request))
+        patched = list(pb_grpc.BridgeStub(client.channel).Stream(
+            request, metadata=[("x-bridge-stream-encoding", "patch-v1")]))
+    assert len(items) >= 2 and all(i.HasField("value") and not i.HasField("patch") for i in items)
+    assert patched[0].HasField("value") and all(i.HasField("patch") for i in patched[1:])

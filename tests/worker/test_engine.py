@@ -359,14 +359,108 @@ def test_a_slow_reader_gets_merged_items_not_a_backlog(bridge: BridgeClient, way
     """The reader stops after one item while the engine generates every token: the worker does not
     queue an item per token meanwhile (vLLM merges a waiting request's outputs), yet no token is lost.
     The client keeps gRPC's receive window at its initial 64 KiB (no BDP growth), so what the
-    transport holds is small and what the worker holds shows."""
+    transport holds is small and what the worker holds shows. Items go whole: a window holds a few
+    of those, but a thousand patches of a token each (as few bytes, as bounded a backlog)."""
     with BridgeClient(bridge.address, channel_options=[("grpc.http2.bdp_probe", 0)]) as client, \
             client.multiplex() as mux:
         source = mux if way == "multiplex" else client
-        stream = source.stream(Target.method("engine", "generate"), "slow reader", greedy(LONG), f"slow-{way}")
+        stream = source.stream(Target.method("engine", "generate"), "slow reader", greedy(LONG), f"slow-{way}",
+                               stream_encoding="full")
         assert next(stream)["finished"] is False
         assert drained(bridge, timeout=120), "the engine never finished"
         rest = list(stream)
     assert rest[-1]["finished"] is True and len(rest[-1]["outputs"][0]["token_ids"]) == LONG
     # What was already on its way (gRPC's flow-control window) arrives one by one; the rest is merged.
     assert len(rest) < LONG // 10, len(rest)
+
+
+# --- stream encodings: patches decode to the same items as whole values -------------------------
+
+GENERATE = Target.method("engine", "generate")
+
+
+def stream_cases() -> dict[str, tuple[str, dict[str, Any]]]:
+    """(prompt, sampling params) of requests whose items exercise every part of a streamed
+    RequestOutput: each output kind, logprobs and prompt logprobs, n > 1, stop tokens and strings."""
+    from vllm.sampling_params import RequestOutputKind as K
+    seeded = {"temperature": 1.0, "seed": 7, "n": 2, "max_tokens": 12}
+    return {
+        "cumulative": ("The quick brown fox", greedy(24)),
+        "delta": ("The quick brown fox", greedy(24, output_kind=K.DELTA)),
+        "final-only": ("The quick brown fox", greedy(24, output_kind=K.FINAL_ONLY)),
+        "logprobs": ("A B C D", greedy(12, logprobs=3, prompt_logprobs=2)),
+        "logprobs-delta": ("A B C D", greedy(12, logprobs=2, prompt_logprobs=1, output_kind=K.DELTA)),
+        "n2": ("Once upon a time", seeded),
+        "n2-delta": ("Once upon a time", {**seeded, "output_kind": K.DELTA}),
+        "n2-final-only": ("Once upon a time", {**seeded, "output_kind": K.FINAL_ONLY}),
+        "stop-token": ("Once upon a time", {"temperature": 0.0, "max_tokens": 16, "stop_token_ids": [493]}),
+        "stop-string": ("Once upon a time", {"temperature": 0.0, "max_tokens": 16, "stop": [" today"]}),
+    }
+
+
+def assert_patches_decode_like_whole_values(source: BridgeClient | Multiplexer, tag: str) -> None:
+    """Every case, streamed as patches with each item also sent whole right after its patch
+    (`x-bridge-stream-tee`: both encoded from the same objects at the same moment), decodes to
+    equal values item for item. (Two separate runs of a request are no check: where vLLM splits
+    its items, and the stats it stamps on them, depend on timing.)"""
+    for name, (prompt, params) in stream_cases().items():
+        items = list(source.stream(GENERATE, prompt, params, f"{tag}-{name}", stream_tee=True))
+        patched, whole = items[0::2], items[1::2]
+        assert len(patched) == len(whole) >= 1, name
+        assert patched == whole, name
+        assert whole[-1]["finished"] is True, name
+        if name in ("cumulative", "logprobs"):
+            assert len(whole) > 4, name       # streamed item by item, so most items were patches
+
+
+def test_patched_streams_decode_to_the_same_items_as_whole_ones(bridge: BridgeClient) -> None:
+    assert_patches_decode_like_whole_values(bridge, "enc")
+    with bridge.multiplex() as mux:
+        assert_patches_decode_like_whole_values(mux, "enc-mux")
+
+
+def test_a_stream_tee_sends_each_item_as_a_patch_then_whole(engine_worker: WorkerProcess) -> None:
+    from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
+
+    with BridgeClient(engine_worker.address) as client:
+        request, _ = client.request(GENERATE, ("tee", greedy(6), "tee"))
+        items = list(pb_grpc.BridgeStub(client.channel).Stream(request, metadata=[
+            ("x-bridge-stream-encoding", "patch-v1"), ("x-bridge-stream-tee", "1")]))
+    assert [i.index for i in items] == list(range(len(items))) and len(items) % 2 == 0
+    assert all(i.HasField("value") for i in items[1::2])
+    assert items[0].HasField("value") and all(i.HasField("patch") for i in items[2::2])
+
+
+@pytest.mark.parametrize("asked", [None, "full", "patch-v9"])
+def test_a_client_that_does_not_ask_for_patches_gets_whole_values(engine_worker: WorkerProcess,
+                                                                   asked: str | None) -> None:
+    """What grpcurl, an older client or another language's stack sees: every item a whole Value."""
+    from vllm_bridge.v1 import bridge_pb2 as pb
+    from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
+
+    with BridgeClient(engine_worker.address) as client:
+        request, _ = client.request(GENERATE, ("plain items", greedy(8), f"plain-{asked}"))
+        metadata = [] if asked is None else [("x-bridge-stream-encoding", asked)]
+        items = list(pb_grpc.BridgeStub(client.channel).Stream(request, metadata=metadata))
+        asked_patches = [("x-bridge-stream-encoding", "patch-v1")]
+        patched = list(pb_grpc.BridgeStub(client.channel).Stream(request, metadata=asked_patches))
+    assert len(items) >= 2 and all(i.HasField("value") and not i.HasField("patch") for i in items)
+    assert patched[0].HasField("value") and all(i.HasField("patch") for i in patched[1:])
+    assert sum(len(i.SerializeToString()) for i in patched) < sum(len(i.SerializeToString()) for i in items) / 3
+    assert isinstance(items[0], pb.StreamItem)
+
+
+def test_a_request_vllm_refuses_fails_alike_over_every_transport_and_encoding(bridge: BridgeClient) -> None:
+    """A request that vLLM's add_request refuses (inside generate's first step) fails with the same
+    status over Stream and Multiplex, patched, whole and coalesced."""
+    too_long = "word " * 3000       # past max_model_len
+    errors = []
+    with bridge.multiplex() as mux:
+        for source, options in ((bridge, {}), (mux, {}), (mux, {"stream_interval_s": 0.01}),
+                                (bridge, {"stream_encoding": "full"})):
+            with pytest.raises(CallError) as err:
+                list(source.stream(GENERATE, too_long, greedy(4), f"refused-{len(errors)}", **options))
+            errors.append(err.value)
+        assert mux.call(Target.method("engine", "check_health")) is None
+    assert len({(e.code, e.category, e.detail.python_type if e.detail else "") for e in errors}) == 1, errors
+    assert "longer than the maximum model length" in errors[0].details

@@ -1,0 +1,454 @@
+"""Stream items as patches (`STREAM_ENCODING_PATCH_V1` in the .proto): the sender's diff (the
+receiver's apply is `streamstate.py`).
+
+Why: a generation streams one `RequestOutput` per token, a record of ~30 fields of which a token or
+two change (the text and token ids grow, a few timestamps move, `finished` flips once). Encoding the
+whole record for every item was most of what the worker spent per streamed token. Here each item
+after the first carries only what changed since the item before it: ops that set a Value, or append
+to a string, a packed int list or a list, at a path of field and item positions.
+
+The receiver (`StreamState`) keeps the latest item's Value and applies each patch to it, so what it
+decodes is exactly the Value the full encoding would have sent for that item: the sender's diff
+(`Patcher`) mirrors every choice the `Encoder` makes (kinds, field order, packed ints, refs for what
+is too deep or cyclic) and sends a whole Value wherever it cannot show that a part stays as it was.
+
+The sender compares each item with a *shadow* of the previous one: a private copy of what it was
+encoded from (strings and numbers as they were, int lists copied, records and lists as shadows of
+their parts). Identity is never taken for sameness of anything mutable: vLLM appends to a request's
+token id and logprob lists in place and reuses its stats object, so an item's lists may be the very
+objects of the item before, changed since.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import operator
+from typing import Any
+
+from bridge_server.wire.codec import SCALAR_WRITERS, Encoder, FieldReader, field_reader
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+__all__ = ["Patcher"]
+
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_INT_ONLY = {int}
+
+
+# --- the sender -----------------------------------------------------------------------------------
+# A record's fields and a list's items are shadowed as two parallel lists: `leaves`, the values
+# themselves where they are simple immutable scalars (exact None, bool, int, float, str or bytes; and
+# enum members), and `kids`, a shadow node for everything else (None for a scalar). The hot loop
+# (`_diff_parts`) skips a part that `is` its leaf, compares and writes scalars in place, and calls a
+# node only for containers and other kinds. Identity is trusted only for those immutable leaves.
+# Shadow nodes: `diff` emits the ops that turn the previous encoding into obj's and returns obj's
+# shadow (itself, updated in place, where it can); `same` says whether obj encodes exactly as the
+# shadowed object did.
+
+_NOT_A_LEAF = object()
+_SIMPLE = frozenset({type(None), bool, int, float, str, bytes})
+_WRITE = SCALAR_WRITERS
+
+
+def _same_scalar(x: Any, old: Any) -> bool:
+    """Whether x encodes as the simple scalar `old` does (exact type; -0.0 is not 0.0; a NaN is
+    never the same, so it is re-sent: correct, and rare)."""
+    cls = type(x)
+    return cls is type(old) and x == old and (cls is not float or x != 0.0 or
+                                              math.copysign(1.0, x) == math.copysign(1.0, old))
+
+
+class _Node:
+    __slots__ = ()
+
+    def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
+        return False
+
+    def diff(self, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
+        if self.same(p, obj, depth, active):
+            return self
+        return p.whole(obj, path, depth, active)
+
+
+class _Opaque(_Node):
+    """Encoded as something never compared (a ref, a tensor, a set, a container subclass, a value
+    past the depth limit): sent whole every time, as the full encoding would (refs included)."""
+
+    __slots__ = ()
+
+
+_OPAQUE = _Opaque()
+
+
+class _Leaf(_Node):
+    """A simple scalar where no parts list holds it (a map's key or value, a stream's root)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
+        return obj is self.value or _same_scalar(obj, self.value)
+
+
+class _Str(_Leaf):
+    """A stream whose items are strings: they may grow."""
+
+    __slots__ = ()
+
+    def diff(self, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
+        v = self.value
+        if type(obj) is str and obj.startswith(v):
+            if len(obj) > len(v):
+                p.op(path).append_str = obj[len(v):]
+                self.value = obj
+            return self
+        return p.whole(obj, path, depth, active)
+
+
+class _Enum(_Node):
+    """An enum member: members are singletons, and their encoding depends on nothing else."""
+
+    __slots__ = ("member",)
+
+    def __init__(self, member: Any) -> None:
+        self.member = member
+
+    def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
+        return obj is self.member
+
+
+def _all_ints(obj: list[Any]) -> bool:
+    """Every item an exact int (a bool or a float equal to one is not), counted in C."""
+    return operator.countOf(map(type, obj), int) == len(obj)
+
+
+def _as_ints(obj: Any) -> bool:
+    """Whether the encoder sends this (exact) list as packed `ints`: non-empty, every item an exact
+    int, all within 64 bits (a bigger one makes it a list of Values)."""
+    return bool(obj) and type(obj[0]) is int and set(map(type, obj)) == _INT_ONLY and \
+        _I64_MIN <= min(obj) and max(obj) <= _I64_MAX
+
+
+class _Ints(_Node):
+    """A list sent as packed `ints`; the shadow is a copy of its values (the list itself may be
+    appended to in place by its owner)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: list[int]) -> None:
+        self.values = values
+
+    def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
+        return type(obj) is list and obj == self.values and _all_ints(obj)
+
+    def diff(self, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
+        old = self.values
+        n = len(old)
+        # Every item's type, not only the new ones': an equal int of another type (True, 1.0) in
+        # place of an old one would encode differently. In C, and what the encoder checks anyway.
+        if type(obj) is list and len(obj) >= n and obj[:n] == old and _all_ints(obj):
+            if len(obj) == n:
+                return self
+            tail = obj[n:]
+            if _I64_MIN <= min(tail) and max(tail) <= _I64_MAX:
+                p.op(path).append_ints.values.extend(tail)
+                old.extend(tail)
+                return self
+        return p.whole(obj, path, depth, active)
+
+
+def _diff_parts(p: Patcher, values: Any, leaves: list[Any], kids: list[_Node | None], path: list[int],
+                depth: int, active: set[int], constant: frozenset[int] = frozenset()) -> None:
+    """Emits the ops for the parts (fields or items) in `values`, the first len(values) of those
+    shadowed, and updates their shadow. `depth` is the parts' own. The parts at `constant` positions
+    are a record's fields that its adapter declares to stay the same object through a stream (a
+    request's prompt token ids): while they are that object they are not compared, which is what the
+    full encoding assumes of them too (it sends its first encoding again)."""
+    ops = p.ops
+    i = -1
+    for x in values:
+        i += 1
+        old = leaves[i]
+        if x is old:
+            continue
+        cls = type(x)
+        if cls in _SIMPLE:
+            if cls is type(old):
+                if cls is str:
+                    if x.startswith(old):
+                        if len(x) > len(old):
+                            op = ops.add()
+                            op.path.extend(path)
+                            op.path.append(i)
+                            op.append_str = x[len(old):]
+                        leaves[i] = x
+                        continue
+                elif x == old and (cls is not float or x != 0.0 or math.copysign(1.0, x) == math.copysign(1.0, old)):
+                    leaves[i] = x
+                    continue
+            op = ops.add()
+            op.path.extend(path)
+            op.path.append(i)
+            _WRITE[cls](x, op.set)
+            leaves[i] = x
+            kids[i] = None
+            continue
+        kid = kids[i]
+        path.append(i)
+        kid = p.whole(x, path, depth, active) if kid is None else kid.diff(p, x, path, depth, active)
+        path.pop()
+        kids[i] = kid
+        leaves[i] = kid.member if type(kid) is _Enum else x if i in constant else _NOT_A_LEAF
+
+
+def _same_parts(p: Patcher, values: Any, leaves: list[Any], kids: list[_Node | None], depth: int,
+                active: set[int]) -> bool:
+    for x, old, kid in zip(values, leaves, kids):
+        if x is old:
+            continue
+        if kid is None:
+            if not _same_scalar(x, old):
+                return False
+        elif not kid.same(p, x, depth, active):
+            return False
+    return True
+
+
+class _Seq(_Node):
+    """A list (of values, not packed) or a tuple: its items' shadows in order."""
+
+    __slots__ = ("cls", "leaves", "kids")
+
+    def __init__(self, cls: type, leaves: list[Any], kids: list[_Node | None]) -> None:
+        self.cls = cls
+        self.leaves = leaves
+        self.kids = kids
+
+    def _fits(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
+        """obj encodes as this kind (not packed ints, not a ref) and can be compared item by item."""
+        cls = self.cls
+        return depth < p.max_depth and id(obj) not in active and type(obj) is cls and not (
+            cls is list and _as_ints(obj))
+
+    def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
+        if not self._fits(p, obj, depth, active) or len(obj) != len(self.leaves):
+            return False
+        active.add(id(obj))
+        try:
+            return _same_parts(p, obj, self.leaves, self.kids, depth + 1, active)
+        finally:
+            active.discard(id(obj))
+
+    def diff(self, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
+        leaves, kids = self.leaves, self.kids
+        n = len(leaves)
+        if not self._fits(p, obj, depth, active) or len(obj) < n:
+            return p.whole(obj, path, depth, active)
+        active.add(id(obj))
+        depth += 1
+        _diff_parts(p, obj if len(obj) == n else itertools.islice(obj, n), leaves, kids, path, depth, active)
+        if len(obj) > n:
+            added = p.op(path).append_items.items
+            for x in obj[n:]:
+                p.fill(x, added.add(), depth, active)
+                p.add_part(x, leaves, kids, depth, active)
+        active.discard(id(obj))
+        return self
+
+
+class _Map(_Node):
+    """A dict: its entries' shadows in order. Changed maps are sent whole (no op walks into a map)."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, entries: list[tuple[_Node, _Node]]) -> None:
+        self.entries = entries
+
+    def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
+        entries = self.entries
+        if type(obj) is not dict or len(obj) != len(entries) or depth >= p.max_depth or id(obj) in active:
+            return False
+        active.add(id(obj))
+        depth += 1
+        try:
+            return all(k.same(p, key, depth, active) and v.same(p, value, depth, active)
+                       for (k, v), (key, value) in zip(entries, obj.items()))
+        finally:
+            active.discard(id(obj))
+
+
+class _Record(_Node):
+    """A record: its class, its field names as encoded, and their values' shadows."""
+
+    __slots__ = ("cls", "names", "leaves", "kids", "plan", "constant")
+
+    def __init__(self, cls: type, names: tuple[str, ...], leaves: list[Any], kids: list[_Node | None],
+                 plan: FieldReader, constant: frozenset[int]) -> None:
+        self.cls = cls
+        self.names = names
+        self.leaves = leaves
+        self.kids = kids
+        self.plan = plan
+        self.constant = constant       # positions of fields declared constant (see `_diff_parts`)
+
+    def _fields(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> Any:
+        """obj's field values, if obj encodes as a record with the same fields in the same order."""
+        if type(obj) is not self.cls or depth >= p.max_depth or id(obj) in active:
+            return None
+        plan = self.plan
+        if self.names is plan.names:      # the last item had every field: the fast way, if it still has
+            values = plan.values(obj)
+            if values is not None:
+                return values
+        fields = p.encoder.record_fields(obj)
+        names = self.names
+        if fields is None or len(fields) != len(names):
+            return None
+        for (name, _), known in zip(fields, names):
+            if name != known:
+                return None
+        return [v for _, v in fields]
+
+    def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
+        values = self._fields(p, obj, depth, active)
+        if values is None:
+            return False
+        active.add(id(obj))
+        try:
+            return _same_parts(p, values, self.leaves, self.kids, depth + 1, active)
+        finally:
+            active.discard(id(obj))
+
+    def diff(self, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
+        key = id(obj)
+        plan = self.plan
+        values = None
+        if self.names is plan.names and type(obj) is self.cls and depth < p.max_depth and key not in active:
+            values = plan.values(obj)      # the usual case, inline: every field there, as last time
+        if values is None:
+            values = self._fields(p, obj, depth, active)
+            if values is None:
+                return p.whole(obj, path, depth, active)
+        active.add(key)
+        _diff_parts(p, values, self.leaves, self.kids, path, depth + 1, active, self.constant)
+        active.discard(key)
+        return self
+
+
+class Patcher:
+    """The sender's side of one stream: puts each item into a message (a `StreamItem` or a
+    `MuxEvent`, both of which have `value` and `patch`) as a whole Value the first time and as a
+    patch against the previous item after that."""
+
+    __slots__ = ("encoder", "max_depth", "root", "ops")
+
+    def __init__(self, encoder: Encoder) -> None:
+        self.encoder = encoder
+        self.max_depth = encoder.max_depth
+        self.root: _Node | None = None
+        self.ops: Any = None              # the ops of the patch being written
+
+    def put(self, obj: object, msg: Any) -> None:
+        root = self.root
+        # Patches pay off for what has parts that stay (records, lists, strings); a number, a map or
+        # a ref is simply sent again.
+        if root is None or not isinstance(root, _PATCHED_ROOTS):
+            self.encoder.encode_into(obj, msg.value)
+            self.root = self.shadow(obj, 0, set())
+            return
+        patch = msg.patch
+        patch.SetInParent()            # present even when nothing changed
+        self.ops = patch.ops
+        try:
+            self.root = root.diff(self, obj, [], 0, set())
+        except BaseException:
+            self.root = None           # the shadow may be half updated: never patch against it again
+            raise
+        finally:
+            self.ops = None
+
+    # -- what the shadows call ------------------------------------------------------------------
+    def op(self, path: list[int]) -> Any:
+        """A new op at `path`, for the caller to fill."""
+        op = self.ops.add()
+        if path:
+            op.path.extend(path)
+        return op
+
+    def whole(self, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
+        """Sends obj whole at `path`, encoded exactly as the encoder would there."""
+        self.fill(obj, self.op(path).set, depth, active)
+        return self.shadow(obj, depth, active)
+
+    def fill(self, obj: Any, out: pb.Value, depth: int, active: set[int]) -> None:
+        self.encoder.encode_at(obj, out, depth, active)
+
+    def add_part(self, x: Any, leaves: list[Any], kids: list[_Node | None], depth: int, active: set[int]) -> None:
+        """Shadows one more part (a field, an item) at `depth`."""
+        if type(x) in _SIMPLE:
+            leaves.append(x)
+            kids.append(None)
+            return
+        kid = self.shadow(x, depth, active)
+        leaves.append(kid.member if type(kid) is _Enum else _NOT_A_LEAF)
+        kids.append(kid)
+
+    def _parts(self, owner: Any, values: Any, depth: int, active: set[int]) -> tuple[list[Any], list[_Node | None]]:
+        leaves: list[Any] = []
+        kids: list[_Node | None] = []
+        active.add(id(owner))
+        try:
+            for x in values:
+                self.add_part(x, leaves, kids, depth + 1, active)
+        finally:
+            active.discard(id(owner))
+        return leaves, kids
+
+    def shadow(self, obj: Any, depth: int, active: set[int]) -> _Node:
+        """What obj was encoded as, to compare the next item with: mirrors `Encoder._fill`."""
+        cls = type(obj)
+        if cls is str:
+            return _Str(obj)
+        if cls in _SIMPLE:
+            return _Leaf(obj)
+        if cls is list:
+            if _as_ints(obj):      # packed before any depth check, as the encoder does
+                return _Ints(list(obj))
+            if depth >= self.max_depth or id(obj) in active:
+                return _OPAQUE
+            return _Seq(list, *self._parts(obj, obj, depth, active))
+        if cls is tuple:
+            if depth >= self.max_depth or id(obj) in active:
+                return _OPAQUE
+            return _Seq(tuple, *self._parts(obj, obj, depth, active))
+        if cls is dict:
+            if depth >= self.max_depth or id(obj) in active:
+                return _OPAQUE
+            active.add(id(obj))
+            entries = [(self.shadow(k, depth + 1, active), self.shadow(v, depth + 1, active)) for k, v in obj.items()]
+            active.discard(id(obj))
+            return _Map(entries)
+        if cls in (set, frozenset, bytearray, memoryview):
+            return _OPAQUE
+        fields = self.encoder.record_fields(obj)
+        if fields is None:
+            return _Enum(obj) if issubclass(cls, enum.Enum) else _OPAQUE
+        if depth >= self.max_depth or id(obj) in active:
+            return _OPAQUE
+        plan = field_reader(cls, self.encoder.records.get(cls))  # type: ignore[arg-type]  # classes hash
+        names = tuple(n for n, _ in fields)
+        if names == plan.names:
+            names = plan.names        # the same tuple: `_Record._fields` then takes the fast way
+        declared = self.encoder.constant_fields.get(cls)
+        constant = frozenset(i for i, n in enumerate(names) if n in declared) if declared else frozenset()
+        leaves, kids = self._parts(obj, (v for _, v in fields), depth, active)
+        for i in constant:
+            if kids[i] is not None and type(kids[i]) is not _Enum:
+                leaves[i] = fields[i][1]      # the object itself: skipped while it stays
+        return _Record(cls, names, leaves, kids, plan, constant)
+
+
+_PATCHED_ROOTS = (_Record, _Seq, _Ints, _Str)

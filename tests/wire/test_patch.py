@@ -1,0 +1,394 @@
+"""Stream items as patches (STREAM_ENCODING_PATCH_V1): after every item, the receiver's state is
+exactly the Value the full encoding sends for that item, whatever the sender's objects did in
+between (grew in place, shrank, changed type, kept their identity while changing their contents)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import msgspec
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bridge_server.wire.codec import CodecError, Encoder
+from bridge_server.wire.patch import Patcher
+from bridge_server.wire.protocol import STREAM_FULL, STREAM_PATCH_V1, RuntimeOptions, parse_metadata, to_metadata
+from bridge_server.wire.streamstate import StreamState
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+
+def by_identity(obj: object) -> pb.Ref:
+    """Refs named after the object, so that both encodings of one object give the same ref."""
+    return pb.Ref(id=f"w1.{id(obj)}", worker_id="w1", type_name=type(obj).__qualname__)
+
+
+class Plain:
+    """A plain class that an adapter declares to be a record (as vLLM's RequestOutput is)."""
+
+    def __init__(self, x: object, y: object) -> None:
+        self.x, self.y = x, y
+
+
+@dataclasses.dataclass
+class Rec:
+    a: Any
+    b: Any = None
+    c: Any = dataclasses.field(default=None, init=False)   # left out while never set
+
+
+class Struct(msgspec.Struct):
+    p: Any
+    q: Any = msgspec.UNSET        # left out while UNSET
+
+
+class Pair(NamedTuple):
+    left: Any
+    right: Any
+
+
+class Color(enum.Enum):
+    RED = 1
+    BLUE = "blue"
+
+
+class Opaque:
+    """Goes as a ref."""
+
+
+RECORDS = {Plain: ("x", "y")}
+
+
+def encoders(**options: Any) -> tuple[Encoder, Patcher]:
+    return (Encoder(by_identity, records=RECORDS, **options),
+            Patcher(Encoder(by_identity, records=RECORDS, **options)))
+
+
+def check_stream(items: Iterator[object], stream_item: type = pb.MuxEvent, **options: Any) -> list[pb.MuxEvent]:
+    """Sends each item (taken as the sender's objects are at that moment) both ways and checks that
+    the patched state equals the full Value, byte for byte; returns what was sent."""
+    full, patcher = encoders(**options)
+    state = StreamState()
+    sent = []
+    for i, item in enumerate(items):
+        expected = full.encode(item).SerializeToString(deterministic=True)
+        msg = stream_item()
+        patcher.put(item, msg)
+        msg = stream_item.FromString(msg.SerializeToString())    # over the wire
+        got = state.item(msg).SerializeToString(deterministic=True)
+        assert got == expected, f"item {i}: {msg}"
+        sent.append(msg)
+    return sent
+
+
+def ops(msg: Any) -> list[tuple[list[int], str]]:
+    return [(list(op.path), op.WhichOneof("op")) for op in msg.patch.ops]
+
+
+# --- what goes on the wire ------------------------------------------------------------------------
+
+def test_the_first_item_is_whole_and_later_ones_carry_only_what_changed() -> None:
+    tokens: list[int] = [1]
+    stats = Rec(a=0, b=0.5)
+
+    def items() -> Iterator[Plain]:
+        for i in range(2, 6):
+            tokens.append(i)                   # the same list, grown in place (vLLM's CUMULATIVE)
+            stats.a += 1                       # the same stats object, changed in place
+            yield Plain(x=["constant", "prefix" + "." * i, tokens], y=stats)
+
+    sent = check_stream(items())
+    assert sent[0].WhichOneof("kind") == "value"
+    assert all(m.WhichOneof("kind") == "patch" for m in sent[1:])
+    assert ops(sent[1]) == [([0, 1], "append_str"), ([0, 2], "append_ints"), ([1, 0], "set")]
+    assert list(sent[1].patch.ops[1].append_ints.values) == [3]
+
+
+def test_an_unchanged_item_is_an_empty_patch_and_a_stream_item_says_which_it_is() -> None:
+    sent = check_stream(iter([Rec(a="x"), Rec(a="x"), Rec(a="x")]), stream_item=pb.StreamItem)
+    assert sent[0].HasField("value") and not sent[0].HasField("patch")
+    assert all(m.HasField("patch") and not m.HasField("value") and not m.patch.ops for m in sent[1:])
+
+
+def test_in_place_changes_that_keep_the_objects_identity_are_seen() -> None:
+    ids = [5, 6, 7]
+    logprobs: list[dict[int, Rec]] = [{5: Rec(a=-0.5)}]
+    item = Plain(x=ids, y=logprobs)
+
+    def items() -> Iterator[Plain]:
+        yield item
+        ids[1] = 60                            # an old item changed: not an append
+        yield item
+        ids[1] = True                          # equal to 1 would be, but a bool: a list of Values now
+        yield item
+        ids[:] = [1, 2]                        # shrunk
+        yield item
+        logprobs[0][5].a = -0.25               # deep inside an earlier list item
+        yield item
+        logprobs.append({6: Rec(a=-1.0)})      # appended
+        yield item
+        logprobs[1][7] = Rec(a=-2.0)           # a map grew
+        yield item
+
+    sent = check_stream(items())
+    assert ops(sent[1]) == [([0], "set")]
+    assert ops(sent[5]) == [([1], "append_items")]
+
+
+def test_strings_grow_by_appends_and_anything_else_is_set() -> None:
+    sent = check_stream(iter([Rec(a="ab"), Rec(a="abcd"), Rec(a="abXd"), Rec(a=""), Rec(a=b"ab"), Rec(a="ab")]))
+    assert [ops(m) for m in sent[1:]] == [[([0], "append_str")], [([0], "set")], [([0], "set")], [([0], "set")],
+                                          [([0], "set")]]
+
+
+@pytest.mark.parametrize("pair", [(1, True), (1, 1.0), (0.0, -0.0), (float("nan"), float("nan")), ("a", Color.RED),
+                                  (Color.RED, Color.BLUE), ((1,), [1]), ([1], [1, 2**64]), ([], [1]), ([1], []),
+                                  (2**70, 2**70 + 1), ({1: 2}, {1: 2.0}), (Pair(1, 2), (1, 2)), ({1}, {1})])
+def test_values_that_compare_equal_but_encode_differently_are_sent_again(pair: tuple[object, object]) -> None:
+    a, b = pair
+    check_stream(iter([Rec(a=a), Rec(a=b), Rec(a=a), Rec(a=a)]))
+
+
+def test_records_whose_fields_come_and_go_are_sent_with_the_fields_they_have() -> None:
+    rec, struct, plain = Rec(a=1), Struct(p=1), Plain(1, 2)
+
+    def items() -> Iterator[list[object]]:
+        yield [rec, struct, plain]
+        rec.c = "set now"                      # an init=False field appears
+        struct.q = [1]                         # a msgspec field stops being UNSET
+        del plain.y                            # an adapter record's attribute goes away
+        yield [rec, struct, plain]
+        struct.q = msgspec.UNSET
+        plain.y = 3
+        yield [rec, struct, plain]
+        yield [rec, struct, plain]
+
+    check_stream(items())
+
+
+def test_a_place_patched_again_after_something_above_it_was_replaced_is_found_anew() -> None:
+    """The receiver remembers where its ops landed; a `set` above such a place replaces what is
+    below it, and the next op there must land in the new value, not in what was replaced."""
+    sent = check_stream(iter([Rec(a=["x"]), Rec(a=["xy"]), Rec(a=("xy",)), Rec(a=("xyz",)), Rec(a=("xyzw",)),
+                              Rec(a=[["q"]]), Rec(a=[["qr"]]), Rec(a=[["qr", "s"]]), Rec(a=[["qr", "st"]])]))
+    assert [ops(m) for m in sent[1:5]] == [[([0, 0], "append_str")], [([0], "set")], [([0, 0], "append_str")],
+                                           [([0, 0], "append_str")]]
+
+
+def test_fields_declared_constant_are_trusted_while_they_stay_the_same_object_as_the_full_encoding_does() -> None:
+    """An adapter declares the fields of a record that stay the same object through a stream (a
+    request's prompt token ids): the full encoding of a stream sends their first encoding again
+    while they are that object, and so do patches, without comparing a long prompt every item."""
+    prompt = list(range(1000))
+    items = [Plain(x=prompt, y=1), Plain(x=prompt, y=2), Plain(x=list(prompt), y=3), Plain(x=[7], y=4)]
+    whole = Encoder(by_identity, records=RECORDS, constant_fields={Plain: frozenset({"x"})}, memo={})
+    patcher = Patcher(Encoder(by_identity, records=RECORDS, constant_fields={Plain: frozenset({"x"})}))
+    state = StreamState()
+    sent = []
+    for item in items:
+        msg = pb.MuxEvent()
+        patcher.put(item, msg)
+        sent.append(msg)
+        assert state.item(msg).SerializeToString(deterministic=True) == \
+            whole.encode(item).SerializeToString(deterministic=True)
+    assert [ops(m) for m in sent[1:]] == [[([1], "set")], [([1], "set")], [([0], "set"), ([1], "set")]]
+
+
+def test_refs_tensors_and_sets_are_sent_whole_every_time() -> None:
+    opaque, tensor, members = Opaque(), torch.arange(4), {1, 2}
+    sent = check_stream(iter([Plain(x=opaque, y=[tensor, members])] * 3))
+    assert all(ops(m) == [([0], "set"), ([1, 0], "set"), ([1, 1], "set")] for m in sent[1:])
+
+
+def test_cycles_and_structures_past_the_depth_limit_go_as_refs_as_they_would_whole() -> None:
+    loop: list[object] = [1]
+    loop.append(loop)
+    deep: list[object] = [0]
+    for _ in range(6):
+        deep = [deep]
+    check_stream(iter([Rec(a=loop, b=deep), Rec(a=loop, b=deep), Rec(a=[loop], b=[deep])]), max_depth=4)
+
+
+@pytest.mark.parametrize("items", [[1, 2, 2], ["a", "ab", "abc"], [[1], [1, 2], [1, 2]], [(1, "a"), (1, "ab")],
+                                   [{"k": 1}, {"k": 1}], [Opaque(), Opaque()], [Rec(a=1), Plain(1, 2), Rec(a=1)]])
+def test_any_kind_of_stream_works(items: list[object]) -> None:
+    check_stream(iter(items))
+
+
+# --- any sequence of changes ----------------------------------------------------------------------
+
+leaves = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([2**63 - 1, 2**63, -(2**70)]),
+                   st.sampled_from([0.0, -0.0, 1.0, math.inf, math.nan]), st.text(max_size=3), st.binary(max_size=2),
+                   st.sampled_from([Color.RED, Color.BLUE]))
+trees = st.recursive(
+    leaves,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.lists(st.integers(-2, 2), min_size=1, max_size=3),
+        st.lists(inner, max_size=3).map(tuple),
+        st.dictionaries(st.text(max_size=2), inner, max_size=3),
+        st.builds(Rec, inner, inner),
+        st.builds(Plain, inner, inner),
+        st.builds(Pair, inner, inner),
+    ),
+    max_leaves=12,
+)
+
+
+def places(tree: object) -> list[tuple[Any, Any]]:
+    """Every (container, key) in the tree whose value can be changed in place."""
+    out: list[tuple[Any, Any]] = []
+    seen: set[int] = set()
+
+    def walk(x: object) -> None:
+        if id(x) in seen:
+            return
+        seen.add(id(x))
+        if isinstance(x, list):
+            out.extend((x, i) for i in range(len(x)))
+            out.append((x, None))           # the list itself: grow or shrink it
+        elif isinstance(x, dict):
+            out.extend((x, k) for k in x)
+        elif isinstance(x, (Rec, Plain)):
+            out.extend((x, f.name) for f in dataclasses.fields(x)) if isinstance(x, Rec) else \
+                out.extend((x, n) for n in ("x", "y"))
+        children = x if isinstance(x, (list, tuple)) else x.values() if isinstance(x, dict) else \
+            vars(x).values() if isinstance(x, (Rec, Plain)) else ()
+        for c in children:
+            walk(c)
+
+    walk(tree)
+    return out
+
+
+def change(data: st.DataObject, tree: object) -> None:
+    spots = places(tree)
+    if not spots:
+        return
+    holder, key = data.draw(st.sampled_from(spots))
+    if key is None:
+        how = data.draw(st.sampled_from(["append", "extend", "pop", "clear"]))
+        if how == "append":
+            holder.append(data.draw(trees))
+        elif how == "extend":
+            holder.extend(data.draw(st.lists(st.integers(-2, 2), max_size=2)))
+        elif holder:
+            holder.pop() if how == "pop" else holder.clear()
+        return
+    current = holder[key] if isinstance(holder, (list, dict)) else getattr(holder, key)
+    new = data.draw(st.one_of(trees, st.just(current + "z") if isinstance(current, str) else trees))
+    if isinstance(holder, (list, dict)):
+        holder[key] = new
+    else:
+        setattr(holder, key, new)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_any_sequence_of_in_place_changes_patches_to_the_full_encoding(data: st.DataObject) -> None:
+    root = Rec(a=data.draw(trees), b=[data.draw(trees)])
+
+    def items() -> Iterator[object]:
+        yield root
+        for _ in range(data.draw(st.integers(1, 6))):
+            for _ in range(data.draw(st.integers(0, 3))):
+                change(data, root)
+            yield root
+
+    check_stream(items(), max_depth=6)
+
+
+# --- vLLM's own output records, as its output processor changes them ------------------------------
+
+def vllm_records() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.v1.metrics.stats import RequestStateStats
+    return RequestOutput, CompletionOutput, RequestStateStats, Logprob
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta", "n2-delta"])
+def test_request_outputs_stream_as_vllm_makes_them(kind: str) -> None:
+    from adapters.async_llm import ASYNC_LLM
+    RequestOutput, CompletionOutput, RequestStateStats, Logprob = vllm_records()
+    RECORDS[RequestOutput] = next(r.fields for r in ASYNC_LLM.records if r.attr == "RequestOutput")
+    try:
+        stats = RequestStateStats(arrival_time=1.5)
+        tokens: list[int] = []
+        logprobs: list[dict[int, Any]] = []
+        prompt_logprobs = [None, {3: Logprob(-1.0, 1, "a")}]
+
+        def items() -> Iterator[object]:
+            text = ""
+            for i in range(6):
+                child = i % 2 if kind == "n2-delta" else 0
+                tokens.append(10 + i)
+                logprobs.append({10 + i: Logprob(-0.5 * i, 1, f"t{i}")})
+                stats.num_generation_tokens += 1
+                stats.last_token_ts = 2.0 + i
+                text += f" t{i}"
+                delta = kind != "cumulative"
+                done = i == 5
+                out = CompletionOutput(index=child, text=f" t{i}" if delta else text,
+                                       token_ids=[10 + i] if delta else tokens, cumulative_logprob=-0.5 * i,
+                                       logprobs=logprobs[-1:] if delta else logprobs,
+                                       finish_reason="stop" if done else None, stop_reason=15 if done else None)
+                yield RequestOutput(request_id="r", prompt="p", prompt_token_ids=[1, 2, 3],
+                                    prompt_logprobs=prompt_logprobs if i == 0 or not delta else None,
+                                    outputs=[out], finished=done, metrics=stats, num_cached_tokens=0)
+
+        sent = check_stream(items())
+        if kind == "cumulative":    # the growing parts grow by appends
+            assert {o for m in sent[1:] for _, o in ops(m)} == {"append_str", "append_ints", "append_items", "set"}
+    finally:
+        del RECORDS[RequestOutput]
+
+
+# --- the receiver refuses what does not fit --------------------------------------------------------
+
+def patch_of(*op: pb.PatchOp) -> pb.StreamPatch:
+    return pb.StreamPatch(ops=list(op))
+
+
+@pytest.mark.parametrize("op", [
+    pb.PatchOp(path=[5], set=pb.Value(int=1)),                       # no field 5
+    pb.PatchOp(path=[0, 0], set=pb.Value(int=1)),                    # a step into a str
+    pb.PatchOp(path=[0], append_ints=pb.Ints(values=[1])),           # ints onto a str
+    pb.PatchOp(path=[1], append_str="x"),                            # a str onto ints
+    pb.PatchOp(path=[0]),                                            # no op
+])
+def test_a_patch_that_does_not_fit_the_state_is_refused(op: pb.PatchOp) -> None:
+    state = StreamState()
+    state.full(Encoder(by_identity).encode(Rec(a="s", b=[1, 2])))
+    with pytest.raises(CodecError):
+        state.patch(patch_of(op))
+
+
+def test_a_patch_before_any_value_is_refused() -> None:
+    with pytest.raises(CodecError):
+        StreamState().patch(patch_of())
+
+
+def test_the_state_is_a_copy_of_what_arrived() -> None:
+    msg = pb.StreamItem(value=Encoder(by_identity).encode(["a"]))
+    state = StreamState()
+    state.item(msg)
+    state.patch(patch_of(pb.PatchOp(path=[0], append_str="b")))
+    assert msg.value.list.items[0].str == "a" and state.value is not None and state.value.list.items[0].str == "ab"
+
+
+# --- asking for it ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("asked", "used"), [(None, None), ("patch-v1", STREAM_PATCH_V1), ("full", STREAM_FULL),
+                                             ("patch-v9, patch-v1", STREAM_PATCH_V1), ("patch-v9", STREAM_FULL),
+                                             (" full ,patch-v1", STREAM_FULL), ("", STREAM_FULL)])
+def test_the_first_known_encoding_a_caller_lists_is_used(asked: str | None, used: str | None) -> None:
+    md = [] if asked is None else [("x-bridge-stream-encoding", asked)]
+    assert parse_metadata(md).stream_encoding == used
+    if asked is not None:
+        assert ("x-bridge-stream-encoding", asked) in to_metadata(RuntimeOptions(stream_encoding=asked))
