@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -34,6 +34,7 @@ from bridge_server.pool.router import Router, read_route, session_key, time_left
 from bridge_server.wire.errors import STATUS_DETAILS_KEY, BridgeError, mux_error_status, status_code
 from bridge_server.wire.protocol import MD_IDENTITY, MD_WORKER_REFS, ROUTER_ONLY_KEYS, parse_request
 from bridge_server.wire.security import MD_AUTHORIZATION, ServerSecurity
+from bridge_server.wire.stall import StallGuard
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 log = logging.getLogger("vllm_bridge.router")
@@ -109,6 +110,7 @@ class Forwarder:
         self.metrics = metrics
         self.security = security          # who the caller is (its workers take the pool server's word)
         self.limit = max_request_bytes
+        self.stall = StallGuard()         # bounds each write to a Stream's caller (pool key reader_stall_s)
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE, {
@@ -216,22 +218,18 @@ class Forwarder:
             self.metrics.observe_call(out.pool, "Collective", out.code, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------------------------ Stream
-    async def stream(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    async def stream(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
         t0 = time.perf_counter()
         out = _Outcome()
-        items = self._stream(request, context, out)
         try:
-            async for item in items:
-                yield item
+            await self._stream(request, context, out)
         except BaseException as exc:
-            await self._abort(context, out, exc)
+            await self._abort(context, out, exc)     # the worker slot is free already
             raise
         finally:
-            await items.aclose()       # now, not at garbage collection: it frees the worker slot
             self.metrics.observe_call(out.pool, "Stream", out.code, time.perf_counter() - t0)
 
-    async def _stream(self, request: bytes, context: grpc.aio.ServicerContext,
-                      out: _Outcome) -> AsyncGenerator[bytes, None]:
+    async def _stream(self, request: bytes, context: grpc.aio.ServicerContext, out: _Outcome) -> None:
         md = context.invocation_metadata()
         identity = self.security.identity(context)
         route = read_route(md, context.time_remaining(), parse_request(pb.CallRequest, request, "Stream", self.limit),
@@ -242,6 +240,7 @@ class Forwarder:
         backend.flights.add(flight)
         lane = backend.lane
         lc = None
+        stall_s = pool.config.reader_stall_s
         try:
             try:
                 lc = lane.start(request, md, stream=True, window=STREAM_WINDOW, timeout_s=time_left(route),
@@ -249,12 +248,14 @@ class Forwarder:
                 flight.call = lc
                 index = taken = 0
                 while (kind := (event := await lc.next()).WhichOneof("kind")) in ITEMS:
-                    # Written to the caller once the generator resumes: gRPC's flow control, passed on
-                    # to the worker as credit. A patch (STREAM_ENCODING_PATCH_V1) goes on as bytes too.
+                    # gRPC's flow control holds the write back while the caller does not read; that is
+                    # passed on to the worker as credit, and bounded by the pool's reader_stall_s. A
+                    # patch (STREAM_ENCODING_PATCH_V1) goes on as bytes too.
                     if kind == "value":
-                        yield pb.StreamItemView(index=index, value=event.value).SerializeToString()
+                        item = pb.StreamItemView(index=index, value=event.value).SerializeToString()
                     else:
-                        yield pb.StreamItemView(index=index, patch=event.patch).SerializeToString()
+                        item = pb.StreamItemView(index=index, patch=event.patch).SerializeToString()
+                    await self.stall.wait(context.write(item), "Stream", stall_s)
                     index += 1
                     taken += 1
                     if taken == _CREDIT_EVERY:

@@ -42,6 +42,7 @@ from bridge_server.wire.codec import Encoder
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import BridgeError, clip, quote
 from bridge_server.wire.protocol import DEFAULT_SESSION, STREAM_PATCH_V1
+from bridge_server.wire.stall import READER_STALL_S, StallGuard
 from bridge_server.worker.binding import (
     Building,
     Checks,
@@ -83,6 +84,7 @@ class Limits:
     """What one client identity may make a worker hold, beyond its refs (RefRegistry's limits)."""
 
     max_engines_per_client: int = 2      # objects with a lifecycle (engines) a client makes, published aside
+    reader_stall_s: float | None = READER_STALL_S   # a stream whose caller reads nothing this long ends
 
 
 
@@ -132,6 +134,7 @@ class Invoker:
         self._entry_plans: dict[str, Plan] = {}   # catalog targets carry no receiver: plan them once
         self._decoders: dict[str, Decoder] = {}   # by identity
         self._building = Building(self.catalog.short_types, self.catalog.rule, self.policy)
+        self.stall = StallGuard(self.limits.reader_stall_s)   # bounds every wait on a stream's caller
 
     def active_since(self, obj: object, since: float) -> bool:
         """Whether a stream on `obj` yielded an item after `since` (time.monotonic()): progress."""

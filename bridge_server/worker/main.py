@@ -18,6 +18,7 @@ from bridge_server.wire import eventloop
 from bridge_server.wire.protocol import MIN_PING_INTERVAL_S
 from bridge_server.wire.security import SecurityError
 from bridge_server.wire.security import add_arguments as add_security_arguments
+from bridge_server.wire.stall import READER_STALL_S
 
 if TYPE_CHECKING:   # imported when a worker runs, not when the `vllm-bridge` parser is built
     from bridge_server.wire.security import ServerSecurity
@@ -78,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the largest request (default %(default)s)")
     s.add_argument("--max-prompt-chars", type=int, default=1_000_000, metavar="N",
                    help="the longest prompt (default %(default)s)")
+    s.add_argument("--reader-stall", type=float, default=READER_STALL_S, metavar="S",
+                   help="a stream whose caller reads nothing for this long ends, freeing its slot; 0: never "
+                        "(default %(default)s)")
     g = p.add_argument_group("distributed pools: join a torch.distributed group at start")
     g.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"])
     g.add_argument("--dist-world-size", type=int, default=1)
@@ -108,7 +112,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     from bridge_server.worker.invoke import Limits
     from bridge_server.worker.server import DistributedRank, WorkerConfig
     for name in ("max_engines_per_client", "max_sessions", "max_refs_per_client", "max_request_bytes",
-                 "max_prompt_chars"):
+                 "max_prompt_chars", "reader_stall"):
         if getattr(args, name) < 0:
             raise SystemExit(f"vllm-bridge worker: --{name.replace('_', '-')} must be >= 0")
     objects = json.loads(args.objects)
@@ -127,7 +131,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
                         idle_ttl_s=args.ref_ttl, tensor_max_bytes=args.tensor_max_bytes, grace_s=args.grace,
                         objects=objects, lane=args.lane, warmup=args.warmup, security=security_from_args(args),
                         insecure=args.insecure, policy=policy,
-                        limits=Limits(max_engines_per_client=args.max_engines_per_client),
+                        limits=Limits(max_engines_per_client=args.max_engines_per_client,
+                                      reader_stall_s=args.reader_stall or None),
                         max_sessions=args.max_sessions, max_refs_per_client=args.max_refs_per_client,
                         max_request_bytes=args.max_request_bytes,
                         probe_interval_s=args.probe_interval, probe_timeout_s=args.probe_timeout,

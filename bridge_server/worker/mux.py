@@ -53,9 +53,12 @@ class Outbox:
     dropped: set[int] = field(default_factory=set)                 # calls ended for a result over the limit
     max_bytes: int = MAX_REPLY_BYTES                                # one reply message at most
 
+    def has_room(self, call_id: int) -> bool:
+        return (self.pending.get(call_id, 0) < self.per_call and len(self.reply.events) < self.max_pending
+                and self.credit.get(call_id, 1) > 0)
+
     async def wait_for_room(self, call_id: int) -> None:
-        while (self.pending.get(call_id, 0) >= self.per_call or len(self.reply.events) >= self.max_pending
-               or self.credit.get(call_id, 1) <= 0):
+        while not self.has_room(call_id):
             self.room.clear()
             await self.room.wait()
 
@@ -156,7 +159,8 @@ async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[st
             return
         async for item, put in invoker.stream(start.call, caller, deadlines, opts.stream_interval_s, plan,
                                               opts.stream_encoding, opts.stream_tee):
-            await out.wait_for_room(start.id)
+            if not out.has_room(start.id):     # the caller reads slower than the stream goes: bounded
+                await invoker.stall.wait(out.wait_for_room(start.id), label)
             event = out.add_item(start.id)
             try:
                 put(item, event)

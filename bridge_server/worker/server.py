@@ -160,7 +160,7 @@ class BridgeService:
             await context.abort_with_status(server_error(exc, label).to_status())
             raise  # unreachable: abort raises
 
-    async def Stream(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StreamItem]:  # noqa: N802
+    async def Stream(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         label = "Stream"
         try:
             request = self._read(pb.CallRequest, raw, "Stream")
@@ -170,11 +170,13 @@ class BridgeService:
             plan = self.invoker.plan(request.target, caller)
             deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
             index = 0
+            stall = self.invoker.stall
             async for item, put in self.invoker.stream(request, caller, deadlines, opts.stream_interval_s, plan,
                                                         opts.stream_encoding, opts.stream_tee):
                 out = pb.StreamItem(index=index)
                 put(item, out)
-                yield out
+                # written here rather than yielded, so that a caller who stops reading is noticed
+                await stall.wait(context.write(out), label)
                 index += 1
             self._refs_trailer(context)
         except Exception as exc:

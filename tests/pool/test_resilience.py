@@ -230,6 +230,38 @@ def test_an_error_quotes_only_a_prefix_of_what_the_client_sent(server: PoolServe
     assert_untouched(server, client)
 
 
+def test_a_caller_that_stops_reading_frees_its_slots_and_its_engine_requests(server: PoolServer,
+                                                                             client: BridgeClient) -> None:
+    """Each way a caller can hold a worker slot by reading nothing of a stream (a Stream through the
+    router, a Multiplex stream that never gives credit, a Stream straight to the worker) ends after
+    the pool's reader_stall_s (3 s here): the slot is free for others, vLLM aborts the request, and
+    the caller, once it reads again, learns why."""
+    worker = server.pool("e").workers[0]
+    log = Path(server.log.parent) / "logs" / f"{worker.id}.log"
+    quiet = [("grpc.http2.bdp_probe", 0)]    # a fixed 64 KiB window, filled after a few whole items
+    full = {"stream_encoding": "full", "pool": "e"}
+    many = greedy(1500)
+    with BridgeClient(server.address, channel_options=quiet) as via_router, \
+            BridgeClient(worker.address, channel_options=quiet) as direct, via_router.multiplex(pool="e") as mux:
+        stalled = {
+            "stalled-router": via_router.stream(GENERATE, "stop reading", many, "stalled-router", **full),
+            "stalled-worker": direct.stream(GENERATE, "stop reading", many, "stalled-worker", **full),
+            "stalled-mux": mux.stream(GENERATE, "stop reading", many, "stalled-mux", window=1),
+        }
+        for stream in stalled.values():
+            assert next(stream)["finished"] is False
+        wait_until(lambda: all(f"Request {rid} aborted" in log.read_text(errors="replace") for rid in stalled),
+                   timeout=60, what="vLLM aborted every stalled stream's request")
+        wait_until(lambda: server.pool("e").in_flight == 0, timeout=10, what="the stalled streams' slots freed")
+        assert tokens(client, "after-stalls") and health(server) == SERVING
+        for rid, stream in stalled.items():
+            with pytest.raises(CallError) as err:
+                for _ in stream:
+                    pass
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, (rid, err.value)
+            assert err.value.reason == "reader stalled" and "reader_stall_s" in err.value.details, (rid, err.value)
+
+
 def test_quiet_calls_outlive_client_pings_at_the_documented_interval(server: PoolServer) -> None:
     """Compressed time: this server accepts pings every >= 2 s (min_ping_interval_s = 2; the default
     is 10, `test_the_documented_ping_interval`). A call that receives nothing for 7 s, from a client

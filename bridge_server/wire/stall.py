@@ -1,0 +1,93 @@
+"""Ending streams whose caller stops reading.
+
+A stream holds a worker slot until it ends, and nothing but its caller's reading makes it go on once
+its window is full: a caller that stops reading (a stranger's trick, or a bug) would hold the slot
+for as long as its connection lives, and enough such streams hold every slot while health says
+SERVING. So each wait for the caller (a write gRPC's flow control holds back, or a wait for the
+caller's credit) is bounded by the pool's `reader_stall_s`; past it the stream ends with
+DEADLINE_EXCEEDED (reason "reader stalled") and frees its slot.
+
+Per-token cost matters here (a wait happens for every item), so a wait is not given a timer of its
+own: it notes when it started, and one sweeper per event loop looks over the waits now and then,
+cancelling those past their bound. A wait that ends in time costs two dict operations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import grpc
+
+from bridge_server.wire.errors import BridgeError
+
+__all__ = ["READER_STALL_S", "StallGuard", "reader_stalled"]
+
+READER_STALL_S = 60.0      # the default bound on a caller that reads nothing while items wait
+
+T = TypeVar("T")
+
+
+def reader_stalled(label: str, stall_s: float) -> BridgeError:
+    return BridgeError(grpc.StatusCode.DEADLINE_EXCEEDED, "timeout",
+                       f"{label}: the caller read nothing for {stall_s:g} s while items waited for it "
+                       f"(reader_stall_s); the stream was ended to free its worker slot",
+                       target=label, reason="reader stalled")
+
+
+class StallGuard:
+    """The bounded waits of one event loop's streams. `stall_s` None or 0: unbounded."""
+
+    def __init__(self, stall_s: float | None = READER_STALL_S) -> None:
+        self.stall_s = stall_s or None
+        self._waiting: dict[asyncio.Task[object], float] = {}   # task -> until when it may wait
+        self._stalled: set[asyncio.Task[object]] = set()
+        self._sweeper: asyncio.Task[None] | None = None
+        self._period = 1.0
+
+    async def wait(self, aw: Awaitable[T], label: str, stall_s: float | None = None) -> T:
+        """`aw` (a wait on the caller), ended with `reader_stalled` once it has taken `stall_s`
+        (this guard's own bound when None; 0: unbounded)."""
+        bound = self.stall_s if stall_s is None else (stall_s or None)
+        task = asyncio.current_task()
+        if bound is None or task is None:
+            return await aw
+        self._waiting[task] = time.monotonic() + bound
+        if self._sweeper is None or bound < self._period * 4:
+            self._start(bound)
+        try:
+            return await aw
+        except asyncio.CancelledError:
+            if task in self._stalled:
+                self._stalled.discard(task)
+                if task.uncancel() == 0:
+                    raise reader_stalled(label, bound) from None
+            raise
+        finally:
+            self._waiting.pop(task, None)
+
+    def _start(self, bound: float) -> None:
+        """(Re)starts the sweeper, often enough to end a wait within a quarter of its bound late."""
+        self._period = min(1.0, bound / 4)
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self._period)
+                if not self._waiting:
+                    return          # started again by the next wait
+                now = time.monotonic()
+                for task, until in list(self._waiting.items()):
+                    if until <= now and task not in self._stalled:
+                        self._stalled.add(task)
+                        task.cancel()
+        finally:
+            self._sweeper = None
+
+    def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
