@@ -77,10 +77,20 @@ defmodule VllmBridge.Transport do
     own = Keyword.drop(opts, [:cacertfile, :certfile, :keyfile, :server_name_indication])
 
     # gun adds ALPN (h2) and, for a host name, SNI; the certificate is checked against that name.
+    # An IP address is no name: no SNI, and the certificate must carry the address (an IP SAN).
     sni =
-      case Keyword.get(opts, :server_name_indication) do
-        nil -> []
-        name -> [server_name_indication: to_charlist(name)]
+      case {Keyword.get(opts, :server_name_indication), s.endpoint} do
+        {nil, {:tcp, host, _}} ->
+          case :inet.parse_address(host) do
+            {:ok, ip} -> [server_name_indication: :disable, verify_fun: {&verify_ip/3, ip}]
+            {:error, _} -> []
+          end
+
+        {nil, _} ->
+          []
+
+        {name, _} ->
+          [server_name_indication: to_charlist(name)]
       end
 
     cas =
@@ -99,6 +109,19 @@ defmodule VllmBridge.Transport do
       [] -> {:ok, Keyword.merge([verify: :verify_peer] ++ sni ++ cas ++ client, own)}
       missing -> {:error, unavailable(s, "tls: not a readable file: #{Enum.join(missing, ", ")}")}
     end
+  end
+
+  # The chain is checked as usual (a bad certificate fails); the peer's certificate must also name
+  # the address connected to.
+  @doc false
+  def verify_ip(_cert, {:bad_cert, _} = reason, _ip), do: {:fail, reason}
+  def verify_ip(_cert, {:extension, _}, ip), do: {:unknown, ip}
+  def verify_ip(_cert, :valid, ip), do: {:valid, ip}
+
+  def verify_ip(cert, :valid_peer, ip) do
+    if :public_key.pkix_verify_hostname(cert, ip: ip),
+      do: {:valid, ip},
+      else: {:fail, {:bad_cert, :hostname_check_failed}}
   end
 
   # OTP 25+ reads the system's CA store; no bundled certificates.
