@@ -94,7 +94,14 @@ defmodule VllmBridge.MixProject do
       extras: ["README.md"],
       groups_for_modules: [
         Bindings: [Vllm.AsyncLLMEngine, Vllm.Distributed, Vllm.ForwardContext.DPMetadata, Vllm.ForwardContext.Module],
-        Client: [VllmBridge, VllmBridge.Server, VllmBridge.Health, VllmBridge.Telemetry, VllmBridge.Config],
+        Client: [
+          VllmBridge,
+          VllmBridge.Server,
+          VllmBridge.Config,
+          VllmBridge.Telemetry,
+          VllmBridge.Health,
+          VllmBridge.Sessions
+        ],
         Values: [
           VllmBridge.Ref,
           VllmBridge.Tensor,
@@ -102,7 +109,8 @@ defmodule VllmBridge.MixProject do
           VllmBridge.PyEnum,
           VllmBridge.Bytes,
           VllmBridge.FrozenSet,
-          VllmBridge.Error
+          VllmBridge.Error,
+          VllmBridge.Codec
         ]
       ]
     ]

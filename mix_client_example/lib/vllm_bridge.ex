@@ -112,11 +112,18 @@ defmodule VllmBridge do
   @spec release_session(String.t(), keyword()) :: result(non_neg_integer())
   def release_session(session, opts \\ []) when is_binary(session), do: Client.release([], session, opts)
 
-  @doc """
-  The server's catalog: what can be called, with parameters (a `VllmBridge.V1.Catalog`), optionally
-  only the names starting with `prefix`. Options as for `release/2`.
+  @typedoc """
+  The server's catalog, the `vllm_bridge.v1.Catalog` message of `bridge.proto` as its generated
+  struct: `entries` (each with `name`, `kind`, `parameters`, `return_type`, `streams`, `summary`,
+  `documented_in`...), `vllm_version`, `bridge_version`.
   """
-  @spec describe(String.t(), keyword()) :: result(VllmBridge.V1.Catalog.t())
+  @type catalog :: %{:__struct__ => VllmBridge.V1.Catalog, :entries => [struct()], optional(atom()) => term()}
+
+  @doc """
+  The server's catalog: what can be called, with parameters (`t:catalog/0`), optionally only the
+  names starting with `prefix`. Options as for `release/2`.
+  """
+  @spec describe(String.t(), keyword()) :: result(catalog())
   def describe(prefix \\ "", opts \\ []), do: Client.describe(prefix, opts)
 
   @doc "The session the calling process uses by default."

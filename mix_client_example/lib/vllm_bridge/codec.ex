@@ -25,11 +25,14 @@ defmodule VllmBridge.Codec do
   alias VllmBridge.V1, as: PB
   alias VllmBridge.{Bytes, FrozenSet, PyEnum, Record, Ref, Tensor}
 
+  @typedoc "A `vllm_bridge.v1.Value` message (`bridge.proto`), as the generated protobuf module's struct."
+  @type wire :: %{:__struct__ => PB.Value, optional(atom()) => term()}
+
   @min_int -0x8000000000000000
   @max_int 0x7FFFFFFFFFFFFFFF
 
   @doc "Encodes a term; also returns the ids of the refs inside it (for `x-bridge-refs`)."
-  @spec encode(term()) :: {PB.Value.t(), [String.t()]}
+  @spec encode(term()) :: {wire(), [String.t()]}
   def encode(term) do
     {value, refs} = enc(term, [])
     {value, Enum.reverse(refs)}
@@ -112,7 +115,7 @@ defmodule VllmBridge.Codec do
   them go back there); `:tensors`, `:struct` (default: `%VllmBridge.Tensor{}`) or `:nx`
   (`Nx.Tensor`s, for the dtypes Nx has; others stay `%VllmBridge.Tensor{}`).
   """
-  @spec decode(PB.Value.t() | nil, keyword()) :: term()
+  @spec decode(wire() | nil, keyword()) :: term()
   def decode(value, opts \\ [])
   def decode(nil, _opts), do: nil
   def decode(%PB.Value{kind: kind}, []), do: dec(kind, {nil, false})

@@ -114,11 +114,10 @@ defmodule VllmBridge.Config do
   @spec default_server() :: atom()
   def default_server, do: Application.get_env(:vllm_bridge, :default_server, :default)
 
-  @doc """
-  Resolves a server name or address into where and how to connect: `{:ok, server}`, or
-  `{:error, %VllmBridge.Error{}}` when it names a `VllmBridge.Server` that is not serving.
-  Raises `ArgumentError` for an unknown name or malformed options.
-  """
+  @doc false
+  # A server name or address resolved into where and how to connect: {:ok, server}, or
+  # {:error, %VllmBridge.Error{}} when it names a VllmBridge.Server that is not serving. Raises
+  # ArgumentError for an unknown name or malformed options. (VllmBridge.address/1 is the public view.)
   @spec server(server() | nil) :: {:ok, Server.t()} | {:error, Error.t()}
   def server(nil), do: server(default_server())
 
