@@ -9,7 +9,7 @@ defmodule VllmBridge.ServerLiveTest do
 
   alias VllmBridge.{Error, Server}
 
-  @venv System.get_env("VLLM_BRIDGE_VENV")
+  @venv if System.get_env("VLLM_BRIDGE_VENV", "") != "", do: System.get_env("VLLM_BRIDGE_VENV")
   # --stdin-watch lands with the server side of the child spec; detected, so the rest can run before it
   @stdin_watch (@venv &&
                   System.cmd(Path.join([@venv, "bin", "vllm-bridge"]), ["serve", "--help"]) |> elem(0) =~

@@ -5,7 +5,7 @@
 #   :slow    minutes-long checks (keepalive over idle connections): VLLM_BRIDGE_SLOW=1
 #   :tls, :token  a server with TLS / tokens (`vllm-bridge serve --tls-cert ...`, `--token-file`),
 #                 started by VllmBridge.Server: VLLM_BRIDGE_VENV and VLLM_BRIDGE_TRUST=1
-env = &System.get_env/1
+env = fn name -> if System.get_env(name, "") != "", do: System.get_env(name) end
 
 exclude =
   [

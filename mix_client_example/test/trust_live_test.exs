@@ -9,7 +9,7 @@ defmodule VllmBridge.TrustLiveTest do
 
   alias VllmBridge.{Error, Server}
 
-  @venv System.get_env("VLLM_BRIDGE_VENV")
+  @venv if System.get_env("VLLM_BRIDGE_VENV", "") != "", do: System.get_env("VLLM_BRIDGE_VENV")
 
   setup_all do
     dir = Path.join(System.tmp_dir!(), "vb-trust-#{System.unique_integer([:positive])}")
