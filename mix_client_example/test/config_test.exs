@@ -131,6 +131,24 @@ defmodule VllmBridge.ConfigTest do
     assert %Error{code: :unavailable} = catch_error(Enum.to_list(stream))
   end
 
+  test "callers that wait for a failing connection get its error, not one attempt each in turn" do
+    # a port whose accept queue is full: each attempt waits the whole connect_timeout
+    {:ok, listen} = :gen_tcp.listen(0, backlog: 0, ip: {127, 0, 0, 1})
+    {:ok, port} = :inet.port(listen)
+    fillers = for _ <- 1..4, do: :gen_tcp.connect(~c"127.0.0.1", port, [], 200)
+    assert Enum.any?(fillers, &match?({:error, :timeout}, &1)), "the accept queue did not fill"
+    Application.put_env(:vllm_bridge, :servers, slow: [address: "127.0.0.1:#{port}", connect_timeout: 1_000])
+    started = System.monotonic_time(:millisecond)
+
+    results =
+      1..8
+      |> Task.async_stream(fn _ -> VllmBridge.Health.check(:slow) end, max_concurrency: 8, timeout: 30_000)
+      |> Enum.map(fn {:ok, r} -> r end)
+
+    assert Enum.all?(results, &match?({:error, %Error{code: :unavailable}}, &1))
+    assert System.monotonic_time(:millisecond) - started < 3_000
+  end
+
   test "a token file that cannot be read fails the connection, saying so" do
     Application.put_env(:vllm_bridge, :servers, t: [address: "127.0.0.1:1", token_file: "/nonexistent/token"])
     assert {:error, %Error{code: :unavailable, message: msg}} = VllmBridge.Health.check(:t)

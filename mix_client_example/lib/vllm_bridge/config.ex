@@ -218,17 +218,33 @@ defmodule VllmBridge.Config do
   def endpoint!("ipv6:" <> rest, where), do: endpoint!(rest, where)
 
   def endpoint!(address, where) when is_binary(address) do
+    # parsed by hand, not with a regex: this runs on every call
     {host, port} =
-      case Regex.run(~r/^\[([^\]]+)\]:(\d+)$/, address) || Regex.run(~r/^([^:\[\]]+):(\d+)$/, address) do
-        [_, host, port] -> {host, String.to_integer(port)}
-        nil -> raise ArgumentError, "#{where}: address #{inspect(address)} is not host:port, [ipv6]:port or unix:/path"
+      case address do
+        "[" <> rest ->
+          case :binary.split(rest, "]:") do
+            [host, port] when host != "" -> {host, port}
+            _ -> bad_address!(address, where)
+          end
+
+        _ ->
+          case :binary.split(address, ":", [:global]) do
+            [host, port] when host != "" -> {host, port}
+            _ -> bad_address!(address, where)
+          end
       end
 
-    if port < 1 or port > 65_535, do: raise(ArgumentError, "#{where}: address #{inspect(address)}: bad port")
-    {:tcp, String.to_charlist(host), port}
+    case Integer.parse(port) do
+      {n, ""} when n in 1..65_535 -> {:tcp, String.to_charlist(host), n}
+      {_, ""} -> raise ArgumentError, "#{where}: address #{inspect(address)}: bad port"
+      _ -> bad_address!(address, where)
+    end
   end
 
   def endpoint!(other, where), do: raise(ArgumentError, "#{where}: address: expected a string, got #{inspect(other)}")
+
+  defp bad_address!(address, where),
+    do: raise(ArgumentError, "#{where}: address #{inspect(address)} is not host:port, [ipv6]:port or unix:/path")
 
   defp tls!(tls, _where) when is_boolean(tls), do: tls
 

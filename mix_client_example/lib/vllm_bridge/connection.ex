@@ -14,6 +14,9 @@ defmodule VllmBridge.Connection do
   alias VllmBridge.{Config, Error, Transport}
 
   @table :vllm_bridge_connections
+  # A failed attempt answers the callers that waited for it (and those that come just after) with
+  # its error, instead of each trying again in turn behind it.
+  @failure_ms 500
 
   @typedoc "What a request needs: the gun connection and the headers every request carries."
   @type t :: {pid(), [{String.t(), String.t()}]}
@@ -76,7 +79,7 @@ defmodule VllmBridge.Connection do
     do: GenServer.start_link(__MODULE__, key, name: {:via, Registry, {VllmBridge.ConnectionRegistry, key}})
 
   @impl true
-  def init(key), do: {:ok, %{key: key, server: nil, pid: nil, mon: nil}}
+  def init(key), do: {:ok, %{key: key, server: nil, pid: nil, mon: nil, failed: nil}}
 
   @impl true
   def handle_call({:connect, server}, _from, state) do
@@ -86,17 +89,13 @@ defmodule VllmBridge.Connection do
         [{_, _, _, headers}] = :ets.lookup(@table, state.key)
         {:reply, {:ok, {pid, headers}}, state}
 
+      %{failed: {^server, at, err}} ->
+        if System.monotonic_time(:millisecond) - at < @failure_ms,
+          do: {:reply, err, state},
+          else: connect_now(server, %{state | failed: nil})
+
       _ ->
-        state = disconnect(state)
-
-        case Transport.open(server) do
-          {:ok, pid, headers} ->
-            :ets.insert(@table, {state.key, server, pid, headers})
-            {:reply, {:ok, {pid, headers}}, %{state | server: server, pid: pid, mon: Process.monitor(pid)}}
-
-          {:error, _} = err ->
-            {:reply, err, state}
-        end
+        connect_now(server, state)
     end
   end
 
@@ -121,6 +120,19 @@ defmodule VllmBridge.Connection do
   # gun_up / gun_down of our connection (with retry: 0 a connection that goes down exits).
   def handle_info({:gun_down, pid, _proto, _reason, _killed}, %{pid: pid} = state), do: {:noreply, disconnect(state)}
   def handle_info(_msg, state), do: {:noreply, state}
+
+  defp connect_now(server, state) do
+    state = disconnect(state)
+
+    case Transport.open(server) do
+      {:ok, pid, headers} ->
+        :ets.insert(@table, {state.key, server, pid, headers})
+        {:reply, {:ok, {pid, headers}}, %{state | server: server, pid: pid, mon: Process.monitor(pid), failed: nil}}
+
+      {:error, _} = err ->
+        {:reply, err, %{state | failed: {server, System.monotonic_time(:millisecond), err}}}
+    end
+  end
 
   defp disconnect(%{pid: nil} = state), do: state
 
