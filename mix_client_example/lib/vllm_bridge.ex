@@ -103,10 +103,24 @@ defmodule VllmBridge do
 
   @doc """
   Releases refs (their objects are freed on the server). Returns how many were live. Options:
-  `__runtime__: [server: ..., timeout: ...]` (default: the refs' own server, 30 s).
+  `__runtime__: [server: ..., timeout: ...]` (default: each ref's own server, 30 s; ids given as
+  strings go to the default server).
   """
   @spec release(Ref.t() | [Ref.t() | String.t()], keyword()) :: result(non_neg_integer())
-  def release(refs, opts \\ []), do: Client.release(List.wrap(refs), "", opts)
+  def release(refs, opts \\ []) do
+    refs
+    |> List.wrap()
+    |> Enum.group_by(fn
+      %Ref{server: server} -> server
+      _id -> nil
+    end)
+    |> Enum.reduce_while({:ok, 0}, fn {_server, group}, {:ok, n} ->
+      case Client.release(group, "", opts) do
+        {:ok, released} -> {:cont, {:ok, n + released}}
+        {:error, _} = err -> {:halt, err}
+      end
+    end)
+  end
 
   @doc "Releases every ref of a session. Options as for `release/2`."
   @spec release_session(String.t(), keyword()) :: result(non_neg_integer())

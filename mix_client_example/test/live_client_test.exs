@@ -50,7 +50,10 @@ defmodule VllmBridge.LiveClientTest do
     {:ok, ref} = VllmBridge.new("vllm.config.ParallelConfig", [], __runtime__: [server: :here])
     assert %Ref{server: :here} = ref
     assert {:ok, 1} = VllmBridge.get_attr(ref, "tensor_parallel_size")
-    assert {:ok, 1} = VllmBridge.release(ref)
+    # released where each was made
+    {:ok, other} = VllmBridge.new("vllm.config.ParallelConfig")
+    assert %Ref{server: :default} = other
+    assert {:ok, 2} = VllmBridge.release([ref, other])
   end
 
   test "app-wide default runtime options apply, and the call's own win" do
