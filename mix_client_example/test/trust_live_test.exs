@@ -32,7 +32,7 @@ defmodule VllmBridge.TrustLiveTest do
       )
     end
 
-    %{dir: dir, config: config, file: &Path.join(dir, &1)}
+    %{dir: dir, config: config, path: &Path.join(dir, &1)}
   end
 
   defp start(ctx, name, extra) do
@@ -45,7 +45,7 @@ defmodule VllmBridge.TrustLiveTest do
 
   @tag :token
   test "a token: the client sends it; calls without it or with another are refused", ctx do
-    address = start(ctx, :tok, token: "s3cret-#{System.unique_integer([:positive])}")
+    address = start(ctx, :tok, token: "s3cret-token-#{System.unique_integer([:positive])}-#{System.system_time()}")
     assert {:ok, 2} = divide(:tok)
     assert {:ok, :serving} = VllmBridge.Health.check(:tok)
     assert {:error, %Error{code: :unauthenticated}} = divide(address)
@@ -63,14 +63,14 @@ defmodule VllmBridge.TrustLiveTest do
     # certificate file itself, which fits a self-signed one)
     address =
       start(ctx, :tls,
-        tls: [certfile: ctx.file.("server.pem"), keyfile: ctx.file.("server.key")],
-        connect: [tls: [cacertfile: ctx.file.("ca.pem")]]
+        tls: [certfile: ctx.path.("server.pem"), keyfile: ctx.path.("server.key")],
+        connect: [tls: [cacertfile: ctx.path.("ca.pem")]]
       )
 
     Application.put_env(:vllm_bridge, :servers,
-      ca: [address: address, tls: [cacertfile: ctx.file.("ca.pem")]],
-      by_name: [address: String.replace(address, "127.0.0.1", "localhost"), tls: [cacertfile: ctx.file.("ca.pem")]],
-      wrong_ca: [address: address, tls: [cacertfile: ctx.file.("client.pem")]],
+      ca: [address: address, tls: [cacertfile: ctx.path.("ca.pem")]],
+      by_name: [address: String.replace(address, "127.0.0.1", "localhost"), tls: [cacertfile: ctx.path.("ca.pem")]],
+      wrong_ca: [address: address, tls: [cacertfile: ctx.path.("client.pem")]],
       plain: [address: address]
     )
 
@@ -83,15 +83,15 @@ defmodule VllmBridge.TrustLiveTest do
 
   @tag :tls
   test "mutual TLS: a client certificate signed by the server's client CA is needed", ctx do
-    tls = [certfile: ctx.file.("server.pem"), keyfile: ctx.file.("server.key"), client_cafile: ctx.file.("ca.pem")]
+    tls = [certfile: ctx.path.("server.pem"), keyfile: ctx.path.("server.key"), client_cafile: ctx.path.("ca.pem")]
 
     client = [
-      tls: [cacertfile: ctx.file.("ca.pem"), certfile: ctx.file.("client.pem"), keyfile: ctx.file.("client.key")]
+      tls: [cacertfile: ctx.path.("ca.pem"), certfile: ctx.path.("client.pem"), keyfile: ctx.path.("client.key")]
     ]
 
     address = start(ctx, :mtls, tls: tls, connect: client)
     assert {:ok, 2} = divide(:mtls)
-    Application.put_env(:vllm_bridge, :servers, nocert: [address: address, tls: [cacertfile: ctx.file.("ca.pem")]])
+    Application.put_env(:vllm_bridge, :servers, nocert: [address: address, tls: [cacertfile: ctx.path.("ca.pem")]])
     on_exit(fn -> Application.delete_env(:vllm_bridge, :servers) end)
     assert {:error, %Error{code: :unavailable}} = divide(:nocert)
   end
