@@ -257,8 +257,8 @@ def render(surface: DocSurface, bindings: Sequence[Binding], vllm_version: str) 
                  "  be the keyword list of options."]
     head += ['  """', "", "  alias VllmBridge.Binding, as: B"]
     if surface.python_class:
-        head += ["", f'  @typedoc "An instance of `{prefix(surface)}` on the server: a ref to it (what `new` returns)."',
-                 "  @type t :: VllmBridge.Ref.t()"]
+        typedoc = f"An instance of `{prefix(surface)}` on the server: a ref to it (what `new` returns)."
+        head += ["", f'  @typedoc "{typedoc}"', "  @type t :: VllmBridge.Ref.t()"]
     body = [line for b in bindings for line in _function(b, surface)]
     return "\n".join(head + body + ["end", ""])
 
