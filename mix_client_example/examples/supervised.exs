@@ -15,15 +15,19 @@ alias VllmBridge.Tensor
 venv = System.get_env("VLLM_BRIDGE_VENV") || raise "set VLLM_BRIDGE_VENV to the vllm-bridge project's .venv"
 config = List.first(System.argv())
 
-# Telemetry: one line per call and per stream.
-:telemetry.attach_many(
-  "supervised-example",
-  [[:vllm_bridge, :call, :stop], [:vllm_bridge, :stream, :stop], [:vllm_bridge, :stream, :exception]],
-  fn [_, kind, _], m, meta, _ ->
+# Telemetry: one line per call and per stream (a module's function, as :telemetry prefers).
+defmodule Supervised.Telemetry do
+  def handle([_, kind, _], m, meta, _config) do
     ms = &System.convert_time_unit(&1, :native, :microsecond)
     first = if kind == :stream and m.first_item, do: ", first item #{ms.(m.first_item)} us, #{m.items} items", else: ""
     IO.puts("  [telemetry] #{kind} #{meta.target} on #{meta.address}: #{meta.status} in #{ms.(m.duration)} us#{first}")
-  end,
+  end
+end
+
+:telemetry.attach_many(
+  "supervised-example",
+  [[:vllm_bridge, :call, :stop], [:vllm_bridge, :stream, :stop], [:vllm_bridge, :stream, :exception]],
+  &Supervised.Telemetry.handle/4,
   nil
 )
 
