@@ -85,15 +85,17 @@ defmodule VllmBridge.LiveTest do
       assert length(get_in(last, [:outputs, Access.at(0), :token_ids])) == 5
     end
 
-    test "stopping a stream early cancels the request in the engine" do
+    # That vLLM aborts the request is checked in engine_live_test.exs (the engine's own log, which
+    # only a server the tests start shows); the documented surface has no view of the engine's queue.
+    test "stopping a stream early ends the call at once" do
       {:ok, stream} = Engine.generate(@engine, "Hello", greedy(200), id())
-      assert [_, _, _] = Enum.take(stream, 3)
-      {:ok, processor} = VllmBridge.get_attr(@engine, "output_processor")
+      {took_us, items} = :timer.tc(fn -> Enum.take(stream, 3) end)
+      assert [_, _, _] = items
 
-      assert Enum.any?(1..250, fn _ ->
-               Process.sleep(20)
-               VllmBridge.call_method(processor, "get_num_unfinished_requests") == {:ok, 0}
-             end)
+      {whole_us, _} =
+        :timer.tc(fn -> Engine.generate(@engine, "Hello", greedy(200), id()) |> elem(1) |> Stream.run() end)
+
+      assert took_us < whole_us
     end
 
     test "concurrent streams share one Multiplex stream and equal one call per stream" do
@@ -118,34 +120,6 @@ defmodule VllmBridge.LiveTest do
       assert Process.alive?(mux)
       assert Enum.all?(shared, &(length(&1) == 12))
       assert shared == tokens.(multiplex: false)
-    end
-
-    test "a caller that exits has its multiplexed generation aborted in the engine" do
-      # How long the whole generation takes here, to tell an abort from a natural end.
-      {took_us, _} =
-        :timer.tc(fn -> Engine.generate(@engine, "Hello", greedy(200), id()) |> elem(1) |> Stream.run() end)
-
-      {:ok, processor} = VllmBridge.get_attr(@engine, "output_processor")
-      parent = self()
-
-      runner =
-        spawn(fn ->
-          {:ok, stream} = Engine.generate(@engine, "Hello", greedy(200), id())
-          stream |> Stream.each(fn _ -> send(parent, :item) end) |> Stream.run()
-        end)
-
-      assert_receive :item, 30_000
-      started = System.monotonic_time(:microsecond)
-      # Killed: its stream's after-callback never runs; the multiplexer sees the caller go.
-      Process.exit(runner, :kill)
-
-      assert Enum.any?(1..500, fn _ ->
-               Process.sleep(2)
-               VllmBridge.call_method(processor, "get_num_unfinished_requests") == {:ok, 0}
-             end)
-
-      assert System.monotonic_time(:microsecond) - started < div(took_us, 2),
-             "the request ran on after its caller died (a whole generation takes #{took_us} us)"
     end
 
     test "a slow consumer of a multiplexed stream gets every token" do
@@ -250,9 +224,16 @@ defmodule VllmBridge.LiveTest do
     assert Enum.all?(results, &(&1 == 2))
   end
 
-  test "every value kind round-trips through Python" do
-    {:ok, holder} = dp()
+  # The forward context holds whatever it is given as attn_metadata (documented as term()): an echo
+  # through Python that stays within the documented surface.
+  defp echo(value) do
+    {:ok, config} = VllmBridge.new("vllm.config.VllmConfig")
+    {:ok, cm} = FC.set_forward_context(value, config, 0)
+    {:ok, {:ok, context}} = VllmBridge.with_context(cm, fn _ -> FC._forward_context() end)
+    context[:attn_metadata]
+  end
 
+  test "every value kind round-trips through Python" do
     values = [
       42,
       -(2 ** 70),
@@ -260,6 +241,7 @@ defmodule VllmBridge.LiveTest do
       1.5,
       :infinity,
       :neg_infinity,
+      :nan,
       nil,
       true,
       false,
@@ -279,17 +261,9 @@ defmodule VllmBridge.LiveTest do
       }
     ]
 
-    for v <- values do
-      assert {:ok, nil} = VllmBridge.set_attr(holder, "probe", v)
-      assert {:ok, ^v} = VllmBridge.get_attr(holder, "probe")
-    end
-
-    assert {:ok, nil} = VllmBridge.set_attr(holder, "probe", :nan)
-    assert {:ok, :nan} = VllmBridge.get_attr(holder, "probe")
-    assert {:ok, nil} = VllmBridge.set_attr(holder, "probe", :an_atom)
-    assert {:ok, "an_atom"} = VllmBridge.get_attr(holder, "probe")
+    for v <- values, do: assert(echo(v) == v, "#{inspect(v)} came back as #{inspect(echo(v))}")
+    assert echo(:an_atom) == "an_atom"
     {:ok, other} = dp()
-    assert {:ok, nil} = VllmBridge.set_attr(holder, "probe", [other])
-    assert {:ok, [%Record{type_name: "vllm.forward_context.DPMetadata"}]} = VllmBridge.get_attr(holder, "probe")
+    assert [%Record{type_name: "vllm.forward_context.DPMetadata"}] = echo([other])
   end
 end
