@@ -36,6 +36,8 @@ _RESERVED = {"do", "end", "fn", "when", "in", "not", "and", "or", "nil", "true",
              "after", "else", "ref", "opts", "args"}
 _KEEP_TYPES = {"String", "MapSet"}      # remote types that exist in every Elixir; others become term()
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")  # object reprs in defaults: not deterministic
+# What a method is called on: a ref, or the name of an object the server published (a string or an atom).
+RECEIVER = "VllmBridge.Ref.t() | String.t() | atom()"
 
 
 @dataclass(frozen=True)
@@ -83,9 +85,12 @@ def var(name: str, taken: set[str]) -> str:
     return v
 
 
-def elixir_type(doc_type: str) -> str:
-    """A documented type usable in a @spec: types of modules this project lacks become term()."""
+def elixir_type(doc_type: str, own: str = "") -> str:
+    """A documented type usable in a @spec: types of modules this project lacks become term(); the
+    class's own type (`own`, e.g. `Vllm.ForwardContext.DPMetadata`) is the module's `t()`."""
     t = doc_type.strip() or "term()"
+    if own and t == f"{own}.t()":
+        return "t()"
     t = t.replace("SnakeBridge.Ref.t()", "VllmBridge.Ref.t()")
     modules = set(re.findall(r"(?<![\w.])([A-Z]\w*(?:\.[A-Z]\w*)*)\.t\(", t))
     if any(m.split(".")[0] not in _KEEP_TYPES and m != "VllmBridge.Ref" for m in modules):
@@ -122,34 +127,43 @@ def class_clauses(doc: DocEntry, entry: pb.CatalogEntry, surface: DocSurface, mo
     qualified = catalog_name(surface, doc)
     if entry.kind == CE.ATTRIBUTE:
         body = f'B.invoke(:call, {{:get_attr, ref, "{doc.name}"}}, [], [])'
-        return [Clause(("ref",), ("VllmBridge.Ref.t() | String.t()",), body)]
+        return [Clause(("ref",), (RECEIVER,), body)]
     receiver: tuple[str, ...] = ()
     rtypes: tuple[str, ...] = ()
     if entry.kind == CE.CONSTRUCTOR:
         target = f'{{:constructor, "{qualified}"}}'
     elif entry.kind == CE.CLASSMETHOD:
-        receiver, rtypes = ("ref",), ("VllmBridge.Ref.t() | String.t() | module()",)
+        receiver, rtypes = ("ref",), (RECEIVER,)
         target = f'B.classmethod(ref, "{doc.name}", "{qualified}")'
     else:
-        receiver, rtypes = ("ref",), ("VllmBridge.Ref.t() | String.t()",)
+        receiver, rtypes = ("ref",), (RECEIVER,)
         target = f'{{:method, ref, "{doc.name}"}}'
+    # Documented to return an instance of its own class (what `new` returns): the record the server
+    # sends by value is built into one (`B.instance/3`), under the call's runtime options.
+    wrap = (lambda call, opts: f'B.instance({call}, "{prefix(surface)}", {opts})') \
+        if entry.kind != CE.CONSTRUCTOR and returns_own(doc, surface) else (lambda call, opts: call)
     positional = [p for p in doc.params if not p.keyword_only]
     required = [p for p in positional if not p.has_default]
     taken: set[str] = set()
     names = tuple(var(p.name, taken) for p in required)
     types = (*rtypes, *(elixir_type(p.type) for p in required))
     head, req = (*receiver, *names), f"[{', '.join(names)}]"
-    out = [Clause(head, types, f"B.invoke(:{mode}, {target}, {req}, [])")]
+    out = [Clause(head, types, wrap(f"B.invoke(:{mode}, {target}, {req}, [])", "[]"))]
     if len(required) < len(positional):
-        out.append(Clause((*head, "args"), (*types, "list()"), f"B.invoke(:{mode}, {target}, B.rest({req}, args))",
-                          "is_list(args)"))
+        out.append(Clause((*head, "args"), (*types, "list()"),
+                          wrap(f"B.invoke(:{mode}, {target}, B.rest({req}, args))", "args"), "is_list(args)"))
         out.append(Clause((*head, "args", "opts"), (*types, "list()", "keyword()"),
-                          f"B.invoke(:{mode}, {target}, {f'{req} ++ args' if names else 'args'}, opts)",
+                          wrap(f"B.invoke(:{mode}, {target}, {f'{req} ++ args' if names else 'args'}, opts)", "opts"),
                           "is_list(args) and is_list(opts)"))
     else:
-        out.append(Clause((*head, "opts"), (*types, "keyword()"), f"B.invoke(:{mode}, {target}, {req}, opts)",
-                          "is_list(opts)"))
+        out.append(Clause((*head, "opts"), (*types, "keyword()"),
+                          wrap(f"B.invoke(:{mode}, {target}, {req}, opts)", "opts"), "is_list(opts)"))
     return out
+
+
+def returns_own(doc: DocEntry, surface: DocSurface) -> bool:
+    """Whether a class member is documented to return an instance of its own class (`t()`)."""
+    return bool(surface.python_class) and doc.returns.strip() in (f"{surface.elixir_module}.t()", "t()")
 
 
 def bind(surface: DocSurface, catalog: Mapping[str, pb.CatalogEntry]) -> list[Binding]:
@@ -205,9 +219,10 @@ def _doc_text(b: Binding) -> str:
     return "\n".join(lines).replace('"""', '\\"\\"\\"')
 
 
-def _function(b: Binding) -> list[str]:
+def _function(b: Binding, surface: DocSurface) -> list[str]:
+    own = surface.elixir_module if surface.python_class else ""
     returns = "Enumerable.t()" if b.entry.streams else (
-        "VllmBridge.Ref.t()" if b.entry.kind == CE.CONSTRUCTOR else elixir_type(b.doc.returns))
+        "t()" if b.entry.kind == CE.CONSTRUCTOR and own else elixir_type(b.doc.returns, own))
     name = b.doc.name
     out = ["", '  @doc ~S"""', *[f"  {x}".rstrip() for x in _doc_text(b).split("\n")], '  """']
     for c in b.clauses:
@@ -229,17 +244,22 @@ def render(surface: DocSurface, bindings: Sequence[Binding], vllm_version: str) 
         f"  Bindings for the Python {what} (vLLM {vllm_version}), as documented in `{surface.document}`.",
         "",
         "  Every function returns `{:ok, value}` or `{:error, %VllmBridge.Error{}}` and takes a trailing",
-        "  keyword list: `__runtime__: [timeout:, timeout_profile:, stream_timeout:, session_id:, pool_name:,",
-        "  affinity:]` (see `VllmBridge`), every other keyword is a Python keyword argument.",
+        "  keyword list: `__runtime__: [...]` holds the runtime options (`timeout`, `timeout_profile`,",
+        "  `stream_timeout`, `session_id`, `pool_name`, `affinity`, `server`...; see `VllmBridge`), every",
+        "  other keyword is a Python keyword argument.",
     ]
     if surface.python_class:
         head += ["", "  Methods take the receiver first: a `VllmBridge.Ref` or the name of a published object",
-                 "  (`\"engine\"`). Optional positional parameters go in one list after the required ones."]
+                 "  (`\"engine\"` or `:engine`). Optional positional parameters go in one list after the required",
+                 "  ones."]
     else:
         head += ["", "  Each optional parameter is one more arity; in those arities the last argument may instead",
                  "  be the keyword list of options."]
     head += ['  """', "", "  alias VllmBridge.Binding, as: B"]
-    body = [line for b in bindings for line in _function(b)]
+    if surface.python_class:
+        typedoc = f"An instance of `{prefix(surface)}` on the server: a ref to it (what `new` returns)."
+        head += ["", f'  @typedoc "{typedoc}"', "  @type t :: VllmBridge.Ref.t()"]
+    body = [line for b in bindings for line in _function(b, surface)]
     return "\n".join(head + body + ["end", ""])
 
 

@@ -6,7 +6,7 @@
 #
 # A worker serves on its own with `vllm-bridge worker --listen 127.0.0.1:50052`.
 {addresses, rest} = Enum.split_with(System.argv(), &String.contains?(&1, ":"))
-addresses = if addresses == [], do: [VllmBridge.Client.address()], else: addresses
+addresses = if addresses == [], do: [VllmBridge.address()], else: addresses
 
 [rounds, per_round] =
   case rest do
@@ -15,12 +15,11 @@ addresses = if addresses == [], do: [VllmBridge.Client.address()], else: address
     [] -> [10, 300]
   end
 
+# Each address is a server of its own (its own connection): `__runtime__: [server: address]`.
 timed = fn address, n ->
-  Application.put_env(:vllm_bridge, :address, address)
-
   for _ <- 1..n do
     started = System.monotonic_time(:nanosecond)
-    {:ok, 2} = Vllm.Distributed.divide(6, 3)
+    {:ok, 2} = Vllm.Distributed.divide(6, 3, __runtime__: [server: address])
     (System.monotonic_time(:nanosecond) - started) / 1000
   end
 end

@@ -23,10 +23,12 @@ IO.puts("sp_local_sizes(2): entered #{inspect(elem(inside, 0))}, local_sizes #{i
 IO.puts("chunked_sizes(1, 4, 1): get_chunk_sizes_across_dp_rank -> #{inspect(chunk)}")
 IO.puts("after the context: local_sizes -> #{inspect(DPMetadata.local_sizes(dp))}")
 
-# `make` is a classmethod: call it on the class (the module) or on an instance ref.
+# `make` is a classmethod: call it on the class (the module) or on an instance ref. It returns a
+# DPMetadata.t(), as `new` does: an instance (a ref), usable with the other functions.
 {:ok, parallel} = VllmBridge.new("vllm.config.ParallelConfig", [], data_parallel_size: 2, data_parallel_rank: 1)
 {:ok, made} = DPMetadata.make(DPMetadata, parallel, 7, Tensor.from_list([5, 7], :int64))
-IO.puts("make on the class -> #{inspect(made, limit: 5)}")
+{:ok, made_cu} = DPMetadata.cu_tokens_across_sp(made, 1)
+IO.puts("make on the class -> #{inspect(made)}, cu_tokens_across_sp(1) -> #{inspect(Tensor.to_list(made_cu))}")
 {:ok, _} = DPMetadata.make(dp, parallel, 7, Tensor.from_list([5, 7], :int64))
 
 # The optional constructor argument: positionally in a list, or as a keyword.
@@ -39,7 +41,7 @@ IO.puts("make on the class -> #{inspect(made, limit: 5)}")
 task = Task.async(fn -> DPMetadata.cu_tokens_across_sp(dp, 1) end)
 {:ok, _} = Task.await(task)
 IO.puts("used from another process: ok")
-{:ok, released} = VllmBridge.release([dp, with_sizes, same, parallel])
+{:ok, released} = VllmBridge.release([dp, with_sizes, same, parallel, made])
 IO.puts("released #{released} refs")
 {:error, %VllmBridge.Error{category: "ref", message: message}} = DPMetadata.local_sizes(dp)
 IO.puts("after release: #{message}")

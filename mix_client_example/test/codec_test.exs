@@ -142,10 +142,42 @@ defmodule VllmBridge.CodecTest do
     assert %Error{category: "timeout", code: :deadline_exceeded} = Error.from_status(4, "Deadline Exceeded", nil)
   end
 
-  test "unknown runtime options are refused before anything is sent" do
-    assert {:error, %Error{category: "validation", message: msg}} =
-             Vllm.Distributed.divide(6, 3, __runtime__: [timeot: 5])
+  test "decoding: refs remember their server; tensors as Nx on request" do
+    ref = %PB.Value{kind: {:ref, %PB.Ref{id: "w1.x", type_name: "T"}}}
+    assert %Ref{id: "w1.x", server: :gpu} = Codec.decode(ref, server: :gpu)
+    assert %Ref{server: nil} = Codec.decode(ref)
+    # the server is not sent back to Python
+    assert {%PB.Value{kind: {:ref, %PB.Ref{id: "w1.x"}}}, ["w1.x"]} = Codec.encode(%Ref{id: "w1.x", server: :gpu})
 
-    assert msg =~ "timeot"
+    t = %PB.Value{kind: {:tensor, %PB.Tensor{dtype: "float32", shape: [2], data: <<0, 0, 128, 63, 0, 0, 0, 64>>}}}
+    b = %PB.Value{kind: {:tensor, %PB.Tensor{dtype: "bool", shape: [1], data: <<1>>}}}
+    assert %Tensor{dtype: "float32"} = Codec.decode(t)
+
+    if Code.ensure_loaded?(Nx) do
+      nx = Codec.decode(t, tensors: :nx)
+      assert apply(Nx, :to_flat_list, [nx]) == [1.0, 2.0]
+      assert apply(Nx, :type, [nx]) == {:f, 32}
+      # bool has no Nx type: it stays a struct, so it goes back to Python as bool
+      assert [%Tensor{dtype: "bool"}] = Codec.decode(%PB.Value{kind: {:list, %PB.Items{items: [b]}}}, tensors: :nx)
+      assert {%PB.Value{kind: {:tensor, %PB.Tensor{dtype: "float32", shape: [2]}}}, []} = Codec.encode(nx)
+    end
+  end
+
+  test "classmethods on the class, a ref or a published name; published names as atoms" do
+    assert Binding.classmethod(Vllm.ForwardContext.DPMetadata, "make", "q.make") == {:function, "q.make"}
+    assert Binding.classmethod(nil, "make", "q.make") == {:function, "q.make"}
+    assert Binding.classmethod(:engine, "from_engine_args", "q") == {:method, :engine, "from_engine_args"}
+    ref = %Ref{id: "w1.a"}
+    assert Binding.classmethod(ref, "make", "q") == {:method, ref, "make"}
+    # a function documented to return its class's instance keeps a ref, and passes errors through
+    assert Binding.instance({:ok, ref}, "x.Y", []) == {:ok, ref}
+    assert {:error, %Error{}} = Binding.instance({:error, %Error{}}, "x.Y", [])
+  end
+
+  test "a receiver that is neither a ref nor a published name is refused" do
+    for bad <- [nil, 42, Vllm.AsyncLLMEngine, ""] do
+      assert {:error, %Error{category: "validation", message: msg}} = VllmBridge.get_attr(bad, "x")
+      assert msg =~ "the receiver must be a VllmBridge.Ref or the name of a published object"
+    end
   end
 end

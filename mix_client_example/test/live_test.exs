@@ -61,7 +61,15 @@ defmodule VllmBridge.LiveTest do
       {:ok, cm} = DPMetadata.sp_local_sizes(dp, 2)
       assert {:ok, {:ok, [3, 3, 4, 4, 2, 2]}} = VllmBridge.with_context(cm, fn _ -> DPMetadata.local_sizes(dp) end)
       {:ok, parallel} = VllmBridge.new("vllm.config.ParallelConfig", [], data_parallel_size: 2, data_parallel_rank: 1)
-      assert {:ok, %Record{}} = DPMetadata.make(DPMetadata, parallel, 7, Tensor.from_list([5, 7], :int64))
+      # make returns what the documents say, a DPMetadata.t(): an instance, like new's, usable with the methods
+      assert {:ok, %Ref{type_name: "vllm.forward_context.DPMetadata"} = made} =
+               DPMetadata.make(DPMetadata, parallel, 7, Tensor.from_list([5, 7], :int64))
+
+      assert {:ok, %Tensor{} = cu} = DPMetadata.cu_tokens_across_sp(made, 1)
+      assert Tensor.to_list(cu) == [5, 12]
+      # on a ref, make runs on the object's class, and returns an instance too
+      assert {:ok, %Ref{}} =
+               DPMetadata.make(dp, parallel, 7, Tensor.from_list([5, 7], :int64), __runtime__: [timeout: 10_000])
     end
   end
 
@@ -77,15 +85,17 @@ defmodule VllmBridge.LiveTest do
       assert length(get_in(last, [:outputs, Access.at(0), :token_ids])) == 5
     end
 
-    test "stopping a stream early cancels the request in the engine" do
+    # That vLLM aborts the request is checked in engine_live_test.exs (the engine's own log, which
+    # only a server the tests start shows); the documented surface has no view of the engine's queue.
+    test "stopping a stream early ends the call at once" do
       {:ok, stream} = Engine.generate(@engine, "Hello", greedy(200), id())
-      assert [_, _, _] = Enum.take(stream, 3)
-      {:ok, processor} = VllmBridge.get_attr(@engine, "output_processor")
+      {took_us, items} = :timer.tc(fn -> Enum.take(stream, 3) end)
+      assert [_, _, _] = items
 
-      assert Enum.any?(1..250, fn _ ->
-               Process.sleep(20)
-               VllmBridge.call_method(processor, "get_num_unfinished_requests") == {:ok, 0}
-             end)
+      {whole_us, _} =
+        :timer.tc(fn -> Engine.generate(@engine, "Hello", greedy(200), id()) |> elem(1) |> Stream.run() end)
+
+      assert took_us < whole_us
     end
 
     test "concurrent streams share one Multiplex stream and equal one call per stream" do
@@ -106,38 +116,10 @@ defmodule VllmBridge.LiveTest do
       end
 
       shared = tokens.([])
-      assert [{mux, _}] = Registry.lookup(VllmBridge.MuxRegistry, VllmBridge.Client.address())
+      assert [{mux, _}] = Registry.lookup(VllmBridge.MuxRegistry, :default)
       assert Process.alive?(mux)
       assert Enum.all?(shared, &(length(&1) == 12))
       assert shared == tokens.(multiplex: false)
-    end
-
-    test "a caller that exits has its multiplexed generation aborted in the engine" do
-      # How long the whole generation takes here, to tell an abort from a natural end.
-      {took_us, _} =
-        :timer.tc(fn -> Engine.generate(@engine, "Hello", greedy(200), id()) |> elem(1) |> Stream.run() end)
-
-      {:ok, processor} = VllmBridge.get_attr(@engine, "output_processor")
-      parent = self()
-
-      runner =
-        spawn(fn ->
-          {:ok, stream} = Engine.generate(@engine, "Hello", greedy(200), id())
-          stream |> Stream.each(fn _ -> send(parent, :item) end) |> Stream.run()
-        end)
-
-      assert_receive :item, 30_000
-      started = System.monotonic_time(:microsecond)
-      # Killed: its stream's after-callback never runs; the multiplexer sees the caller go.
-      Process.exit(runner, :kill)
-
-      assert Enum.any?(1..500, fn _ ->
-               Process.sleep(2)
-               VllmBridge.call_method(processor, "get_num_unfinished_requests") == {:ok, 0}
-             end)
-
-      assert System.monotonic_time(:microsecond) - started < div(took_us, 2),
-             "the request ran on after its caller died (a whole generation takes #{took_us} us)"
     end
 
     test "a slow consumer of a multiplexed stream gets every token" do
@@ -166,7 +148,9 @@ defmodule VllmBridge.LiveTest do
       end
 
       assert {:ok, false} = Engine.errored(@engine)
-      assert {:ok, true} = Engine.reset_prefix_cache(@engine, [false])
+      # the published engine is shared: only an operator (pool key operators) may change it
+      assert {:error, %Error{code: :permission_denied, reason: "published"}} =
+               Engine.reset_prefix_cache(@engine, [false])
       assert {:ok, nil} = Engine.check_health(@engine, __runtime__: [timeout: 10_000])
     end
   end
@@ -174,7 +158,8 @@ defmodule VllmBridge.LiveTest do
   describe "runtime options" do
     @describetag :engine
     test "timeout is the gRPC deadline; the server stops the stream" do
-      {:ok, stream} = Engine.generate(@engine, "slow", greedy(200), id(), __runtime__: [timeout: 100])
+      # 20 ms: less than 200 tokens take, even on a fast machine
+      {:ok, stream} = Engine.generate(@engine, "slow", greedy(200), id(), __runtime__: [timeout: 20])
       assert %Error{code: :deadline_exceeded, category: "timeout"} = catch_error(Enum.to_list(stream))
     end
 
@@ -192,15 +177,11 @@ defmodule VllmBridge.LiveTest do
       for p <- [:default, :ml_inference, :batch_job, :streaming],
           do: assert({:ok, 2} = D.divide(4, 2, __runtime__: [timeout_profile: p]))
 
-      assert {:error, %Error{parameter: "x-bridge-timeout-profile"}} =
-               D.divide(4, 2, __runtime__: [timeout_profile: :nope])
-
       for a <- [:hint, :strict_queue, :strict_fail_fast],
           do: assert({:ok, 2} = D.divide(4, 2, __runtime__: [affinity: a]))
 
-      assert {:error, %Error{message: msg}} = D.divide(4, 2, __runtime__: [affinity: :sometimes])
-      assert msg =~ "x-bridge-affinity"
       assert {:ok, 2} = D.divide(4, 2, __runtime__: [timeout: 5_000, timeout_profile: :batch_job])
+      assert {:ok, 2} = D.divide(4, 2, __runtime__: [timeout: :infinity, rank: 0, stream_interval: 10])
 
       # A pool server routes by pool and refuses unknown ones; a single worker serves any pool name.
       case D.divide(4, 2, __runtime__: [pool_name: :no_such_pool]) do
@@ -245,9 +226,16 @@ defmodule VllmBridge.LiveTest do
     assert Enum.all?(results, &(&1 == 2))
   end
 
-  test "every value kind round-trips through Python" do
-    {:ok, holder} = dp()
+  # The forward context holds whatever it is given as attn_metadata (documented as term()): an echo
+  # through Python that stays within the documented surface.
+  defp echo(value) do
+    {:ok, config} = VllmBridge.new("vllm.config.VllmConfig")
+    {:ok, cm} = FC.set_forward_context(value, config, 0)
+    {:ok, {:ok, context}} = VllmBridge.with_context(cm, fn _ -> FC._forward_context() end)
+    context[:attn_metadata]
+  end
 
+  test "every value kind round-trips through Python" do
     values = [
       42,
       -(2 ** 70),
@@ -255,6 +243,7 @@ defmodule VllmBridge.LiveTest do
       1.5,
       :infinity,
       :neg_infinity,
+      :nan,
       nil,
       true,
       false,
@@ -274,17 +263,9 @@ defmodule VllmBridge.LiveTest do
       }
     ]
 
-    for v <- values do
-      assert {:ok, nil} = VllmBridge.set_attr(holder, "probe", v)
-      assert {:ok, ^v} = VllmBridge.get_attr(holder, "probe")
-    end
-
-    assert {:ok, nil} = VllmBridge.set_attr(holder, "probe", :nan)
-    assert {:ok, :nan} = VllmBridge.get_attr(holder, "probe")
-    assert {:ok, nil} = VllmBridge.set_attr(holder, "probe", :an_atom)
-    assert {:ok, "an_atom"} = VllmBridge.get_attr(holder, "probe")
+    for v <- values, do: assert(echo(v) == v, "#{inspect(v)} came back as #{inspect(echo(v))}")
+    assert echo(:an_atom) == "an_atom"
     {:ok, other} = dp()
-    assert {:ok, nil} = VllmBridge.set_attr(holder, "probe", [other])
-    assert {:ok, [%Record{type_name: "vllm.forward_context.DPMetadata"}]} = VllmBridge.get_attr(holder, "probe")
+    assert [%Record{type_name: "vllm.forward_context.DPMetadata"}] = echo([other])
   end
 end

@@ -224,10 +224,17 @@ def test_committed_protobuf_modules_match_the_proto() -> None:
 
 
 def test_runtime_options_are_sent_as_the_protocol_metadata_keys() -> None:
-    client = (MIX / "lib" / "vllm_bridge" / "client.ex").read_text(encoding="utf-8")
-    table = dict(re.findall(r"^    (\w+): \"(x-bridge-[\w-]+)\"", client, re.M))
+    runtime = (MIX / "lib" / "vllm_bridge" / "runtime.ex").read_text(encoding="utf-8")
+    table = dict(re.findall(r"^    (\w+): \"(x-bridge-[\w-]+)\"", runtime, re.M))
     assert table == {"session_id": protocol.MD_SESSION, "timeout_profile": protocol.MD_TIMEOUT_PROFILE,
                      "stream_timeout": protocol.MD_STREAM_TIMEOUT_MS, "pool_name": protocol.MD_POOL,
-                     "affinity": protocol.MD_AFFINITY}
-    assert f'"{protocol.MD_REFS}"' in client
-    assert "@runtime_keys [:timeout, :multiplex | Map.keys(@metadata)]" in client   # not metadata: the deadline, the transport
+                     "affinity": protocol.MD_AFFINITY, "stream_interval": protocol.MD_STREAM_INTERVAL_MS,
+                     "rank": protocol.MD_RANK}
+    assert f'"{protocol.MD_REFS}"' in runtime
+    # validated on the client against the protocol's own lists
+    profiles = re.search(r"^  @profiles ~w\((.*)\)$", runtime, re.M)
+    affinities = re.search(r"^  @affinities ~w\((.*)\)$", runtime, re.M)
+    assert profiles and profiles.group(1).split() == list(protocol.PROFILES)
+    assert affinities and affinities.group(1).split() == list(protocol.AFFINITY_MODES)
+    # not metadata: the deadline, which server, the transport of a stream, how tensors come back
+    assert "@local [:timeout, :server, :multiplex, :tensors]" in runtime

@@ -5,14 +5,19 @@ defmodule Vllm.AsyncLLMEngine do
   Bindings for the Python class `vllm.AsyncLLMEngine` (vLLM 0.14.0), as documented in `002_aa23b9c385778b46.txt`.
 
   Every function returns `{:ok, value}` or `{:error, %VllmBridge.Error{}}` and takes a trailing
-  keyword list: `__runtime__: [timeout:, timeout_profile:, stream_timeout:, session_id:, pool_name:,
-  affinity:]` (see `VllmBridge`), every other keyword is a Python keyword argument.
+  keyword list: `__runtime__: [...]` holds the runtime options (`timeout`, `timeout_profile`,
+  `stream_timeout`, `session_id`, `pool_name`, `affinity`, `server`...; see `VllmBridge`), every
+  other keyword is a Python keyword argument.
 
   Methods take the receiver first: a `VllmBridge.Ref` or the name of a published object
-  (`"engine"`). Optional positional parameters go in one list after the required ones.
+  (`"engine"` or `:engine`). Optional positional parameters go in one list after the required
+  ones.
   """
 
   alias VllmBridge.Binding, as: B
+
+  @typedoc "An instance of `vllm.AsyncLLMEngine` on the server: a ref to it (what `new` returns)."
+  @type t :: VllmBridge.Ref.t()
 
   @doc ~S"""
   vLLM: a high-throughput and memory-efficient inference engine for LLMs
@@ -31,8 +36,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 6, 7.
   """
-  @spec _add_request(VllmBridge.Ref.t() | String.t(), term(), term(), term(), integer(), term()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec _add_request(VllmBridge.Ref.t() | String.t(), term(), term(), term(), integer(), term(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec _add_request(VllmBridge.Ref.t() | String.t() | atom(), term(), term(), term(), integer(), term()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec _add_request(VllmBridge.Ref.t() | String.t() | atom(), term(), term(), term(), integer(), term(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def _add_request(ref, request, prompt, parent_req, index, queue), do: B.invoke(:call, {:method, ref, "_add_request"}, [request, prompt, parent_req, index, queue], [])
   def _add_request(ref, request, prompt, parent_req, index, queue, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "_add_request"}, [request, prompt, parent_req, index, queue], opts)
 
@@ -45,8 +50,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1, 2.
   """
-  @spec _run_output_handler(VllmBridge.Ref.t() | String.t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec _run_output_handler(VllmBridge.Ref.t() | String.t(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec _run_output_handler(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec _run_output_handler(VllmBridge.Ref.t() | String.t() | atom(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def _run_output_handler(ref), do: B.invoke(:call, {:method, ref, "_run_output_handler"}, [], [])
   def _run_output_handler(ref, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "_run_output_handler"}, [], opts)
 
@@ -64,9 +69,9 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 3, 4.
   """
-  @spec abort(VllmBridge.Ref.t() | String.t(), term()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
-  @spec abort(VllmBridge.Ref.t() | String.t(), term(), list()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
-  @spec abort(VllmBridge.Ref.t() | String.t(), term(), list(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec abort(VllmBridge.Ref.t() | String.t() | atom(), term()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec abort(VllmBridge.Ref.t() | String.t() | atom(), term(), list()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec abort(VllmBridge.Ref.t() | String.t() | atom(), term(), list(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
   def abort(ref, request_id), do: B.invoke(:call, {:method, ref, "abort"}, [request_id], [])
   def abort(ref, request_id, args) when is_list(args), do: B.invoke(:call, {:method, ref, "abort"}, B.rest([request_id], args))
   def abort(ref, request_id, args, opts) when is_list(args) and is_list(opts), do: B.invoke(:call, {:method, ref, "abort"}, [request_id] ++ args, opts)
@@ -84,8 +89,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 2, 3.
   """
-  @spec add_lora(VllmBridge.Ref.t() | String.t(), term()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
-  @spec add_lora(VllmBridge.Ref.t() | String.t(), term(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  @spec add_lora(VllmBridge.Ref.t() | String.t() | atom(), term()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  @spec add_lora(VllmBridge.Ref.t() | String.t() | atom(), term(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
   def add_lora(ref, lora_request), do: B.invoke(:call, {:method, ref, "add_lora"}, [lora_request], [])
   def add_lora(ref, lora_request, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "add_lora"}, [lora_request], opts)
 
@@ -111,9 +116,9 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 5, 6.
   """
-  @spec add_request(VllmBridge.Ref.t() | String.t(), String.t(), term(), term()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec add_request(VllmBridge.Ref.t() | String.t(), String.t(), term(), term(), list()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec add_request(VllmBridge.Ref.t() | String.t(), String.t(), term(), term(), list(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec add_request(VllmBridge.Ref.t() | String.t() | atom(), String.t(), term(), term()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec add_request(VllmBridge.Ref.t() | String.t() | atom(), String.t(), term(), term(), list()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec add_request(VllmBridge.Ref.t() | String.t() | atom(), String.t(), term(), term(), list(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def add_request(ref, request_id, prompt, params), do: B.invoke(:call, {:method, ref, "add_request"}, [request_id, prompt, params], [])
   def add_request(ref, request_id, prompt, params, args) when is_list(args), do: B.invoke(:call, {:method, ref, "add_request"}, B.rest([request_id, prompt, params], args))
   def add_request(ref, request_id, prompt, params, args, opts) when is_list(args) and is_list(opts), do: B.invoke(:call, {:method, ref, "add_request"}, [request_id, prompt, params] ++ args, opts)
@@ -127,8 +132,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1, 2.
   """
-  @spec check_health(VllmBridge.Ref.t() | String.t()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
-  @spec check_health(VllmBridge.Ref.t() | String.t(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec check_health(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec check_health(VllmBridge.Ref.t() | String.t() | atom(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
   def check_health(ref), do: B.invoke(:call, {:method, ref, "check_health"}, [], [])
   def check_health(ref, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "check_health"}, [], opts)
 
@@ -148,9 +153,9 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 3, 4.
   """
-  @spec collective_rpc(VllmBridge.Ref.t() | String.t(), String.t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec collective_rpc(VllmBridge.Ref.t() | String.t(), String.t(), list()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec collective_rpc(VllmBridge.Ref.t() | String.t(), String.t(), list(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec collective_rpc(VllmBridge.Ref.t() | String.t() | atom(), String.t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec collective_rpc(VllmBridge.Ref.t() | String.t() | atom(), String.t(), list()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec collective_rpc(VllmBridge.Ref.t() | String.t() | atom(), String.t(), list(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def collective_rpc(ref, method), do: B.invoke(:call, {:method, ref, "collective_rpc"}, [method], [])
   def collective_rpc(ref, method, args) when is_list(args), do: B.invoke(:call, {:method, ref, "collective_rpc"}, B.rest([method], args))
   def collective_rpc(ref, method, args, opts) when is_list(args) and is_list(opts), do: B.invoke(:call, {:method, ref, "collective_rpc"}, [method] ++ args, opts)
@@ -162,7 +167,7 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1.
   """
-  @spec dead_error(VllmBridge.Ref.t() | String.t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec dead_error(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def dead_error(ref), do: B.invoke(:call, {:get_attr, ref, "dead_error"}, [], [])
 
   @doc ~S"""
@@ -174,8 +179,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1, 2.
   """
-  @spec do_log_stats(VllmBridge.Ref.t() | String.t()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
-  @spec do_log_stats(VllmBridge.Ref.t() | String.t(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec do_log_stats(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec do_log_stats(VllmBridge.Ref.t() | String.t() | atom(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
   def do_log_stats(ref), do: B.invoke(:call, {:method, ref, "do_log_stats"}, [], [])
   def do_log_stats(ref, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "do_log_stats"}, [], opts)
 
@@ -199,9 +204,9 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 5, 6.
   """
-  @spec encode(VllmBridge.Ref.t() | String.t(), term(), term(), String.t()) :: {:ok, Enumerable.t()} | {:error, VllmBridge.Error.t()}
-  @spec encode(VllmBridge.Ref.t() | String.t(), term(), term(), String.t(), list()) :: {:ok, Enumerable.t()} | {:error, VllmBridge.Error.t()}
-  @spec encode(VllmBridge.Ref.t() | String.t(), term(), term(), String.t(), list(), keyword()) :: {:ok, Enumerable.t()} | {:error, VllmBridge.Error.t()}
+  @spec encode(VllmBridge.Ref.t() | String.t() | atom(), term(), term(), String.t()) :: {:ok, Enumerable.t()} | {:error, VllmBridge.Error.t()}
+  @spec encode(VllmBridge.Ref.t() | String.t() | atom(), term(), term(), String.t(), list()) :: {:ok, Enumerable.t()} | {:error, VllmBridge.Error.t()}
+  @spec encode(VllmBridge.Ref.t() | String.t() | atom(), term(), term(), String.t(), list(), keyword()) :: {:ok, Enumerable.t()} | {:error, VllmBridge.Error.t()}
   def encode(ref, prompt, pooling_params, request_id), do: B.invoke(:stream, {:method, ref, "encode"}, [prompt, pooling_params, request_id], [])
   def encode(ref, prompt, pooling_params, request_id, args) when is_list(args), do: B.invoke(:stream, {:method, ref, "encode"}, B.rest([prompt, pooling_params, request_id], args))
   def encode(ref, prompt, pooling_params, request_id, args, opts) when is_list(args) and is_list(opts), do: B.invoke(:stream, {:method, ref, "encode"}, [prompt, pooling_params, request_id] ++ args, opts)
@@ -213,7 +218,7 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1.
   """
-  @spec errored(VllmBridge.Ref.t() | String.t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec errored(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def errored(ref), do: B.invoke(:call, {:get_attr, ref, "errored"}, [], [])
 
   @doc ~S"""
@@ -232,9 +237,9 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 3, 4.
   """
-  @spec from_engine_args(VllmBridge.Ref.t() | String.t() | module(), term()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec from_engine_args(VllmBridge.Ref.t() | String.t() | module(), term(), list()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec from_engine_args(VllmBridge.Ref.t() | String.t() | module(), term(), list(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec from_engine_args(VllmBridge.Ref.t() | String.t() | atom(), term()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec from_engine_args(VllmBridge.Ref.t() | String.t() | atom(), term(), list()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec from_engine_args(VllmBridge.Ref.t() | String.t() | atom(), term(), list(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def from_engine_args(ref, engine_args), do: B.invoke(:call, B.classmethod(ref, "from_engine_args", "vllm.AsyncLLMEngine.from_engine_args"), [engine_args], [])
   def from_engine_args(ref, engine_args, args) when is_list(args), do: B.invoke(:call, B.classmethod(ref, "from_engine_args", "vllm.AsyncLLMEngine.from_engine_args"), B.rest([engine_args], args))
   def from_engine_args(ref, engine_args, args, opts) when is_list(args) and is_list(opts), do: B.invoke(:call, B.classmethod(ref, "from_engine_args", "vllm.AsyncLLMEngine.from_engine_args"), [engine_args] ++ args, opts)
@@ -261,9 +266,9 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 3, 4.
   """
-  @spec from_vllm_config(VllmBridge.Ref.t() | String.t() | module(), term()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec from_vllm_config(VllmBridge.Ref.t() | String.t() | module(), term(), list()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec from_vllm_config(VllmBridge.Ref.t() | String.t() | module(), term(), list(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec from_vllm_config(VllmBridge.Ref.t() | String.t() | atom(), term()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec from_vllm_config(VllmBridge.Ref.t() | String.t() | atom(), term(), list()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec from_vllm_config(VllmBridge.Ref.t() | String.t() | atom(), term(), list(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def from_vllm_config(ref, vllm_config), do: B.invoke(:call, B.classmethod(ref, "from_vllm_config", "vllm.AsyncLLMEngine.from_vllm_config"), [vllm_config], [])
   def from_vllm_config(ref, vllm_config, args) when is_list(args), do: B.invoke(:call, B.classmethod(ref, "from_vllm_config", "vllm.AsyncLLMEngine.from_vllm_config"), B.rest([vllm_config], args))
   def from_vllm_config(ref, vllm_config, args, opts) when is_list(args) and is_list(opts), do: B.invoke(:call, B.classmethod(ref, "from_vllm_config", "vllm.AsyncLLMEngine.from_vllm_config"), [vllm_config] ++ args, opts)
@@ -289,8 +294,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 4, 5.
   """
-  @spec generate(VllmBridge.Ref.t() | String.t(), term(), term(), String.t()) :: {:ok, Enumerable.t()} | {:error, VllmBridge.Error.t()}
-  @spec generate(VllmBridge.Ref.t() | String.t(), term(), term(), String.t(), keyword()) :: {:ok, Enumerable.t()} | {:error, VllmBridge.Error.t()}
+  @spec generate(VllmBridge.Ref.t() | String.t() | atom(), term(), term(), String.t()) :: {:ok, Enumerable.t()} | {:error, VllmBridge.Error.t()}
+  @spec generate(VllmBridge.Ref.t() | String.t() | atom(), term(), term(), String.t(), keyword()) :: {:ok, Enumerable.t()} | {:error, VllmBridge.Error.t()}
   def generate(ref, prompt, sampling_params, request_id), do: B.invoke(:stream, {:method, ref, "generate"}, [prompt, sampling_params, request_id], [])
   def generate(ref, prompt, sampling_params, request_id, opts) when is_list(opts), do: B.invoke(:stream, {:method, ref, "generate"}, [prompt, sampling_params, request_id], opts)
 
@@ -303,8 +308,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1, 2.
   """
-  @spec get_supported_tasks(VllmBridge.Ref.t() | String.t()) :: {:ok, {term(), term()}} | {:error, VllmBridge.Error.t()}
-  @spec get_supported_tasks(VllmBridge.Ref.t() | String.t(), keyword()) :: {:ok, {term(), term()}} | {:error, VllmBridge.Error.t()}
+  @spec get_supported_tasks(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, {term(), term()}} | {:error, VllmBridge.Error.t()}
+  @spec get_supported_tasks(VllmBridge.Ref.t() | String.t() | atom(), keyword()) :: {:ok, {term(), term()}} | {:error, VllmBridge.Error.t()}
   def get_supported_tasks(ref), do: B.invoke(:call, {:method, ref, "get_supported_tasks"}, [], [])
   def get_supported_tasks(ref, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "get_supported_tasks"}, [], opts)
 
@@ -317,8 +322,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1, 2.
   """
-  @spec get_tokenizer(VllmBridge.Ref.t() | String.t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec get_tokenizer(VllmBridge.Ref.t() | String.t(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec get_tokenizer(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec get_tokenizer(VllmBridge.Ref.t() | String.t() | atom(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def get_tokenizer(ref), do: B.invoke(:call, {:method, ref, "get_tokenizer"}, [], [])
   def get_tokenizer(ref, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "get_tokenizer"}, [], opts)
 
@@ -331,8 +336,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1, 2.
   """
-  @spec is_paused(VllmBridge.Ref.t() | String.t()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
-  @spec is_paused(VllmBridge.Ref.t() | String.t(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  @spec is_paused(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  @spec is_paused(VllmBridge.Ref.t() | String.t() | atom(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
   def is_paused(ref), do: B.invoke(:call, {:method, ref, "is_paused"}, [], [])
   def is_paused(ref, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "is_paused"}, [], opts)
 
@@ -343,7 +348,7 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1.
   """
-  @spec is_running(VllmBridge.Ref.t() | String.t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec is_running(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def is_running(ref), do: B.invoke(:call, {:get_attr, ref, "is_running"}, [], [])
 
   @doc ~S"""
@@ -355,8 +360,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1, 2.
   """
-  @spec is_sleeping(VllmBridge.Ref.t() | String.t()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
-  @spec is_sleeping(VllmBridge.Ref.t() | String.t(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  @spec is_sleeping(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  @spec is_sleeping(VllmBridge.Ref.t() | String.t() | atom(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
   def is_sleeping(ref), do: B.invoke(:call, {:method, ref, "is_sleeping"}, [], [])
   def is_sleeping(ref, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "is_sleeping"}, [], opts)
 
@@ -367,7 +372,7 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1.
   """
-  @spec is_stopped(VllmBridge.Ref.t() | String.t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec is_stopped(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def is_stopped(ref), do: B.invoke(:call, {:get_attr, ref, "is_stopped"}, [], [])
 
   @doc ~S"""
@@ -379,8 +384,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1, 2.
   """
-  @spec is_tracing_enabled(VllmBridge.Ref.t() | String.t()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
-  @spec is_tracing_enabled(VllmBridge.Ref.t() | String.t(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  @spec is_tracing_enabled(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  @spec is_tracing_enabled(VllmBridge.Ref.t() | String.t() | atom(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
   def is_tracing_enabled(ref), do: B.invoke(:call, {:method, ref, "is_tracing_enabled"}, [], [])
   def is_tracing_enabled(ref, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "is_tracing_enabled"}, [], opts)
 
@@ -393,8 +398,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1, 2.
   """
-  @spec list_loras(VllmBridge.Ref.t() | String.t()) :: {:ok, MapSet.t(integer())} | {:error, VllmBridge.Error.t()}
-  @spec list_loras(VllmBridge.Ref.t() | String.t(), keyword()) :: {:ok, MapSet.t(integer())} | {:error, VllmBridge.Error.t()}
+  @spec list_loras(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, MapSet.t(integer())} | {:error, VllmBridge.Error.t()}
+  @spec list_loras(VllmBridge.Ref.t() | String.t() | atom(), keyword()) :: {:ok, MapSet.t(integer())} | {:error, VllmBridge.Error.t()}
   def list_loras(ref), do: B.invoke(:call, {:method, ref, "list_loras"}, [], [])
   def list_loras(ref, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "list_loras"}, [], opts)
 
@@ -419,9 +424,9 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 4, 5.
   """
-  @spec new(term(), term(), boolean()) :: {:ok, VllmBridge.Ref.t()} | {:error, VllmBridge.Error.t()}
-  @spec new(term(), term(), boolean(), list()) :: {:ok, VllmBridge.Ref.t()} | {:error, VllmBridge.Error.t()}
-  @spec new(term(), term(), boolean(), list(), keyword()) :: {:ok, VllmBridge.Ref.t()} | {:error, VllmBridge.Error.t()}
+  @spec new(term(), term(), boolean()) :: {:ok, t()} | {:error, VllmBridge.Error.t()}
+  @spec new(term(), term(), boolean(), list()) :: {:ok, t()} | {:error, VllmBridge.Error.t()}
+  @spec new(term(), term(), boolean(), list(), keyword()) :: {:ok, t()} | {:error, VllmBridge.Error.t()}
   def new(vllm_config, executor_class, log_stats), do: B.invoke(:call, {:constructor, "vllm.AsyncLLMEngine"}, [vllm_config, executor_class, log_stats], [])
   def new(vllm_config, executor_class, log_stats, args) when is_list(args), do: B.invoke(:call, {:constructor, "vllm.AsyncLLMEngine"}, B.rest([vllm_config, executor_class, log_stats], args))
   def new(vllm_config, executor_class, log_stats, args, opts) when is_list(args) and is_list(opts), do: B.invoke(:call, {:constructor, "vllm.AsyncLLMEngine"}, [vllm_config, executor_class, log_stats] ++ args, opts)
@@ -440,8 +445,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1, 2.
   """
-  @spec pause_generation(VllmBridge.Ref.t() | String.t()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
-  @spec pause_generation(VllmBridge.Ref.t() | String.t(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec pause_generation(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec pause_generation(VllmBridge.Ref.t() | String.t() | atom(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
   def pause_generation(ref), do: B.invoke(:call, {:method, ref, "pause_generation"}, [], [])
   def pause_generation(ref, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "pause_generation"}, [], opts)
 
@@ -458,8 +463,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 2, 3.
   """
-  @spec pin_lora(VllmBridge.Ref.t() | String.t(), integer()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
-  @spec pin_lora(VllmBridge.Ref.t() | String.t(), integer(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  @spec pin_lora(VllmBridge.Ref.t() | String.t() | atom(), integer()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  @spec pin_lora(VllmBridge.Ref.t() | String.t() | atom(), integer(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
   def pin_lora(ref, lora_id), do: B.invoke(:call, {:method, ref, "pin_lora"}, [lora_id], [])
   def pin_lora(ref, lora_id, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "pin_lora"}, [lora_id], opts)
 
@@ -476,8 +481,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 2, 3.
   """
-  @spec remove_lora(VllmBridge.Ref.t() | String.t(), integer()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
-  @spec remove_lora(VllmBridge.Ref.t() | String.t(), integer(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  @spec remove_lora(VllmBridge.Ref.t() | String.t() | atom(), integer()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  @spec remove_lora(VllmBridge.Ref.t() | String.t() | atom(), integer(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
   def remove_lora(ref, lora_id), do: B.invoke(:call, {:method, ref, "remove_lora"}, [lora_id], [])
   def remove_lora(ref, lora_id, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "remove_lora"}, [lora_id], opts)
 
@@ -490,8 +495,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1, 2.
   """
-  @spec reset_mm_cache(VllmBridge.Ref.t() | String.t()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
-  @spec reset_mm_cache(VllmBridge.Ref.t() | String.t(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec reset_mm_cache(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec reset_mm_cache(VllmBridge.Ref.t() | String.t() | atom(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
   def reset_mm_cache(ref), do: B.invoke(:call, {:method, ref, "reset_mm_cache"}, [], [])
   def reset_mm_cache(ref, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "reset_mm_cache"}, [], opts)
 
@@ -509,9 +514,9 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 2, 3.
   """
-  @spec reset_prefix_cache(VllmBridge.Ref.t() | String.t()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
-  @spec reset_prefix_cache(VllmBridge.Ref.t() | String.t(), list()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
-  @spec reset_prefix_cache(VllmBridge.Ref.t() | String.t(), list(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  @spec reset_prefix_cache(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  @spec reset_prefix_cache(VllmBridge.Ref.t() | String.t() | atom(), list()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  @spec reset_prefix_cache(VllmBridge.Ref.t() | String.t() | atom(), list(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
   def reset_prefix_cache(ref), do: B.invoke(:call, {:method, ref, "reset_prefix_cache"}, [], [])
   def reset_prefix_cache(ref, args) when is_list(args), do: B.invoke(:call, {:method, ref, "reset_prefix_cache"}, B.rest([], args))
   def reset_prefix_cache(ref, args, opts) when is_list(args) and is_list(opts), do: B.invoke(:call, {:method, ref, "reset_prefix_cache"}, args, opts)
@@ -525,8 +530,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1, 2.
   """
-  @spec resume_generation(VllmBridge.Ref.t() | String.t()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
-  @spec resume_generation(VllmBridge.Ref.t() | String.t(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec resume_generation(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec resume_generation(VllmBridge.Ref.t() | String.t() | atom(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
   def resume_generation(ref), do: B.invoke(:call, {:method, ref, "resume_generation"}, [], [])
   def resume_generation(ref, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "resume_generation"}, [], opts)
 
@@ -544,9 +549,9 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 3, 4.
   """
-  @spec scale_elastic_ep(VllmBridge.Ref.t() | String.t(), integer()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec scale_elastic_ep(VllmBridge.Ref.t() | String.t(), integer(), list()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec scale_elastic_ep(VllmBridge.Ref.t() | String.t(), integer(), list(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec scale_elastic_ep(VllmBridge.Ref.t() | String.t() | atom(), integer()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec scale_elastic_ep(VllmBridge.Ref.t() | String.t() | atom(), integer(), list()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec scale_elastic_ep(VllmBridge.Ref.t() | String.t() | atom(), integer(), list(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def scale_elastic_ep(ref, new_data_parallel_size), do: B.invoke(:call, {:method, ref, "scale_elastic_ep"}, [new_data_parallel_size], [])
   def scale_elastic_ep(ref, new_data_parallel_size, args) when is_list(args), do: B.invoke(:call, {:method, ref, "scale_elastic_ep"}, B.rest([new_data_parallel_size], args))
   def scale_elastic_ep(ref, new_data_parallel_size, args, opts) when is_list(args) and is_list(opts), do: B.invoke(:call, {:method, ref, "scale_elastic_ep"}, [new_data_parallel_size] ++ args, opts)
@@ -560,8 +565,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1, 2.
   """
-  @spec shutdown(VllmBridge.Ref.t() | String.t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec shutdown(VllmBridge.Ref.t() | String.t(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec shutdown(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec shutdown(VllmBridge.Ref.t() | String.t() | atom(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def shutdown(ref), do: B.invoke(:call, {:method, ref, "shutdown"}, [], [])
   def shutdown(ref, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "shutdown"}, [], opts)
 
@@ -578,9 +583,9 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 2, 3.
   """
-  @spec sleep(VllmBridge.Ref.t() | String.t()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
-  @spec sleep(VllmBridge.Ref.t() | String.t(), list()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
-  @spec sleep(VllmBridge.Ref.t() | String.t(), list(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec sleep(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec sleep(VllmBridge.Ref.t() | String.t() | atom(), list()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec sleep(VllmBridge.Ref.t() | String.t() | atom(), list(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
   def sleep(ref), do: B.invoke(:call, {:method, ref, "sleep"}, [], [])
   def sleep(ref, args) when is_list(args), do: B.invoke(:call, {:method, ref, "sleep"}, B.rest([], args))
   def sleep(ref, args, opts) when is_list(args) and is_list(opts), do: B.invoke(:call, {:method, ref, "sleep"}, args, opts)
@@ -594,8 +599,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1, 2.
   """
-  @spec start_profile(VllmBridge.Ref.t() | String.t()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
-  @spec start_profile(VllmBridge.Ref.t() | String.t(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec start_profile(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec start_profile(VllmBridge.Ref.t() | String.t() | atom(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
   def start_profile(ref), do: B.invoke(:call, {:method, ref, "start_profile"}, [], [])
   def start_profile(ref, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "start_profile"}, [], opts)
 
@@ -608,8 +613,8 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1, 2.
   """
-  @spec stop_profile(VllmBridge.Ref.t() | String.t()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
-  @spec stop_profile(VllmBridge.Ref.t() | String.t(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec stop_profile(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec stop_profile(VllmBridge.Ref.t() | String.t() | atom(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
   def stop_profile(ref), do: B.invoke(:call, {:method, ref, "stop_profile"}, [], [])
   def stop_profile(ref, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "stop_profile"}, [], opts)
 
@@ -620,7 +625,7 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 1.
   """
-  @spec tokenizer(VllmBridge.Ref.t() | String.t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec tokenizer(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def tokenizer(ref), do: B.invoke(:call, {:get_attr, ref, "tokenizer"}, [], [])
 
   @doc ~S"""
@@ -636,9 +641,9 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 2, 3.
   """
-  @spec wait_for_requests_to_drain(VllmBridge.Ref.t() | String.t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec wait_for_requests_to_drain(VllmBridge.Ref.t() | String.t(), list()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec wait_for_requests_to_drain(VllmBridge.Ref.t() | String.t(), list(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec wait_for_requests_to_drain(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec wait_for_requests_to_drain(VllmBridge.Ref.t() | String.t() | atom(), list()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec wait_for_requests_to_drain(VllmBridge.Ref.t() | String.t() | atom(), list(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def wait_for_requests_to_drain(ref), do: B.invoke(:call, {:method, ref, "wait_for_requests_to_drain"}, [], [])
   def wait_for_requests_to_drain(ref, args) when is_list(args), do: B.invoke(:call, {:method, ref, "wait_for_requests_to_drain"}, B.rest([], args))
   def wait_for_requests_to_drain(ref, args, opts) when is_list(args) and is_list(opts), do: B.invoke(:call, {:method, ref, "wait_for_requests_to_drain"}, args, opts)
@@ -656,9 +661,9 @@ defmodule Vllm.AsyncLLMEngine do
 
   Documented arities: 2, 3.
   """
-  @spec wake_up(VllmBridge.Ref.t() | String.t()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
-  @spec wake_up(VllmBridge.Ref.t() | String.t(), list()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
-  @spec wake_up(VllmBridge.Ref.t() | String.t(), list(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec wake_up(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec wake_up(VllmBridge.Ref.t() | String.t() | atom(), list()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  @spec wake_up(VllmBridge.Ref.t() | String.t() | atom(), list(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
   def wake_up(ref), do: B.invoke(:call, {:method, ref, "wake_up"}, [], [])
   def wake_up(ref, args) when is_list(args), do: B.invoke(:call, {:method, ref, "wake_up"}, B.rest([], args))
   def wake_up(ref, args, opts) when is_list(args) and is_list(opts), do: B.invoke(:call, {:method, ref, "wake_up"}, args, opts)

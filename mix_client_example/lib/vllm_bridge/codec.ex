@@ -25,11 +25,14 @@ defmodule VllmBridge.Codec do
   alias VllmBridge.V1, as: PB
   alias VllmBridge.{Bytes, FrozenSet, PyEnum, Record, Ref, Tensor}
 
+  @typedoc "A `vllm_bridge.v1.Value` message (`bridge.proto`), as the generated protobuf module's struct."
+  @type wire :: %{:__struct__ => PB.Value, optional(atom()) => term()}
+
   @min_int -0x8000000000000000
   @max_int 0x7FFFFFFFFFFFFFFF
 
   @doc "Encodes a term; also returns the ids of the refs inside it (for `x-bridge-refs`)."
-  @spec encode(term()) :: {PB.Value.t(), [String.t()]}
+  @spec encode(term()) :: {wire(), [String.t()]}
   def encode(term) do
     {value, refs} = enc(term, [])
     {value, Enum.reverse(refs)}
@@ -105,34 +108,53 @@ defmodule VllmBridge.Codec do
     {v({kind, %PB.Items{items: items}}), acc}
   end
 
-  @doc "Decodes a wire value into the Elixir term it stands for."
-  @spec decode(PB.Value.t() | nil) :: term()
-  def decode(nil), do: nil
-  def decode(%PB.Value{kind: kind}), do: dec(kind)
+  @doc """
+  Decodes a wire value into the Elixir term it stands for.
 
-  defp dec(nil), do: nil
-  defp dec({:null, _}), do: nil
-  defp dec({:bool, b}), do: b
-  defp dec({:int, i}), do: i
-  defp dec({:big_int, s}), do: String.to_integer(s)
-  defp dec({:float, :negative_infinity}), do: :neg_infinity
-  defp dec({:float, f}), do: f
-  defp dec({:str, s}), do: s
-  defp dec({:bytes, b}), do: %Bytes{data: b}
-  defp dec({:list, %{items: items}}), do: Enum.map(items, &decode/1)
-  defp dec({:ints, %{values: values}}), do: values
-  defp dec({:tuple, %{items: items}}), do: items |> Enum.map(&decode/1) |> List.to_tuple()
-  defp dec({:set, %{items: items}}), do: items |> Enum.map(&decode/1) |> MapSet.new()
-  defp dec({:frozenset, %{items: items}}), do: %FrozenSet{set: items |> Enum.map(&decode/1) |> MapSet.new()}
-  defp dec({:map, %{entries: entries}}), do: Map.new(entries, &{decode(&1.key), decode(&1.value)})
-  defp dec({:atom, a}), do: String.to_atom(a)
-  defp dec({:tensor, t}), do: %Tensor{dtype: t.dtype, shape: t.shape, data: t.data}
+  Options: `:server`, the server the value came from (recorded in the refs it holds, so calls on
+  them go back there); `:tensors`, `:struct` (default: `%VllmBridge.Tensor{}`) or `:nx`
+  (`Nx.Tensor`s, for the dtypes Nx has; others stay `%VllmBridge.Tensor{}`).
+  """
+  @spec decode(wire() | nil, keyword()) :: term()
+  def decode(value, opts \\ [])
+  def decode(nil, _opts), do: nil
+  def decode(%PB.Value{kind: kind}, []), do: dec(kind, {nil, false})
+  def decode(%PB.Value{kind: kind}, opts), do: dec(kind, {opts[:server], opts[:tensors] == :nx})
 
-  defp dec({:ref, r}),
-    do: %Ref{id: r.id, session_id: r.session_id, worker_id: r.worker_id, type_name: r.type_name, repr: r.repr}
+  defp d(nil, _ctx), do: nil
+  defp d(%PB.Value{kind: kind}, ctx), do: dec(kind, ctx)
 
-  defp dec({:record, r}),
-    do: %Record{type_name: r.type_name, fields: Enum.map(r.fields, &{&1.name, decode(&1.value)})}
+  defp dec(nil, _), do: nil
+  defp dec({:null, _}, _), do: nil
+  defp dec({:bool, b}, _), do: b
+  defp dec({:int, i}, _), do: i
+  defp dec({:big_int, s}, _), do: String.to_integer(s)
+  defp dec({:float, :negative_infinity}, _), do: :neg_infinity
+  defp dec({:float, f}, _), do: f
+  defp dec({:str, s}, _), do: s
+  defp dec({:bytes, b}, _), do: %Bytes{data: b}
+  defp dec({:list, %{items: items}}, ctx), do: Enum.map(items, &d(&1, ctx))
+  defp dec({:ints, %{values: values}}, _), do: values
+  defp dec({:tuple, %{items: items}}, ctx), do: items |> Enum.map(&d(&1, ctx)) |> List.to_tuple()
+  defp dec({:set, %{items: items}}, ctx), do: items |> Enum.map(&d(&1, ctx)) |> MapSet.new()
+  defp dec({:frozenset, %{items: items}}, ctx), do: %FrozenSet{set: items |> Enum.map(&d(&1, ctx)) |> MapSet.new()}
+  defp dec({:map, %{entries: entries}}, ctx), do: Map.new(entries, &{d(&1.key, ctx), d(&1.value, ctx)})
+  defp dec({:atom, a}, _), do: String.to_atom(a)
+  defp dec({:tensor, t}, {_, false}), do: %Tensor{dtype: t.dtype, shape: t.shape, data: t.data}
+  defp dec({:tensor, t}, {_, true}), do: Tensor.maybe_nx(%Tensor{dtype: t.dtype, shape: t.shape, data: t.data})
 
-  defp dec({:enum, e}), do: %PyEnum{type_name: e.type_name, name: e.name, value: decode(e.value)}
+  defp dec({:ref, r}, {server, _}),
+    do: %Ref{
+      id: r.id,
+      session_id: r.session_id,
+      worker_id: r.worker_id,
+      type_name: r.type_name,
+      repr: r.repr,
+      server: server
+    }
+
+  defp dec({:record, r}, ctx),
+    do: %Record{type_name: r.type_name, fields: Enum.map(r.fields, &{&1.name, d(&1.value, ctx)})}
+
+  defp dec({:enum, e}, ctx), do: %PyEnum{type_name: e.type_name, name: e.name, value: d(e.value, ctx)}
 end

@@ -70,7 +70,8 @@ defmodule VllmBridge.Error do
     end
   end
 
-  @doc "Builds the error from a status, its message and the server's `ErrorDetail` (or nil), as a Multiplex event carries them."
+  @doc false
+  # From a status, its message and the server's ErrorDetail (or nil), as a Multiplex event carries them.
   @spec from_detail(integer(), String.t(), VllmBridge.V1.ErrorDetail.t() | nil) :: t()
   def from_detail(status, message, detail) do
     base = %__MODULE__{

@@ -1,26 +1,30 @@
 defmodule VllmBridge.Mux do
-  @moduledoc """
-  Streaming calls share one `Bridge/Multiplex` stream per server address.
-
-  Why: a gRPC call per generation costs the server a call set-up and a message per token; over one
-  Multiplex stream a generation starts with one message, and the server sends whatever is ready at
-  the same moment (one engine step's tokens for every running request) as one message. With many
-  concurrent generations that is what lets the server keep up with the engine (`bench/README.md`).
-
-  One process per address owns the shared stream: it writes the requests of every caller and hands
-  each event to the process that started the call, as the raw bytes of its value. This process only
-  reads call ids (`Wire` below decodes the events shallowly); the caller decodes its own values, so
-  the work is spread over the callers. Each stream has a window of `@window` items; the caller gives
-  credit back as it consumes, so a slow consumer holds up only its own call (the server's vLLM merges
-  the outputs meanwhile) and no mailbox grows without bound.
-
-  Failure modes: a caller that exits gets its calls cancelled; if the shared stream or the
-  connection fails, every running call fails with that error and the next call opens a new stream;
-  if this process dies, the callers' monitors tell them.
-  """
+  @moduledoc false
+  # Streaming calls share one `Bridge/Multiplex` stream per server.
+  #
+  # Why: a gRPC call per generation costs the server a call set-up and a message per token; over one
+  # Multiplex stream a generation starts with one message, and the server sends whatever is ready at
+  # the same moment (one engine step's tokens for every running request) as one message. With many
+  # concurrent generations that is what lets the server keep up with the engine (bench/README.md).
+  #
+  # One process per server owns the shared stream: it writes the requests of every caller and hands
+  # each event to the process that started the call, as the raw bytes of its value. This process only
+  # reads call ids (`Wire` below decodes the events shallowly); the caller decodes its own values, so
+  # the work is spread over the callers. Each stream has a window of @window items; the caller gives
+  # credit back as it consumes, so a slow consumer holds up only its own call (the server's vLLM
+  # merges the outputs meanwhile) and no mailbox grows without bound.
+  #
+  # Failure modes: a caller that exits gets its calls cancelled; if the shared stream or the
+  # connection fails, every running call fails with that error and the next call opens a new stream;
+  # if this process dies, the callers' monitors tell them. Call ids start at 1: the server reports a
+  # request it could not read (one that names no call) as an error event for id 0; that, and events
+  # for ids never started, are logged at debug level and dropped; what comes for a call this side
+  # cancelled is dropped silently.
   use GenServer
 
-  alias VllmBridge.{Connection, Error}
+  require Logger
+
+  alias VllmBridge.{Config, Connection, Error}
   alias VllmBridge.V1, as: PB
 
   @path "/vllm_bridge.v1.Bridge/Multiplex"
@@ -52,29 +56,29 @@ defmodule VllmBridge.Mux do
   @type handle :: %__MODULE__{}
 
   @doc false
-  def start_link(address), do: GenServer.start_link(__MODULE__, address)
+  def start_link(key), do: GenServer.start_link(__MODULE__, key, name: {:via, Registry, {VllmBridge.MuxRegistry, key}})
 
   @doc false
-  def child_spec(address),
-    do: %{id: {__MODULE__, address}, start: {__MODULE__, :start_link, [address]}, restart: :temporary}
+  def child_spec(key), do: %{id: {__MODULE__, key}, start: {__MODULE__, :start_link, [key]}, restart: :temporary}
 
   @doc """
   Starts a streaming call for the calling process: `{:ok, handle}` for `next/1` and `cancel/1`.
-  `metadata` holds the call's `x-bridge-*` options; `idle` is how long `next/1` waits for an item.
+  `metadata` holds the call's `x-bridge-*` options; `timeout` (ms or nil) its deadline; `idle` is
+  how long `next/1` waits for an item.
   """
-  @spec open(String.t(), PB.CallRequest.t(), map(), timeout()) :: {:ok, handle()} | {:error, Error.t()}
-  def open(address, %PB.CallRequest{} = req, metadata, idle) do
-    with {:ok, mux} <- whereis(address) do
-      mon = Process.monitor(mux)
+  @spec open(Config.Server.t(), PB.CallRequest.t(), map(), pos_integer() | nil, timeout()) ::
+          {:ok, handle()} | {:error, Error.t()}
+  def open(%Config.Server{} = server, %PB.CallRequest{} = req, metadata, timeout, idle) do
+    mux = whereis(server.key)
+    mon = Process.monitor(mux)
 
-      case GenServer.call(mux, {:start, req, metadata, self()}, 30_000) do
-        {:ok, id} ->
-          {:ok, %__MODULE__{mux: mux, mon: mon, id: id, idle: idle}}
+    case GenServer.call(mux, {:start, server, req, metadata, timeout, self()}, server.connect_timeout + 30_000) do
+      {:ok, id} ->
+        {:ok, %__MODULE__{mux: mux, mon: mon, id: id, idle: idle}}
 
-        {:error, _} = err ->
-          Process.demonitor(mon, [:flush])
-          err
-      end
+      {:error, _} = err ->
+        Process.demonitor(mon, [:flush])
+        err
     end
   catch
     :exit, reason -> {:error, Error.local(:unavailable, "grpc_error", "multiplexer: #{inspect(reason)}")}
@@ -139,16 +143,15 @@ defmodule VllmBridge.Mux do
     Error.from_detail(code, message, detail)
   end
 
-  defp whereis(address) do
-    case Registry.lookup(VllmBridge.MuxRegistry, address) do
+  defp whereis(key) do
+    case Registry.lookup(VllmBridge.MuxRegistry, key) do
       [{pid, _}] ->
-        {:ok, pid}
+        pid
 
       [] ->
-        case DynamicSupervisor.start_child(VllmBridge.MuxSupervisor, {__MODULE__, address}) do
-          {:ok, pid} -> {:ok, pid}
-          {:error, {:already_started, pid}} -> {:ok, pid}
-          {:error, reason} -> {:error, Error.local(:unavailable, "grpc_error", "multiplexer: #{inspect(reason)}")}
+        case DynamicSupervisor.start_child(VllmBridge.MuxSupervisor, {__MODULE__, key}) do
+          {:ok, pid} -> pid
+          {:error, {:already_started, pid}} -> pid
         end
     end
   end
@@ -156,26 +159,45 @@ defmodule VllmBridge.Mux do
   # ------------------------------------------------------------------------------- the shared process
 
   @impl true
-  def init(address) do
-    case Registry.register(VllmBridge.MuxRegistry, address, nil) do
-      {:ok, _} ->
-        {:ok, %{address: address, conn: nil, conn_mon: nil, ref: nil, buffer: <<>>, next_id: 1, calls: %{}, mons: %{}}}
-
-      {:error, {:already_registered, pid}} ->
-        {:stop, {:already_started, pid}}
-    end
+  def init(key) do
+    {:ok,
+     %{
+       key: key,
+       server: nil,
+       conn: nil,
+       conn_mon: nil,
+       ref: nil,
+       buffer: <<>>,
+       next_id: 1,
+       calls: %{},
+       mons: %{},
+       unanswered: %{}
+     }}
   end
 
   @impl true
-  def handle_call({:start, req, metadata, pid}, _from, state) do
-    case ensure_stream(state) do
+  def handle_call({:start, server, req, metadata, timeout, pid}, _from, state) do
+    case ensure_stream(%{state | server: server}, server) do
       {:ok, state} ->
         id = state.next_id
-        start = %PB.MuxStart{id: id, call: req, stream: true, metadata: metadata, window: @window}
+
+        start = %PB.MuxStart{
+          id: id,
+          call: req,
+          stream: true,
+          metadata: metadata,
+          window: @window,
+          time_left_ms: if(timeout, do: timeout * 1.0, else: 0.0)
+        }
+
         send_request(state, %PB.MuxRequest{kind: {:start, start}})
         mon = Process.monitor(pid)
         calls = Map.put(state.calls, id, {pid, mon})
-        {:reply, {:ok, id}, %{state | next_id: id + 1, calls: calls, mons: Map.put(state.mons, mon, id)}}
+        # kept until the call's first event, to start it again if the connection refused it
+        unanswered = Map.put(state.unanswered, id, start)
+
+        {:reply, {:ok, id},
+         %{state | next_id: id + 1, calls: calls, mons: Map.put(state.mons, mon, id), unanswered: unanswered}}
 
       {:error, e} ->
         {:reply, {:error, e}, state}
@@ -191,7 +213,9 @@ defmodule VllmBridge.Mux do
       {{_pid, mon}, calls} ->
         Process.demonitor(mon, [:flush])
         send_request(state, %PB.MuxRequest{kind: {:cancel, id}})
-        {:noreply, %{state | calls: calls, mons: Map.delete(state.mons, mon)}}
+
+        {:noreply,
+         %{state | calls: calls, mons: Map.delete(state.mons, mon), unanswered: Map.delete(state.unanswered, id)}}
     end
   end
 
@@ -223,11 +247,28 @@ defmodule VllmBridge.Mux do
     {:noreply, fail_all(state, trailers_error(trailers))}
   end
 
+  # The connection was closing (GOAWAY) when the stream was opened: gun refused it, so the server
+  # saw none of its calls. Once, on a new connection, they start again.
+  def handle_info({:gun_error, conn, ref, :closing}, %{ref: ref} = state)
+      when map_size(state.unanswered) == map_size(state.calls) do
+    Connection.forget(state.server, conn)
+    Process.demonitor(state.conn_mon, [:flush])
+    state = %{state | ref: nil, conn: nil, conn_mon: nil, buffer: <<>>}
+
+    with {:ok, %{conn: new} = state} when new != conn <- ensure_stream(state, state.server) do
+      for {_id, start} <- Enum.sort(state.unanswered), do: send_request(state, %PB.MuxRequest{kind: {:start, start}})
+      {:noreply, state}
+    else
+      {:ok, state} -> {:noreply, fail_all(state, VllmBridge.Transport.closing())}
+      {:error, e} -> {:noreply, fail_all(state, e)}
+    end
+  end
+
   def handle_info({:gun_error, _conn, ref, reason}, %{ref: ref} = state) do
     {:noreply,
      fail_all(
        state,
-       Error.local(:unavailable, "grpc_error", "the multiplexed stream to #{state.address} failed: #{inspect(reason)}")
+       Error.local(:unavailable, "grpc_error", "the multiplexed stream failed: #{inspect(reason)}")
      )}
   end
 
@@ -245,22 +286,18 @@ defmodule VllmBridge.Mux do
       {id, mons} ->
         # The caller is gone: nobody reads this call any more.
         if state.ref, do: send_request(state, %PB.MuxRequest{kind: {:cancel, id}})
-        {:noreply, %{state | calls: Map.delete(state.calls, id), mons: mons}}
+
+        {:noreply,
+         %{state | calls: Map.delete(state.calls, id), mons: mons, unanswered: Map.delete(state.unanswered, id)}}
     end
   end
 
   def handle_info(_other, state), do: {:noreply, state}
 
-  defp ensure_stream(%{ref: ref} = state) when ref != nil, do: {:ok, state}
+  defp ensure_stream(%{ref: ref} = state, _server) when ref != nil, do: {:ok, state}
 
-  defp ensure_stream(state) do
-    with {:ok, %{adapter_payload: %{conn_pid: conn}}} <- Connection.channel(state.address) do
-      headers = [
-        {"content-type", "application/grpc"},
-        {"te", "trailers"},
-        {"user-agent", "vllm-bridge-elixir"}
-      ]
-
+  defp ensure_stream(state, server) do
+    with {:ok, {conn, headers}} <- Connection.get(server) do
       ref = :gun.post(conn, @path, headers)
       {:ok, %{state | conn: conn, ref: ref, buffer: <<>>, conn_mon: Process.monitor(conn)}}
     end
@@ -268,24 +305,39 @@ defmodule VllmBridge.Mux do
 
   defp send_request(%{conn: conn, ref: ref}, msg) do
     body = PB.MuxRequest.encode(msg)
-    :gun.data(conn, ref, :nofin, <<0, byte_size(body)::32, body::binary>>)
+    :gun.data(conn, ref, :nofin, [<<0, IO.iodata_length(body)::32>>, body])
   end
 
-  defp dispatch(%{buffer: <<_flag, size::32, msg::binary-size(size), rest::binary>>} = state) do
+  @doc false
+  # Splits the buffer into whole messages and hands their events out (public for the tests).
+  def dispatch(%{buffer: <<_flag, size::32, msg::binary-size(size), rest::binary>>} = state) do
     %Wire.Reply{events: events} = Wire.Reply.decode(msg)
     state = Enum.reduce(events, state, &deliver/2)
     dispatch(%{state | buffer: rest})
   end
 
-  defp dispatch(state), do: state
+  def dispatch(state), do: state
 
   defp deliver(%Wire.Event{id: id, kind: kind}, state) do
     case Map.get(state.calls, id) do
+      nil when id > 0 and id < state.next_id ->
+        # a call this side cancelled (its caller stopped or exited): what the server still sent
+        state
+
       nil ->
+        Logger.debug(fn ->
+          "vllm_bridge multiplexer #{inspect(state.key)}: dropped an event for #{unknown(id, kind)}"
+        end)
+
         state
 
       {pid, mon} ->
         send(pid, {__MODULE__, id, kind})
+
+        state =
+          if Map.has_key?(state.unanswered, id),
+            do: %{state | unanswered: Map.delete(state.unanswered, id)},
+            else: state
 
         case kind do
           {:value, _} ->
@@ -298,6 +350,15 @@ defmodule VllmBridge.Mux do
     end
   end
 
+  defp unknown(0, {:error, bin}) do
+    "no call (id 0): #{Exception.message(mux_error(bin))}"
+  rescue
+    _ -> "no call (id 0): an unreadable error"
+  end
+
+  defp unknown(id, {tag, _}), do: "call #{id}, which was never started (#{tag})"
+  defp unknown(id, nil), do: "call #{id}, which was never started (empty)"
+
   # The shared stream is over: every running call fails with `error`; the next call opens a new stream.
   defp fail_all(state, %Error{} = error) do
     for {id, {pid, mon}} <- state.calls do
@@ -307,7 +368,7 @@ defmodule VllmBridge.Mux do
 
     if state.ref && state.conn, do: :gun.cancel(state.conn, state.ref)
     if state.conn_mon, do: Process.demonitor(state.conn_mon, [:flush])
-    %{state | ref: nil, conn: nil, buffer: <<>>, calls: %{}, mons: %{}, conn_mon: nil}
+    %{state | ref: nil, conn: nil, buffer: <<>>, calls: %{}, mons: %{}, conn_mon: nil, unanswered: %{}}
   end
 
   defp response_error(status, headers) do
@@ -320,14 +381,9 @@ defmodule VllmBridge.Mux do
   end
 
   defp trailers_error(trailers) do
-    map = Map.new(trailers)
-
-    case map["grpc-status"] do
-      code when code in [nil, "0"] ->
-        Error.local(:unavailable, "grpc_error", "the server ended the multiplexed stream")
-
-      code ->
-        Error.from_status(String.to_integer(code), URI.decode(map["grpc-message"] || ""), nil)
+    case VllmBridge.Transport.status(trailers) do
+      :ok -> Error.local(:unavailable, "grpc_error", "the server ended the multiplexed stream")
+      {:error, e} -> e
     end
   end
 end

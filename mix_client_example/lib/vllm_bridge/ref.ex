@@ -6,17 +6,21 @@ defmodule VllmBridge.Ref do
   receiver of a method. Any session that presents a ref may use it; it lives until it is released
   (`VllmBridge.release/2`), its session is released, or the server evicts it. A ref whose object is
   gone fails with category `"ref"` and a message that says why.
+
+  `server` is the server that made it (see `VllmBridge.Config`): a call on the ref goes there
+  unless its `__runtime__` names another server. It is not sent to Python.
   """
 
   @enforce_keys [:id]
-  defstruct [:id, session_id: "", worker_id: "", type_name: "", repr: ""]
+  defstruct [:id, session_id: "", worker_id: "", type_name: "", repr: "", server: nil]
 
   @type t :: %__MODULE__{
           id: String.t(),
           session_id: String.t(),
           worker_id: String.t(),
           type_name: String.t(),
-          repr: String.t()
+          repr: String.t(),
+          server: atom() | String.t() | nil
         }
 
   defimpl Inspect do
@@ -82,11 +86,10 @@ defmodule VllmBridge.Record do
 
     current =
       case List.keyfind(fields, name, 0),
-        do:
-          (
-            {_, v} -> v
-            nil -> nil
-          )
+        do: (
+          {_, v} -> v
+          nil -> nil
+        )
 
     case fun.(current) do
       {get, new} -> {get, %{rec | fields: List.keystore(fields, name, 0, {name, new})}}

@@ -5,7 +5,10 @@ defmodule VllmBridge.Tensor do
   Arrives in Python as a `torch.Tensor` and comes back as this struct.
 
   `Nx.Tensor`s may be passed wherever a value is expected when Nx is loaded (it is an optional
-  dependency: add `{:nx, ...}` to your own project); `to_nx/1` converts a result back.
+  dependency: add `{:nx, ...}` to your own project); `to_nx/1` converts a result back, and
+  `__runtime__: [tensors: :nx]` (or `config :vllm_bridge, runtime: [tensors: :nx]`) makes results
+  arrive as `Nx.Tensor`s. Dtypes Nx does not have (`bool`, the float8 types) stay
+  `%VllmBridge.Tensor{}` there, so that they go back to Python unchanged.
   """
 
   @enforce_keys [:dtype, :shape, :data]
@@ -68,16 +71,21 @@ defmodule VllmBridge.Tensor do
 
     type =
       case Map.fetch!(@types, dtype),
-        do:
-          (
-            {:b, 8} -> {:u, 8}
-            other -> other
-          )
+        do: (
+          {:b, 8} -> {:u, 8}
+          other -> other
+        )
 
     {kind, bits} = type
     bin = little(data, bits, kind)
     apply(Nx, :reshape, [apply(Nx, :from_binary, [bin, type]), List.to_tuple(shape)])
   end
+
+  @doc false
+  # A result under `tensors: :nx`: an Nx.Tensor when Nx has the dtype, else unchanged.
+  @spec maybe_nx(t()) :: t() | struct()
+  def maybe_nx(%__MODULE__{dtype: dtype} = t) when dtype != "bool" and is_map_key(@types, dtype), do: to_nx(t)
+  def maybe_nx(%__MODULE__{} = t), do: t
 
   # Nx stores native-endian bytes; torch and the wire are little-endian.
   @native_little <<1::16-native>> == <<1::16-little>>

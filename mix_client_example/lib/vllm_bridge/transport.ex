@@ -1,65 +1,181 @@
 defmodule VllmBridge.Transport do
-  @moduledoc """
-  The gRPC client adapter: `GRPC.Client.Adapters.Gun` (connecting, cancelling), except that it
-  sends requests and reads responses itself.
+  @moduledoc false
+  # gRPC over HTTP/2 with gun, which the client owns: it opens its connections, sends requests and
+  # reads replies itself, relying on no elixir-grpc internals (so any elixir-grpc version, or none,
+  # can sit beside it in an application).
+  #
+  # A failure keeps everything the server said: the `grpc-status-details-bin` trailer becomes a
+  # full `VllmBridge.Error` (Python type, message, traceback...); deadlines are sent to the
+  # millisecond. Requests are made by the calling process, so replies go straight to it (gun sends
+  # a stream's messages to the process that made the request); the connection is shared.
 
-  Why not the stock adapter, in grpc 0.9: it drops the trailers of a failed call, and with them the
-  `grpc-status-details-bin` value that carries the server's `ErrorDetail` (Python type, message,
-  traceback...); and it rounds deadlines down to whole seconds or minutes (`timeout: 1500` is sent
-  as `grpc-timeout: 1S`, `90_000` as `1M`). Here a deadline is sent to the millisecond, a failure
-  becomes a full `VllmBridge.Error`, and a server stream is returned as a pull handle (`next/1`,
-  `cancel_handle/1`) that `VllmBridge.Client` turns into a lazy `Stream`.
-  """
-
-  @behaviour GRPC.Client.Adapter
-
-  alias GRPC.Client.Adapters.Gun, as: Stock
-  alias VllmBridge.Error
+  alias VllmBridge.{Config, Error}
 
   # How much longer than the call's own deadline we wait: the server enforces deadlines and
   # answers DEADLINE_EXCEEDED itself, with a detail; this only covers a silent server.
   @grace_ms 5_000
+  @user_agent "vllm-bridge-elixir/#{Mix.Project.config()[:version]}"
 
-  defstruct [:conn, :ref, :mod, buffer: <<>>, wait: :infinity, done: false]
+  defstruct [:conn, :ref, :mod, buffer: <<>>, wait: :infinity, state: :headers]
 
+  @typedoc "A server stream being read: `next/1`, `cancel/1`."
   @type handle :: %__MODULE__{}
 
-  @impl true
-  defdelegate connect(channel, opts), to: Stock
-  @impl true
-  defdelegate disconnect(channel), to: Stock
-  @impl true
-  def send_request(%{channel: %{adapter_payload: %{conn_pid: conn}}, path: path} = stream, message, opts) do
-    headers =
-      [{"content-type", "application/grpc"}, {"te", "trailers"}, {"user-agent", "vllm-bridge-elixir"}] ++
-        deadline(opts[:timeout]) ++ Enum.map(opts[:metadata] || %{}, fn {k, v} -> {to_string(k), to_string(v)} end)
+  # ------------------------------------------------------------------------------------ connections
 
-    body = IO.iodata_to_binary(message)
-    ref = :gun.post(conn, path, headers, <<0, byte_size(body)::32, body::binary>>)
-    GRPC.Client.Stream.put_payload(stream, :stream_ref, ref)
+  @doc """
+  Opens an HTTP/2 connection to `server`, owned by the calling process (the connection closes when
+  it exits). Returns the gun pid and the headers every request on it carries.
+  """
+  @spec open(Config.Server.t()) :: {:ok, pid(), [{String.t(), String.t()}]} | {:error, Error.t()}
+  def open(%Config.Server{} = s) do
+    with {:ok, headers} <- base_headers(s),
+         {:ok, opts} <- gun_opts(s),
+         {:ok, pid} <- start(s.endpoint, opts) do
+      case :gun.await_up(pid, s.connect_timeout) do
+        {:ok, :http2} ->
+          {:ok, pid, headers}
+
+        {:ok, other} ->
+          :gun.close(pid)
+          {:error, unavailable(s, "the server speaks #{other}, not HTTP/2")}
+
+        {:error, reason} ->
+          :gun.close(pid)
+          {:error, unavailable(s, describe_down(reason))}
+      end
+    end
   end
 
-  @impl true
-  defdelegate send_headers(stream, opts), to: Stock
-  @impl true
-  defdelegate send_data(stream, message, opts), to: Stock
-  @impl true
-  defdelegate end_stream(stream), to: Stock
-  @impl true
-  defdelegate cancel(stream), to: Stock
+  defp start({:tcp, host, port}, opts), do: wrap_start(:gun.open(host, port, opts))
+  defp start({:unix, path}, opts), do: wrap_start(:gun.open_unix(String.to_charlist(path), opts))
 
-  @impl true
-  def receive_data(%{channel: %{adapter_payload: %{conn_pid: conn}}, payload: %{stream_ref: ref}} = s, opts) do
-    wait = wait_ms(opts[:timeout])
-    h = %__MODULE__{conn: conn, ref: ref, mod: s.response_mod, wait: wait}
+  defp wrap_start({:ok, pid}), do: {:ok, pid}
+
+  defp wrap_start({:error, reason}),
+    do: {:error, Error.local(:unavailable, "grpc_error", "cannot connect: #{inspect(reason)}")}
+
+  defp gun_opts(%Config.Server{} = s) do
+    base = %{
+      protocols: [:http2],
+      retry: 0,
+      connect_timeout: s.connect_timeout,
+      # a gRPC call is HEADERS then DATA: without TCP_NODELAY, Nagle holds the second back ~40 ms
+      tcp_opts: if(match?({:tcp, _, _}, s.endpoint), do: [nodelay: true], else: []),
+      http2_opts: %{keepalive: s.keepalive, settings_timeout: :infinity}
+    }
+
+    case tls_opts(s) do
+      nil -> {:ok, base}
+      {:ok, tls} -> {:ok, Map.merge(base, %{transport: :tls, tls_opts: tls, tls_handshake_timeout: s.connect_timeout})}
+      {:error, _} = err -> err
+    end
+  end
+
+  defp tls_opts(%Config.Server{tls: false}), do: nil
+
+  defp tls_opts(%Config.Server{tls: tls} = s) do
+    opts = if tls == true, do: [], else: tls
+    own = Keyword.drop(opts, [:cacertfile, :certfile, :keyfile, :server_name_indication])
+
+    # gun adds ALPN (h2) and, for a host name, SNI; the certificate is checked against that name.
+    # An IP address is no name: no SNI, and the certificate must carry the address (an IP SAN).
+    sni =
+      case {Keyword.get(opts, :server_name_indication), s.endpoint} do
+        {nil, {:tcp, host, _}} ->
+          case :inet.parse_address(host) do
+            {:ok, ip} -> [server_name_indication: :disable, verify_fun: {&verify_ip/3, ip}]
+            {:error, _} -> []
+          end
+
+        {nil, _} ->
+          []
+
+        {name, _} ->
+          [server_name_indication: to_charlist(name)]
+      end
+
+    cas =
+      case Keyword.get(opts, :cacertfile) do
+        nil -> [cacerts: system_cacerts()]
+        file -> [cacertfile: to_charlist(file)]
+      end
+
+    client =
+      case {Keyword.get(opts, :certfile), Keyword.get(opts, :keyfile)} do
+        {nil, nil} -> []
+        {cert, key} -> [certfile: to_charlist(cert), keyfile: to_charlist(key)]
+      end
+
+    case for({k, f} <- cas ++ client, k != :cacerts, not File.regular?(f), do: "#{k} #{f}") do
+      [] -> {:ok, Keyword.merge([verify: :verify_peer] ++ sni ++ cas ++ client, own)}
+      missing -> {:error, unavailable(s, "tls: not a readable file: #{Enum.join(missing, ", ")}")}
+    end
+  end
+
+  # The chain is checked as usual (a bad certificate fails); the peer's certificate must also name
+  # the address connected to.
+  @doc false
+  def verify_ip(_cert, {:bad_cert, _} = reason, _ip), do: {:fail, reason}
+  def verify_ip(_cert, {:extension, _}, ip), do: {:unknown, ip}
+  def verify_ip(_cert, :valid, ip), do: {:valid, ip}
+
+  def verify_ip(cert, :valid_peer, ip) do
+    if :public_key.pkix_verify_hostname(cert, ip: ip),
+      do: {:valid, ip},
+      else: {:fail, {:bad_cert, :hostname_check_failed}}
+  end
+
+  # OTP 25+ reads the system's CA store; no bundled certificates.
+  defp system_cacerts do
+    if function_exported?(:public_key, :cacerts_get, 0), do: apply(:public_key, :cacerts_get, []), else: []
+  end
+
+  defp base_headers(%Config.Server{} = s) do
+    common = [{"content-type", "application/grpc"}, {"te", "trailers"}, {"user-agent", @user_agent}]
+
+    case s.token do
+      nil ->
+        {:ok, common}
+
+      {:token, token} ->
+        {:ok, [{"authorization", "Bearer " <> token} | common]}
+
+      {:file, path} ->
+        case File.read(path) do
+          {:ok, text} ->
+            {:ok, [{"authorization", "Bearer " <> String.trim(text)} | common]}
+
+          {:error, reason} ->
+            {:error, unavailable(s, "cannot read the token file #{path}: #{:file.format_error(reason)}")}
+        end
+    end
+  end
+
+  defp unavailable(s, why), do: Error.local(:unavailable, "grpc_error", "cannot connect to #{s.address}: #{why}")
+
+  defp describe_down({:down, {:shutdown, reason}}), do: describe_reason(reason)
+  defp describe_down({:down, reason}), do: describe_reason(reason)
+  defp describe_down({:shutdown, reason}), do: describe_reason(reason)
+  defp describe_down(:timeout), do: "timed out"
+  defp describe_down(reason), do: describe_reason(reason)
+
+  defp describe_reason(reason) when is_atom(reason), do: "#{:inet.format_error(reason)} (#{reason})"
+  defp describe_reason(reason), do: inspect(reason)
+
+  # ------------------------------------------------------------------------------------ requests
+
+  @doc """
+  A unary call: `{:ok, reply}` or `{:error, %VllmBridge.Error{}}`. `timeout` (ms, or nil for
+  none) is sent as the call's deadline.
+  """
+  @spec unary({pid(), list()}, String.t(), iodata(), module(), map(), pos_integer() | nil) ::
+          {:ok, struct()} | {:error, Error.t()}
+  def unary({pid, base}, path, body, reply_mod, metadata, timeout) do
+    ref = :gun.post(pid, path, headers(base, metadata, timeout), frame(body))
+    h = %__MODULE__{conn: pid, ref: ref, mod: reply_mod, wait: wait_ms(timeout)}
 
     case await(h) do
-      {:response, :nofin, _headers} when s.server_stream ->
-        {:ok, h}
-
-      {:response, :fin, headers} when s.server_stream ->
-        with :ok <- status(headers), do: {:ok, %__MODULE__{done: true}}
-
       {:response, :nofin, _headers} ->
         unary_body(h, [])
 
@@ -71,15 +187,32 @@ defmodule VllmBridge.Transport do
     end
   end
 
+  @doc """
+  Starts a server-streaming call and returns its handle at once; `next/1` reads the items.
+  `idle` is how long `next/1` waits for each message (ms or `:infinity`).
+  """
+  @spec open_stream({pid(), list()}, String.t(), iodata(), module(), map(), pos_integer() | nil, timeout()) :: handle()
+  def open_stream({pid, base}, path, body, reply_mod, metadata, timeout, idle) do
+    ref = :gun.post(pid, path, headers(base, metadata, timeout), frame(body))
+    %__MODULE__{conn: pid, ref: ref, mod: reply_mod, wait: idle}
+  end
+
   @doc "The next message of a server stream: `{:ok, msg, handle}`, `:done`, or `{:error, %VllmBridge.Error{}}`."
   @spec next(handle()) :: {:ok, struct(), handle()} | :done | {:error, Error.t()}
+  def next(%__MODULE__{state: :done}), do: :done
+
+  def next(%__MODULE__{state: :headers} = h) do
+    case await(h) do
+      {:response, :nofin, _headers} -> next(%{h | state: :data})
+      {:response, :fin, headers} -> with :ok <- status(headers), do: :done
+      {:error, _} = err -> err
+    end
+  end
+
   def next(%__MODULE__{buffer: buffer} = h) do
     case buffer do
       <<_flag, size::32, msg::binary-size(size), rest::binary>> ->
         {:ok, h.mod.decode(msg), %{h | buffer: rest}}
-
-      _ when h.done ->
-        :done
 
       _ ->
         case read(h, [buffer], byte_size(buffer), needed(buffer)) do
@@ -90,12 +223,24 @@ defmodule VllmBridge.Transport do
     end
   end
 
-  @doc "Cancels a server stream (RST_STREAM CANCEL): the server stops the Python generator."
-  @spec cancel_handle(handle()) :: :ok
-  def cancel_handle(%__MODULE__{conn: conn, ref: ref}) do
-    :gun.cancel(conn, ref)
+  @doc "Cancels a call (RST_STREAM CANCEL; the server stops the Python work) and drops what it sent."
+  @spec cancel(handle()) :: :ok
+  def cancel(%__MODULE__{} = h), do: drop(h)
+
+  defp drop(%__MODULE__{conn: pid, ref: ref}) do
+    :gun.cancel(pid, ref)
     :gun.flush(ref)
     :ok
+  end
+
+  @doc false
+  def frame(body) do
+    size = IO.iodata_length(body)
+    [<<0, size::32>>, body]
+  end
+
+  defp headers(base, metadata, timeout) do
+    base ++ deadline(timeout) ++ Enum.map(metadata, fn {k, v} -> {k, v} end)
   end
 
   # Frames are at most 16 KiB: collect them as iodata and join once, so a large message (a tensor)
@@ -107,8 +252,14 @@ defmodule VllmBridge.Transport do
 
   defp read(h, acc, have, need) do
     case await(h) do
-      {:data, data} -> read(h, [data | acc], have + byte_size(data), need)
-      other -> other
+      {:data, data} ->
+        read(h, [data | acc], have + byte_size(data), need)
+
+      {:trailers, _} = t ->
+        if have == 0, do: t, else: {:error, Error.local(:internal, "grpc_error", "truncated message")}
+
+      other ->
+        other
     end
   end
 
@@ -132,24 +283,64 @@ defmodule VllmBridge.Transport do
 
   defp await(%__MODULE__{conn: conn, ref: ref, wait: wait}) do
     case :gun.await(conn, ref, wait) do
-      {:response, fin, 200, headers} -> {:response, fin, headers}
-      {:response, _, code, _} -> {:error, Error.local(:internal, "grpc_error", "HTTP status #{code}")}
-      {:data, _fin, data} -> {:data, data}
-      {:trailers, trailers} -> {:trailers, trailers}
-      {:error, :timeout} -> {:error, Error.local(:deadline_exceeded, "timeout", "no reply from the server in time")}
-      {:error, reason} -> {:error, Error.local(:unavailable, "grpc_error", "connection: #{inspect(reason)}")}
-      other -> {:error, Error.local(:unknown, "grpc_error", "unexpected: #{inspect(other)}")}
+      {:response, fin, 200, headers} ->
+        {:response, fin, headers}
+
+      {:response, _, code, headers} ->
+        {:error, http_error(code, headers)}
+
+      {:data, _fin, data} ->
+        {:data, data}
+
+      {:trailers, trailers} ->
+        {:trailers, trailers}
+
+      {:error, :timeout} ->
+        # Nothing came within the deadline and its grace: stop the call, drop what may still come.
+        drop(%__MODULE__{conn: conn, ref: ref})
+        {:error, Error.local(:deadline_exceeded, "timeout", "no reply from the server in time")}
+
+      {:error, {:stream_error, :closing}} ->
+        {:error, closing()}
+
+      {:error, reason} ->
+        {:error, Error.local(:unavailable, "grpc_error", "connection: #{describe_down(reason)}")}
+
+      other ->
+        {:error, Error.local(:unknown, "grpc_error", "unexpected: #{inspect(other)}")}
     end
   end
 
+  @doc false
+  # A request made on a connection that is closing (the server sent GOAWAY: it is shutting down,
+  # or it found the client's pings too frequent): gun refuses it without sending anything, so it
+  # can be made again on a new connection.
+  @spec closing() :: Error.t()
+  def closing,
+    do: Error.local(:unavailable, "grpc_error", "the connection is closing (GOAWAY)", reason: "connection closing")
+
+  defp http_error(code, headers) do
+    case status(headers) do
+      {:error, %Error{} = e} -> e
+      _ -> Error.local(:internal, "grpc_error", "HTTP status #{code}")
+    end
+  end
+
+  @doc false
   # A trailers block (or trailers-only response): OK, or the error it describes.
-  defp status(headers) do
+  @spec status([{String.t(), String.t()}]) :: :ok | {:error, Error.t()}
+  def status(headers) do
     map = Map.new(headers)
 
     case map["grpc-status"] do
-      nil -> {:error, Error.local(:internal, "grpc_error", "reply without grpc-status")}
-      "0" -> :ok
-      code -> {:error, Error.from_status(String.to_integer(code), URI.decode(map["grpc-message"] || ""), details(map))}
+      nil ->
+        {:error, Error.local(:internal, "grpc_error", "reply without grpc-status")}
+
+      "0" ->
+        :ok
+
+      code ->
+        {:error, Error.from_status(String.to_integer(code), URI.decode(map["grpc-message"] || ""), details(map))}
     end
   end
 
@@ -163,7 +354,7 @@ defmodule VllmBridge.Transport do
   defp details(_), do: nil
 
   # grpc-timeout allows at most 8 digits per unit.
-  defp deadline(ms) when is_integer(ms) and ms < 100_000_000, do: [{"grpc-timeout", "#{max(ms, 0)}m"}]
+  defp deadline(ms) when is_integer(ms) and ms < 100_000_000, do: [{"grpc-timeout", "#{ms}m"}]
   defp deadline(ms) when is_integer(ms), do: [{"grpc-timeout", "#{div(ms, 1000)}S"}]
   defp deadline(_), do: []
 

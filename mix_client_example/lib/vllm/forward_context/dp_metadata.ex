@@ -5,14 +5,19 @@ defmodule Vllm.ForwardContext.DPMetadata do
   Bindings for the Python class `vllm.forward_context.DPMetadata` (vLLM 0.14.0), as documented in `004_3f14ebdd83187ee9.txt`.
 
   Every function returns `{:ok, value}` or `{:error, %VllmBridge.Error{}}` and takes a trailing
-  keyword list: `__runtime__: [timeout:, timeout_profile:, stream_timeout:, session_id:, pool_name:,
-  affinity:]` (see `VllmBridge`), every other keyword is a Python keyword argument.
+  keyword list: `__runtime__: [...]` holds the runtime options (`timeout`, `timeout_profile`,
+  `stream_timeout`, `session_id`, `pool_name`, `affinity`, `server`...; see `VllmBridge`), every
+  other keyword is a Python keyword argument.
 
   Methods take the receiver first: a `VllmBridge.Ref` or the name of a published object
-  (`"engine"`). Optional positional parameters go in one list after the required ones.
+  (`"engine"` or `:engine`). Optional positional parameters go in one list after the required
+  ones.
   """
 
   alias VllmBridge.Binding, as: B
+
+  @typedoc "An instance of `vllm.forward_context.DPMetadata` on the server: a ref to it (what `new` returns)."
+  @type t :: VllmBridge.Ref.t()
 
   @doc ~S"""
   Context manager to compute and temporarily set the per-rank local token
@@ -29,8 +34,8 @@ defmodule Vllm.ForwardContext.DPMetadata do
 
   Documented arities: 4, 5.
   """
-  @spec chunked_sizes(VllmBridge.Ref.t() | String.t(), integer(), integer(), integer()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec chunked_sizes(VllmBridge.Ref.t() | String.t(), integer(), integer(), integer(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec chunked_sizes(VllmBridge.Ref.t() | String.t() | atom(), integer(), integer(), integer()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec chunked_sizes(VllmBridge.Ref.t() | String.t() | atom(), integer(), integer(), integer(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def chunked_sizes(ref, sequence_parallel_size, max_chunk_size_per_rank, chunk_idx), do: B.invoke(:call, {:method, ref, "chunked_sizes"}, [sequence_parallel_size, max_chunk_size_per_rank, chunk_idx], [])
   def chunked_sizes(ref, sequence_parallel_size, max_chunk_size_per_rank, chunk_idx, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "chunked_sizes"}, [sequence_parallel_size, max_chunk_size_per_rank, chunk_idx], opts)
 
@@ -47,8 +52,8 @@ defmodule Vllm.ForwardContext.DPMetadata do
 
   Documented arities: 2, 3.
   """
-  @spec cu_tokens_across_sp(VllmBridge.Ref.t() | String.t(), integer()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec cu_tokens_across_sp(VllmBridge.Ref.t() | String.t(), integer(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec cu_tokens_across_sp(VllmBridge.Ref.t() | String.t() | atom(), integer()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec cu_tokens_across_sp(VllmBridge.Ref.t() | String.t() | atom(), integer(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def cu_tokens_across_sp(ref, sp_size), do: B.invoke(:call, {:method, ref, "cu_tokens_across_sp"}, [sp_size], [])
   def cu_tokens_across_sp(ref, sp_size, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "cu_tokens_across_sp"}, [sp_size], opts)
 
@@ -61,8 +66,8 @@ defmodule Vllm.ForwardContext.DPMetadata do
 
   Documented arities: 1, 2.
   """
-  @spec get_chunk_sizes_across_dp_rank(VllmBridge.Ref.t() | String.t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec get_chunk_sizes_across_dp_rank(VllmBridge.Ref.t() | String.t(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec get_chunk_sizes_across_dp_rank(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec get_chunk_sizes_across_dp_rank(VllmBridge.Ref.t() | String.t() | atom(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def get_chunk_sizes_across_dp_rank(ref), do: B.invoke(:call, {:method, ref, "get_chunk_sizes_across_dp_rank"}, [], [])
   def get_chunk_sizes_across_dp_rank(ref, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "get_chunk_sizes_across_dp_rank"}, [], opts)
 
@@ -73,7 +78,7 @@ defmodule Vllm.ForwardContext.DPMetadata do
 
   Documented arities: 1.
   """
-  @spec local_sizes(VllmBridge.Ref.t() | String.t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec local_sizes(VllmBridge.Ref.t() | String.t() | atom()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def local_sizes(ref), do: B.invoke(:call, {:get_attr, ref, "local_sizes"}, [], [])
 
   @doc ~S"""
@@ -91,10 +96,10 @@ defmodule Vllm.ForwardContext.DPMetadata do
 
   Documented arities: 4, 5.
   """
-  @spec make(VllmBridge.Ref.t() | String.t() | module(), term(), integer(), term()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec make(VllmBridge.Ref.t() | String.t() | module(), term(), integer(), term(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  def make(ref, parallel_config, num_tokens, num_tokens_across_dp_cpu), do: B.invoke(:call, B.classmethod(ref, "make", "vllm.forward_context.DPMetadata.make"), [parallel_config, num_tokens, num_tokens_across_dp_cpu], [])
-  def make(ref, parallel_config, num_tokens, num_tokens_across_dp_cpu, opts) when is_list(opts), do: B.invoke(:call, B.classmethod(ref, "make", "vllm.forward_context.DPMetadata.make"), [parallel_config, num_tokens, num_tokens_across_dp_cpu], opts)
+  @spec make(VllmBridge.Ref.t() | String.t() | atom(), term(), integer(), term()) :: {:ok, t()} | {:error, VllmBridge.Error.t()}
+  @spec make(VllmBridge.Ref.t() | String.t() | atom(), term(), integer(), term(), keyword()) :: {:ok, t()} | {:error, VllmBridge.Error.t()}
+  def make(ref, parallel_config, num_tokens, num_tokens_across_dp_cpu), do: B.instance(B.invoke(:call, B.classmethod(ref, "make", "vllm.forward_context.DPMetadata.make"), [parallel_config, num_tokens, num_tokens_across_dp_cpu], []), "vllm.forward_context.DPMetadata", [])
+  def make(ref, parallel_config, num_tokens, num_tokens_across_dp_cpu, opts) when is_list(opts), do: B.instance(B.invoke(:call, B.classmethod(ref, "make", "vllm.forward_context.DPMetadata.make"), [parallel_config, num_tokens, num_tokens_across_dp_cpu], opts), "vllm.forward_context.DPMetadata", opts)
 
   @doc ~S"""
   Initialize self. See help(type(self)) for accurate signature.
@@ -109,9 +114,9 @@ defmodule Vllm.ForwardContext.DPMetadata do
 
   Documented arities: 3, 4.
   """
-  @spec new(term(), term()) :: {:ok, VllmBridge.Ref.t()} | {:error, VllmBridge.Error.t()}
-  @spec new(term(), term(), list()) :: {:ok, VllmBridge.Ref.t()} | {:error, VllmBridge.Error.t()}
-  @spec new(term(), term(), list(), keyword()) :: {:ok, VllmBridge.Ref.t()} | {:error, VllmBridge.Error.t()}
+  @spec new(term(), term()) :: {:ok, t()} | {:error, VllmBridge.Error.t()}
+  @spec new(term(), term(), list()) :: {:ok, t()} | {:error, VllmBridge.Error.t()}
+  @spec new(term(), term(), list(), keyword()) :: {:ok, t()} | {:error, VllmBridge.Error.t()}
   def new(max_tokens_across_dp_cpu, num_tokens_across_dp_cpu), do: B.invoke(:call, {:constructor, "vllm.forward_context.DPMetadata"}, [max_tokens_across_dp_cpu, num_tokens_across_dp_cpu], [])
   def new(max_tokens_across_dp_cpu, num_tokens_across_dp_cpu, args) when is_list(args), do: B.invoke(:call, {:constructor, "vllm.forward_context.DPMetadata"}, B.rest([max_tokens_across_dp_cpu, num_tokens_across_dp_cpu], args))
   def new(max_tokens_across_dp_cpu, num_tokens_across_dp_cpu, args, opts) when is_list(args) and is_list(opts), do: B.invoke(:call, {:constructor, "vllm.forward_context.DPMetadata"}, [max_tokens_across_dp_cpu, num_tokens_across_dp_cpu] ++ args, opts)
@@ -129,8 +134,8 @@ defmodule Vllm.ForwardContext.DPMetadata do
 
   Documented arities: 2, 3.
   """
-  @spec sp_local_sizes(VllmBridge.Ref.t() | String.t(), integer()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  @spec sp_local_sizes(VllmBridge.Ref.t() | String.t(), integer(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec sp_local_sizes(VllmBridge.Ref.t() | String.t() | atom(), integer()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec sp_local_sizes(VllmBridge.Ref.t() | String.t() | atom(), integer(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
   def sp_local_sizes(ref, sequence_parallel_size), do: B.invoke(:call, {:method, ref, "sp_local_sizes"}, [sequence_parallel_size], [])
   def sp_local_sizes(ref, sequence_parallel_size, opts) when is_list(opts), do: B.invoke(:call, {:method, ref, "sp_local_sizes"}, [sequence_parallel_size], opts)
 end

@@ -5,8 +5,9 @@ defmodule Vllm.ForwardContext.Module do
   Bindings for the Python module `vllm.forward_context` (vLLM 0.14.0), as documented in `000_fe67a94705f50313.txt`.
 
   Every function returns `{:ok, value}` or `{:error, %VllmBridge.Error{}}` and takes a trailing
-  keyword list: `__runtime__: [timeout:, timeout_profile:, stream_timeout:, session_id:, pool_name:,
-  affinity:]` (see `VllmBridge`), every other keyword is a Python keyword argument.
+  keyword list: `__runtime__: [...]` holds the runtime options (`timeout`, `timeout_profile`,
+  `stream_timeout`, `session_id`, `pool_name`, `affinity`, `server`...; see `VllmBridge`), every
+  other keyword is a Python keyword argument.
 
   Each optional parameter is one more arity; in those arities the last argument may instead
   be the keyword list of options.

@@ -404,10 +404,83 @@ defmodule VllmBridge.V1.MuxError do
   field :detail, 3, type: VllmBridge.V1.ErrorDetail
 end
 
+defmodule VllmBridge.V1.MuxRequestView do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  oneof :kind, 0
+
+  field :start, 1, type: VllmBridge.V1.MuxStartView, oneof: 0
+  field :cancel, 2, type: :uint64, oneof: 0
+  field :credit, 3, type: VllmBridge.V1.MuxCredit, oneof: 0
+end
+
+defmodule VllmBridge.V1.MuxStartView.MetadataEntry do
+  @moduledoc false
+
+  use Protobuf, map: true, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :key, 1, type: :string
+  field :value, 2, type: :string
+end
+
+defmodule VllmBridge.V1.MuxStartView do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :id, 1, type: :uint64
+  field :call, 2, type: :bytes
+  field :stream, 3, type: :bool
+  field :metadata, 4, repeated: true, type: VllmBridge.V1.MuxStartView.MetadataEntry, map: true
+  field :window, 5, type: :uint32
+  field :time_left_ms, 6, type: :double, json_name: "timeLeftMs"
+end
+
+defmodule VllmBridge.V1.MuxReplyView do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :events, 1, repeated: true, type: VllmBridge.V1.MuxEventView
+  field :worker_refs, 2, type: :uint64, json_name: "workerRefs"
+end
+
+defmodule VllmBridge.V1.MuxEventView do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  oneof :kind, 0
+
+  field :id, 1, type: :uint64
+  field :value, 2, type: :bytes, oneof: 0
+  field :end, 3, type: VllmBridge.V1.Null, oneof: 0
+  field :error, 4, type: VllmBridge.V1.MuxError, oneof: 0
+end
+
+defmodule VllmBridge.V1.CallReplyView do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :value, 1, type: :bytes
+end
+
+defmodule VllmBridge.V1.StreamItemView do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :index, 1, type: :uint64
+  field :value, 2, type: :bytes
+end
+
 defmodule VllmBridge.V1.Bridge.Service do
   @moduledoc false
 
-  use GRPC.Service, name: "vllm_bridge.v1.Bridge", protoc_gen_elixir_version: "0.12.0"
+  use VllmBridge.Proto.Service, name: "vllm_bridge.v1.Bridge", protoc_gen_elixir_version: "0.12.0"
 
   rpc :Call, VllmBridge.V1.CallRequest, VllmBridge.V1.CallReply
 
@@ -420,10 +493,4 @@ defmodule VllmBridge.V1.Bridge.Service do
   rpc :Describe, VllmBridge.V1.DescribeRequest, VllmBridge.V1.Catalog
 
   rpc :Multiplex, stream(VllmBridge.V1.MuxRequest), stream(VllmBridge.V1.MuxReply)
-end
-
-defmodule VllmBridge.V1.Bridge.Stub do
-  @moduledoc false
-
-  use GRPC.Stub, service: VllmBridge.V1.Bridge.Service
 end
