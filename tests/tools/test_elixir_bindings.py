@@ -238,3 +238,14 @@ def test_runtime_options_are_sent_as_the_protocol_metadata_keys() -> None:
     assert affinities and affinities.group(1).split() == list(protocol.AFFINITY_MODES)
     # not metadata: the deadline, which server, the transport of a stream, how tensors come back
     assert "@local [:timeout, :server, :multiplex, :tensors]" in runtime
+
+
+def test_the_elixir_client_pings_no_more_often_than_the_servers_accept() -> None:
+    """A client that pings an idle connection more often than the server's policy allows is sent
+    GOAWAY (too_many_pings) and loses every call on it: the Elixir client's smallest and default
+    keepalive must both respect the protocol's MIN_PING_INTERVAL_S."""
+    config = (MIX / "lib" / "vllm_bridge" / "config.ex").read_text(encoding="utf-8")
+    smallest = re.search(r"^  @min_keepalive ([\d_]+)$", config, re.M)
+    defaults = re.findall(r"keepalive: ([\d_]+),", config) + re.findall(r":keepalive, ([\d_]+)\)", config)
+    assert smallest and int(smallest.group(1).replace("_", "")) >= protocol.MIN_PING_INTERVAL_S * 1000
+    assert defaults and all(int(d.replace("_", "")) >= protocol.MIN_PING_INTERVAL_S * 1000 for d in defaults), defaults
