@@ -12,7 +12,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,3 +171,26 @@ def toml_inline(table: dict[str, object]) -> str:
     """A TOML inline table (JSON's strings, numbers and booleans read the same in TOML)."""
     return "{ " + ", ".join(f"{k} = {toml_inline(v) if isinstance(v, dict) else json.dumps(v)}"
                             for k, v in table.items()) + " }"
+
+
+@contextmanager
+def others_calling(server: PoolServer, pool: str) -> Iterator[list[float]]:
+    """Another client calling `divide(6, 3)` over and over meanwhile: the latencies it saw, to show
+    that what runs inside the block holds up nobody else."""
+    slowest: list[float] = []
+    stop = threading.Event()
+
+    def others() -> None:
+        with server.client(pool=pool) as c:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                c.call("vllm.distributed.divide", 6, 3, timeout=10)
+                slowest.append(time.monotonic() - t0)
+
+    background = threading.Thread(target=others)
+    background.start()
+    try:
+        yield slowest
+    finally:
+        stop.set()
+        background.join(10)

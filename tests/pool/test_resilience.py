@@ -13,7 +13,6 @@ import math
 import os
 import signal
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bridge_server.client.client import BridgeClient, CallError, Target
 from bridge_server.pool.workerproc import lane_path
-from tests.pool.harness import Gate, PoolServer, in_thread, open_gates, wait_until
+from tests.pool.harness import Gate, PoolServer, in_thread, open_gates, others_calling, wait_until
 from tests.worker.test_engine import greedy
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -186,26 +185,11 @@ def test_call_on_a_streaming_target_says_to_use_stream(server: PoolServer, clien
 def test_a_prompt_that_cannot_fit_is_refused_at_once_and_blocks_nobody(server: PoolServer,
                                                                        client: BridgeClient) -> None:
     huge = "The cat sees a dog. " * 45_000           # 900 KB: under max_prompt_chars (1,000,000)
-    slowest = []
-    stop = threading.Event()
-
-    def others() -> None:
-        with server.client(pool="e") as c:
-            while not stop.is_set():
-                t0 = time.monotonic()
-                c.call(f"{D}.divide", 6, 3, timeout=10)
-                slowest.append(time.monotonic() - t0)
-
-    background = threading.Thread(target=others)
-    background.start()
-    try:
+    with others_calling(server, "e") as slowest:
         t0 = time.monotonic()
         with pytest.raises(CallError) as err:
             list(client.stream(GENERATE, huge, greedy(4), "huge", timeout=30))
         took = time.monotonic() - t0
-    finally:
-        stop.set()
-        background.join(10)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "cannot fit" in err.value.details
     assert len(err.value.details) < 1500 and took < 5, took
     assert slowest and max(slowest) < 1.0, max(slowest)

@@ -13,7 +13,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bridge_server.client.client import BridgeClient, CallError, Target
 from bridge_server.tools.tiny_model import ensure_tiny_model
 from tests.conftest import ROOT, free_port
-from tests.pool.harness import PoolServer, start_pool_server, toml_inline
+from tests.pool.harness import PoolServer, others_calling, start_pool_server, toml_inline
 from tests.worker.test_engine import engine_args
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -216,24 +215,9 @@ def test_tokenizer_work_of_a_request_is_bounded_and_off_the_event_loop(server: P
             list(client.stream(generate, "Hi", {"max_tokens": 2, key: [f"w{i}" for i in range(count)]}, f"many-{key}",
                                timeout=30))
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and key in err.value.details
-    slowest: list[float] = []
-    stop = threading.Event()
-
-    def others() -> None:
-        with server.client(pool="e") as c:
-            while not stop.is_set():
-                t0 = time.monotonic()
-                c.call(f"{D}.divide", 6, 3, timeout=10)
-                slowest.append(time.monotonic() - t0)
-
-    background = threading.Thread(target=others)
-    background.start()
-    try:
+    with others_calling(server, "e") as slowest:
         words = [f"word{i} other{i}" for i in range(4096)]
         items = list(client.stream(generate, "Hi", {"max_tokens": 2, "bad_words": words}, "bad-words", timeout=60))
-    finally:
-        stop.set()
-        background.join(10)
     assert items[-1]["finished"]
     assert slowest and max(slowest) < 1.0, max(slowest)
 
