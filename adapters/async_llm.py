@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
+import psutil
 
 from adapters.spec import AdapterSpec, CallContext, Constructor, Exposure, Lifecycle, Policy, RecordRule, RecordType
 from bridge_server.wire.errors import BridgeError, quote
@@ -59,16 +60,43 @@ def _dead(engine: Any) -> str | None:
     return None
 
 
+# A core that used at least this share of a core's time while its probe went unanswered is working
+# (starved by a busy machine, or on a long step), not wedged: a wedged core waits on a queue or a
+# dead peer and uses next to none.
+BUSY_CPU_SHARE = 0.05
+
+
 async def _answers(engine: Any, timeout_s: float) -> bool:
     """A utility call travels the same path as a request (in through the core's input thread, back
-    through the output handler): an answer shows both are alive."""
+    through the output handler): an answer shows both are alive. So does a core process that kept
+    computing meanwhile: on a loaded machine the answer may come late, and killing an engine that
+    is only slow would harm every client it serves."""
+    before = _core_cpu_s(engine)
     try:
         await asyncio.wait_for(engine.is_sleeping(), timeout_s)
     except asyncio.TimeoutError:
+        after = _core_cpu_s(engine)
+        if before is not None and after is not None and after - before >= BUSY_CPU_SHARE * timeout_s:
+            log.warning("%s: the engine core answered no probe within %g s but used %.2f s of CPU meanwhile: "
+                        "busy, not dead", PREFIX, timeout_s, after - before)
+            return True
         return False
     except Exception:   # EngineDeadError and the like: `_dead` says so next
         return False
     return True
+
+
+def _core_cpu_s(engine: Any) -> float | None:
+    """The CPU time the engine's core processes have used so far (None when it cannot be read)."""
+    manager = getattr(getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None)
+    total = 0.0
+    try:
+        for proc in getattr(manager, "processes", None) or ():
+            times = psutil.Process(proc.pid).cpu_times()
+            total += times.user + times.system
+    except (psutil.Error, AttributeError, TypeError, ValueError):
+        return None
+    return total if manager is not None else None
 
 
 _asleep: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
