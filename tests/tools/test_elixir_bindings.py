@@ -218,12 +218,17 @@ def test_runtime_options_are_sent_as_the_protocol_metadata_keys() -> None:
     assert table == {"session_id": protocol.MD_SESSION, "timeout_profile": protocol.MD_TIMEOUT_PROFILE,
                      "stream_timeout": protocol.MD_STREAM_TIMEOUT_MS, "pool_name": protocol.MD_POOL,
                      "affinity": protocol.MD_AFFINITY, "stream_interval": protocol.MD_STREAM_INTERVAL_MS,
-                     "rank": protocol.MD_RANK}
+                     "rank": protocol.MD_RANK, "stream_encoding": protocol.MD_STREAM_ENCODING,
+                     "stream_tee": protocol.MD_STREAM_TEE}
     assert f'"{protocol.MD_REFS}"' in runtime
     # validated on the client against the protocol's own lists
     profiles = re.search(r"^  @profiles ~w\((.*)\)$", runtime, re.M)
     affinities = re.search(r"^  @affinities ~w\((.*)\)$", runtime, re.M)
     assert profiles and profiles.group(1).split() == list(protocol.PROFILES)
     assert affinities and affinities.group(1).split() == list(protocol.AFFINITY_MODES)
+    # the stream encodings it asks for: those it can read, by the protocol's names, patch-v1 by default
+    encodings = re.search(r"^  @stream_encodings ~w\((.*)\)$", runtime, re.M)
+    assert encodings and encodings.group(1).split() == list(protocol.STREAM_ENCODINGS)
+    assert f'stream_encoding: "{protocol.STREAM_PATCH_V1}",' in runtime
     # not metadata: the deadline, which server, the transport of a stream, how tensors come back
     assert "@local [:timeout, :server, :multiplex, :tensors]" in runtime
