@@ -6,6 +6,8 @@ defmodule VllmBridge.StreamStateTest do
   alias VllmBridge.{Codec, Error, Record, StreamState}
   alias VllmBridge.V1, as: PB
 
+  @fixture Path.expand("fixtures/patch_streams.bin", __DIR__)
+
   defp v(term), do: term |> Codec.encode() |> elem(0)
   defp op(path, op), do: %PB.PatchOp{path: path, op: op}
   defp patch(ops), do: %PB.StreamPatch{ops: ops}
@@ -110,6 +112,44 @@ defmodule VllmBridge.StreamStateTest do
       |> List.replace_at(4, %PB.Field{name: "metrics", value: v({2, ts})})
 
     %PB.Value{kind: {:record, %{r | fields: fields}}}
+  end
+
+  # Written by the Python sender (tests/tools/test_elixir_patch_fixture.py): vLLM's RequestOutputs as
+  # its output processor changes them, and values of every kind changed in place, each item as it is
+  # sent (a value or a patch) and then whole, as `stream_tee` has the server send them.
+  test "the Python sender's patches rebuild its whole items (test/fixtures/patch_streams.bin)" do
+    %PB.MuxReply{events: events} = @fixture |> File.read!() |> PB.MuxReply.decode()
+    streams = Enum.group_by(events, & &1.id)
+    assert map_size(streams) >= 10
+
+    ops =
+      for {id, events} <- streams, reduce: MapSet.new() do
+        seen ->
+          {seen, _} =
+            events
+            |> Enum.chunk_every(2)
+            |> Enum.with_index()
+            |> Enum.reduce({seen, StreamState.new()}, fn {[sent, %PB.MuxEvent{kind: {:value, whole}}], i},
+                                                         {seen, state} ->
+              assert {:ok, value, state} = StreamState.item(state, sent.kind)
+              assert value == whole, "stream #{id}, item #{i}"
+              assert Codec.decode(value) == Codec.decode(whole), "stream #{id}, item #{i}"
+
+              case sent.kind do
+                {:patch, %PB.StreamPatch{ops: ops}} ->
+                  {Enum.into(ops, seen, &{elem(&1.op, 0), length(&1.path) > 1}), state}
+
+                {:value, _} ->
+                  {seen, state}
+              end
+            end)
+
+          seen
+      end
+
+    for op <- [:set, :append_str, :append_ints, :append_items], deep <- [false, true] do
+      assert {op, deep} in ops
+    end
   end
 
   test "appends to lists and tuples, sets at the root and inside items; a whole value replaces the state" do
