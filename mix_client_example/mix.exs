@@ -100,7 +100,8 @@ defmodule VllmBridge.MixProject do
           VllmBridge.Config,
           VllmBridge.Telemetry,
           VllmBridge.Health,
-          VllmBridge.Sessions
+          VllmBridge.Sessions,
+          VllmBridge.StreamState
         ],
         Values: [
           VllmBridge.Ref,

@@ -58,6 +58,23 @@ defmodule VllmBridge.MuxTest do
     refute log =~ "call 2"
   end
 
+  test "a patch is handed to its caller like a value, and the call goes on" do
+    mon = Process.monitor(self())
+    state = state(%{3 => {self(), mon}})
+    patch = %PB.StreamPatch{ops: [%PB.PatchOp{path: [0], op: {:append_str, "b"}}]}
+
+    events = [
+      %PB.MuxEvent{id: 3, kind: {:value, %PB.Value{kind: {:str, "a"}}}},
+      %PB.MuxEvent{id: 3, kind: {:patch, patch}}
+    ]
+
+    state = Mux.dispatch(%{state | buffer: framed(events), next_id: 4})
+    assert Map.has_key?(state.calls, 3)
+    assert_received {Mux, 3, {:value, _}}
+    assert_received {Mux, 3, {:patch, bin}}
+    assert PB.StreamPatch.decode(bin) == patch
+  end
+
   test "the end or error of a call stops it being followed" do
     mon = Process.monitor(self())
     state = state(%{3 => {self(), mon}})

@@ -42,6 +42,9 @@ defmodule VllmBridge.RuntimeTest do
     raises([multiplex: :yes], ~r/option :multiplex/)
     raises([server: nil], ~r/option :server/)
     raises([tensors: :numpy], ~r/option :tensors/)
+    raises([stream_encoding: :patch_v2], ~r/option :stream_encoding: expected :patch_v1 or :full, got :patch_v2/)
+    raises([stream_encoding: "patch-v2,patch-v1"], ~r/option :stream_encoding/)
+    raises([stream_tee: 1], ~r/option :stream_tee: expected true or false/)
     raises([timeot: 5], ~r/unknown option :timeot; known: \[:timeout,/)
     raises(:fast, ~r/__runtime__ must be a keyword list, got :fast/)
     # streams check before returning the stream, not when it is consumed
@@ -82,6 +85,32 @@ defmodule VllmBridge.RuntimeTest do
            }
 
     assert Runtime.metadata(%Runtime{session_id: "given"}, "own", []) == %{"x-bridge-session" => "given"}
+  end
+
+  test "streams ask for patch-v1 unless the options say full; unary calls send no encoding" do
+    md = %{"x-bridge-session" => "s"}
+    assert Runtime.stream_metadata(%Runtime{}, md) == Map.put(md, "x-bridge-stream-encoding", "patch-v1")
+
+    for full <- [:full, "full"] do
+      [stream_encoding: wire] = Runtime.validate!([stream_encoding: full], "t")
+      assert Runtime.stream_metadata(%Runtime{stream_encoding: wire}, %{})["x-bridge-stream-encoding"] == "full"
+    end
+
+    assert [stream_encoding: "patch-v1", stream_tee: true] =
+             Runtime.validate!([stream_encoding: :patch_v1, stream_tee: true], "t")
+
+    assert Runtime.stream_metadata(%Runtime{stream_tee: true}, %{}) == %{
+             "x-bridge-stream-encoding" => "patch-v1",
+             "x-bridge-stream-tee" => "1"
+           }
+
+    refute Map.has_key?(Runtime.metadata(%Runtime{}, "own", []), "x-bridge-stream-encoding")
+    # app-wide: config :vllm_bridge, runtime: [stream_encoding: :full]
+    Application.put_env(:vllm_bridge, :runtime, stream_encoding: :full)
+    {rt, _} = Runtime.resolve!([])
+    assert rt.stream_encoding == "full"
+    {rt, _} = Runtime.resolve!(stream_encoding: :patch_v1)
+    assert rt.stream_encoding == "patch-v1"
   end
 
   test "defaults: the app's, then the server's, then the call's own" do

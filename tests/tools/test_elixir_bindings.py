@@ -169,21 +169,11 @@ def test_generator_naming() -> None:
                                                                                          "a_scale_"]
 
 
-# Fields of `bridge.proto` that the committed Elixir modules do not have yet, with why that is safe.
-# The PATCH_V1 stream encoding is opt-in (x-bridge-stream-encoding): a client that does not ask never
-# receives a patch, so the Elixir client speaks the protocol correctly without them until it
-# implements the encoding (and regenerates bridge.pb.ex, which removes these lines: the test says so).
-NOT_YET_IN_ELIXIR = {
-    "vllm_bridge.v1.StreamItem.patch": "STREAM_ENCODING_PATCH_V1, opt-in",
-    "vllm_bridge.v1.MuxEvent.patch": "STREAM_ENCODING_PATCH_V1, opt-in",
-}
-
-
 def test_committed_protobuf_modules_match_the_proto() -> None:
     """The `.pb.ex` files are committed (users need no protoc); what the client speaks must follow
     `bridge.proto`: every message reachable from the service's RPCs (and ErrorDetail), field by field,
-    and every RPC. Messages nothing on the wire refers to (the router's internal views) are not needed,
-    nor, until the Elixir client implements them, the opt-in fields in NOT_YET_IN_ELIXIR."""
+    and every RPC, and the StreamEncoding enum (named in metadata, by no field). Messages nothing on the
+    wire refers to (the router's internal views) are not needed."""
     text = (MIX / "lib" / "vllm_bridge" / "proto" / "bridge.pb.ex").read_text(encoding="utf-8")
     blocks = dict(re.findall(r"defmodule ([\w.]+) do\n(.*?)\nend\n", text, re.S))
     service = pb.DESCRIPTOR.services_by_name["Bridge"]
@@ -201,12 +191,7 @@ def test_committed_protobuf_modules_match_the_proto() -> None:
             problems.append(f"missing module {name}")
             continue
         for f in msg.fields:
-            present = re.search(rf"^  field :{f.name}, {f.number}\b", body, re.M)
-            if f.full_name in NOT_YET_IN_ELIXIR:
-                if present:
-                    problems.append(f"{name}: field {f.name} is there now: take it out of NOT_YET_IN_ELIXIR")
-                continue
-            if not present:
+            if not re.search(rf"^  field :{f.name}, {f.number}\b", body, re.M):
                 problems.append(f"{name}: field {f.name} = {f.number} missing")
             if f.message_type is not None:
                 todo.append(f.message_type)
@@ -215,6 +200,10 @@ def test_committed_protobuf_modules_match_the_proto() -> None:
                 values = [v.name for v in f.enum_type.values]
                 if not all(re.search(rf"^  field :{v}, ", blocks.get(enum, ""), re.M) for v in values):
                     problems.append(f"enum {enum}: expected values {values}")
+    encoding = pb.DESCRIPTOR.enum_types_by_name["StreamEncoding"]
+    if not all(re.search(rf"^  field :{v.name}, {v.number}$", blocks.get("VllmBridge.V1.StreamEncoding", ""), re.M)
+               for v in encoding.values):
+        problems.append(f"enum VllmBridge.V1.StreamEncoding: expected values {[v.name for v in encoding.values]}")
     assert not problems, "regenerate lib/vllm_bridge/proto/bridge.pb.ex (README, Regenerating):\n" + "\n".join(problems)
     assert len(seen) >= 20
     for method in service.methods:
@@ -229,13 +218,18 @@ def test_runtime_options_are_sent_as_the_protocol_metadata_keys() -> None:
     assert table == {"session_id": protocol.MD_SESSION, "timeout_profile": protocol.MD_TIMEOUT_PROFILE,
                      "stream_timeout": protocol.MD_STREAM_TIMEOUT_MS, "pool_name": protocol.MD_POOL,
                      "affinity": protocol.MD_AFFINITY, "stream_interval": protocol.MD_STREAM_INTERVAL_MS,
-                     "rank": protocol.MD_RANK}
+                     "rank": protocol.MD_RANK, "stream_encoding": protocol.MD_STREAM_ENCODING,
+                     "stream_tee": protocol.MD_STREAM_TEE}
     assert f'"{protocol.MD_REFS}"' in runtime
     # validated on the client against the protocol's own lists
     profiles = re.search(r"^  @profiles ~w\((.*)\)$", runtime, re.M)
     affinities = re.search(r"^  @affinities ~w\((.*)\)$", runtime, re.M)
     assert profiles and profiles.group(1).split() == list(protocol.PROFILES)
     assert affinities and affinities.group(1).split() == list(protocol.AFFINITY_MODES)
+    # the stream encodings it asks for: those it can read, by the protocol's names, patch-v1 by default
+    encodings = re.search(r"^  @stream_encodings ~w\((.*)\)$", runtime, re.M)
+    assert encodings and encodings.group(1).split() == list(protocol.STREAM_ENCODINGS)
+    assert f'stream_encoding: "{protocol.STREAM_PATCH_V1}",' in runtime
     # not metadata: the deadline, which server, the transport of a stream, how tensors come back
     assert "@local [:timeout, :server, :multiplex, :tensors]" in runtime
 

@@ -9,7 +9,7 @@ defmodule VllmBridge.Client do
   # `{:method, receiver, name}`, `{:get_attr, receiver, name}`, `{:set_attr, receiver, name}`,
   # `{:iterate, receiver}`.
 
-  alias VllmBridge.{Codec, Config, Connection, Error, Mux, Ref, Runtime, Sessions, Telemetry, Transport}
+  alias VllmBridge.{Codec, Config, Connection, Error, Mux, Ref, Runtime, Sessions, StreamState, Telemetry, Transport}
   alias VllmBridge.V1, as: PB
   alias VllmBridge.V1.Bridge.Service
 
@@ -106,12 +106,14 @@ defmodule VllmBridge.Client do
   Arguments are encoded right away, so unsendable values are reported as `{:error, _}`.
 
   Streams share the server's `Multiplex` stream (`VllmBridge.Mux`) unless `__runtime__` says
-  `multiplex: false`.
+  `multiplex: false`. Their items travel as patches against the item before (`patch-v1`, rebuilt by
+  `VllmBridge.StreamState`) unless it says `stream_encoding: :full`; either way each item decodes
+  to the same value.
   """
   @spec stream(target(), list(), keyword()) :: {:ok, Enumerable.t()} | {:error, Error.t()}
   def stream(target, args, opts) do
     with {:ok, c} <- prepare(target, args, opts) do
-      c = %{c | meta: Map.put(c.meta, :multiplex, c.rt.multiplex)}
+      c = %{c | md: Runtime.stream_metadata(c.rt, c.md), meta: Map.put(c.meta, :multiplex, c.rt.multiplex)}
       {:ok, Stream.resource(fn -> open(c) end, &pull/1, &close/1)}
     end
   end
@@ -119,7 +121,7 @@ defmodule VllmBridge.Client do
   # The state of a stream being consumed.
   defmodule Running do
     @moduledoc false
-    defstruct [:call, :handle, :start, :meta, first: nil, items: 0, done: false]
+    defstruct [:call, :handle, :start, :meta, first: nil, items: 0, done: false, state: %VllmBridge.StreamState{}]
   end
 
   defp open(%Call{rt: rt} = c) do
@@ -155,7 +157,7 @@ defmodule VllmBridge.Client do
 
   defp pull(%Running{handle: %Mux{} = h} = r) do
     case Mux.next(h) do
-      {:ok, value, h} -> {[decode(value, r.call)], item(%{r | handle: h})}
+      {:ok, item, h} -> rebuild(%{r | handle: h}, item)
       :done -> {:halt, %{r | done: true}}
       {:error, e} -> failed(r, e)
     end
@@ -163,9 +165,22 @@ defmodule VllmBridge.Client do
 
   defp pull(%Running{handle: %Transport{} = h} = r) do
     case Transport.next(h) do
-      {:ok, %PB.StreamItem{value: value}, h} -> {[decode(value, r.call)], item(%{r | handle: h})}
+      {:ok, %PB.StreamItem{} = item, h} -> rebuild(%{r | handle: h}, item)
       :done -> {:halt, %{r | done: true}}
       {:error, e} -> failed(r, e)
+    end
+  end
+
+  # The item's whole Value (itself, or the state a patch makes of the one before), decoded as any
+  # value is. A patch that does not fit fails the stream, which is cancelled on the server.
+  defp rebuild(%Running{} = r, msg) do
+    case StreamState.item(r.state, msg) do
+      {:ok, value, state} ->
+        {[decode(value, r.call)], item(%{r | state: state})}
+
+      {:error, e} ->
+        cancel(r.handle)
+        failed(r, e)
     end
   end
 

@@ -8,11 +8,13 @@ defmodule VllmBridge.Mux do
   # concurrent generations that is what lets the server keep up with the engine (bench/README.md).
   #
   # One process per server owns the shared stream: it writes the requests of every caller and hands
-  # each event to the process that started the call, as the raw bytes of its value. This process only
-  # reads call ids (`Wire` below decodes the events shallowly); the caller decodes its own values, so
-  # the work is spread over the callers. Each stream has a window of @window items; the caller gives
-  # credit back as it consumes, so a slow consumer holds up only its own call (the server's vLLM
-  # merges the outputs meanwhile) and no mailbox grows without bound.
+  # each event to the process that started the call, as the raw bytes of its value or patch (a
+  # stream's items travel as patches against the item before unless the call asked for `full`; see
+  # `VllmBridge.StreamState`). This process only reads call ids (`Wire` below decodes the events
+  # shallowly); the caller decodes its own values and applies its own patches, so the work is spread
+  # over the callers. Each stream has a window of @window items; the caller gives credit back as it
+  # consumes, so a slow consumer holds up only its own call (the server's vLLM merges the outputs
+  # meanwhile) and no mailbox grows without bound.
   #
   # Failure modes: a caller that exits gets its calls cancelled; if the shared stream or the
   # connection fails, every running call fails with that error and the next call opens a new stream;
@@ -42,6 +44,7 @@ defmodule VllmBridge.Mux do
       field(:value, 2, type: :bytes, oneof: 0)
       field(:end, 3, type: :bytes, oneof: 0)
       field(:error, 4, type: :bytes, oneof: 0)
+      field(:patch, 5, type: :bytes, oneof: 0)
     end
 
     defmodule Reply do
@@ -84,14 +87,21 @@ defmodule VllmBridge.Mux do
     :exit, reason -> {:error, Error.local(:unavailable, "grpc_error", "multiplexer: #{inspect(reason)}")}
   end
 
-  @doc "The next item's value: `{:ok, %VllmBridge.V1.Value{}, handle}`, `:done`, or `{:error, %VllmBridge.Error{}}`."
-  @spec next(handle()) :: {:ok, PB.Value.t(), handle()} | :done | {:error, Error.t()}
+  @doc """
+  The next item, as it arrived: `{:ok, {:value, %VllmBridge.V1.Value{}} | {:patch, %VllmBridge.V1.StreamPatch{}}, handle}`
+  (for `VllmBridge.StreamState.item/2`), `:done`, or `{:error, %VllmBridge.Error{}}`.
+  """
+  @spec next(handle()) ::
+          {:ok, {:value, PB.Value.t()} | {:patch, PB.StreamPatch.t()}, handle()} | :done | {:error, Error.t()}
   def next(%__MODULE__{done: true}), do: :done
 
   def next(%__MODULE__{mux: mux, mon: mon, id: id} = h) do
     receive do
       {__MODULE__, ^id, {:value, bin}} ->
-        {:ok, PB.Value.decode(bin), credit(h)}
+        with {:ok, value} <- decode(h, PB.Value, bin), do: {:ok, {:value, value}, credit(h)}
+
+      {__MODULE__, ^id, {:patch, bin}} ->
+        with {:ok, patch} <- decode(h, PB.StreamPatch, bin), do: {:ok, {:patch, patch}, credit(h)}
 
       {__MODULE__, ^id, {:end, _}} ->
         Process.demonitor(mon, [:flush])
@@ -137,6 +147,15 @@ defmodule VllmBridge.Mux do
   end
 
   defp credit(h), do: %{h | consumed: h.consumed + 1}
+
+  # An item that cannot be read fails its stream, which is then cancelled on the server.
+  defp decode(h, mod, bin) do
+    {:ok, mod.decode(bin)}
+  rescue
+    e ->
+      cancel(h)
+      {:error, Error.local(:internal, "grpc_error", "an unreadable #{inspect(mod)}: #{Exception.message(e)}")}
+  end
 
   defp mux_error(bin) do
     %PB.MuxError{code: code, message: message, detail: detail} = PB.MuxError.decode(bin)
@@ -340,7 +359,7 @@ defmodule VllmBridge.Mux do
             else: state
 
         case kind do
-          {:value, _} ->
+          {item, _} when item in [:value, :patch] ->
             state
 
           _ ->

@@ -16,12 +16,19 @@ defmodule VllmBridge.Runtime do
     affinity: "x-bridge-affinity",
     rank: "x-bridge-rank"
   ]
+  # streams only: how their items travel (bridge.proto, StreamEncoding)
+  @stream_metadata [
+    stream_encoding: "x-bridge-stream-encoding",
+    stream_tee: "x-bridge-stream-tee"
+  ]
+  # the protocol's STREAM_ENCODINGS: the ones this client can read
+  @stream_encodings ~w(full patch-v1)
   # the protocol's PROFILES and AFFINITY_MODES
   @profiles ~w(default ml_inference batch_job streaming)
   @affinities ~w(hint strict_queue strict_fail_fast)
   # not sent as metadata: the deadline, which server, the transport of a stream, how tensors come back
   @local [:timeout, :server, :multiplex, :tensors]
-  @keys @local ++ Keyword.keys(@metadata)
+  @keys @local ++ Keyword.keys(@metadata) ++ Keyword.keys(@stream_metadata)
 
   defstruct timeout: nil,
             timeout_profile: nil,
@@ -33,7 +40,9 @@ defmodule VllmBridge.Runtime do
             rank: nil,
             server: nil,
             multiplex: true,
-            tensors: :struct
+            tensors: :struct,
+            stream_encoding: "patch-v1",
+            stream_tee: false
 
   @type t :: %__MODULE__{
           timeout: pos_integer() | nil,
@@ -46,7 +55,9 @@ defmodule VllmBridge.Runtime do
           rank: non_neg_integer() | nil,
           server: Config.server() | nil,
           multiplex: boolean(),
-          tensors: :struct | :nx
+          tensors: :struct | :nx,
+          stream_encoding: String.t(),
+          stream_tee: boolean()
         }
 
   @doc "The option names `__runtime__` accepts."
@@ -95,6 +106,12 @@ defmodule VllmBridge.Runtime do
   defp check!(:rank, v, w), do: bad!(w, :rank, "a non-negative integer", v)
   defp check!(:multiplex, v, _) when is_boolean(v), do: v
   defp check!(:multiplex, v, w), do: bad!(w, :multiplex, "true or false", v)
+  defp check!(:stream_encoding, :patch_v1, _), do: "patch-v1"
+  defp check!(:stream_encoding, v, _) when v in @stream_encodings, do: v
+  defp check!(:stream_encoding, :full, _), do: "full"
+  defp check!(:stream_encoding, v, w), do: bad!(w, :stream_encoding, ":patch_v1 or :full", v)
+  defp check!(:stream_tee, v, _) when is_boolean(v), do: v
+  defp check!(:stream_tee, v, w), do: bad!(w, :stream_tee, "true or false", v)
   defp check!(:tensors, :struct, _), do: :struct
 
   defp check!(:tensors, :nx, w) do
@@ -151,5 +168,15 @@ defmodule VllmBridge.Runtime do
       end)
 
     if refs == [], do: md, else: Map.put(md, "x-bridge-refs", Enum.join(refs, ","))
+  end
+
+  @doc """
+  A stream's metadata: the call's, and how its items travel (`patch-v1` unless the options say
+  `full`; with `stream_tee`, every item also whole right after it, to check the receiver).
+  """
+  @spec stream_metadata(t(), map()) :: %{String.t() => String.t()}
+  def stream_metadata(%__MODULE__{} = rt, md) do
+    md = Map.put(md, @stream_metadata[:stream_encoding], rt.stream_encoding)
+    if rt.stream_tee, do: Map.put(md, @stream_metadata[:stream_tee], "1"), else: md
   end
 end

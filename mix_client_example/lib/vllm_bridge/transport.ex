@@ -212,7 +212,14 @@ defmodule VllmBridge.Transport do
   def next(%__MODULE__{buffer: buffer} = h) do
     case buffer do
       <<_flag, size::32, msg::binary-size(size), rest::binary>> ->
-        {:ok, h.mod.decode(msg), %{h | buffer: rest}}
+        case decode(h.mod, msg) do
+          {:ok, msg} ->
+            {:ok, msg, %{h | buffer: rest}}
+
+          {:error, _} = err ->
+            drop(h)
+            err
+        end
 
       _ ->
         case read(h, [buffer], byte_size(buffer), needed(buffer)) do
@@ -221,6 +228,12 @@ defmodule VllmBridge.Transport do
           {:error, _} = err -> err
         end
     end
+  end
+
+  defp decode(mod, msg) do
+    {:ok, mod.decode(msg)}
+  rescue
+    e -> {:error, Error.local(:internal, "grpc_error", "an unreadable #{inspect(mod)}: #{Exception.message(e)}")}
   end
 
   @doc "Cancels a call (RST_STREAM CANCEL; the server stops the Python work) and drops what it sent."

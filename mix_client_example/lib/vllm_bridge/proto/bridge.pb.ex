@@ -1,3 +1,12 @@
+defmodule VllmBridge.V1.StreamEncoding do
+  @moduledoc false
+
+  use Protobuf, enum: true, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :STREAM_ENCODING_FULL, 0
+  field :STREAM_ENCODING_PATCH_V1, 1
+end
+
 defmodule VllmBridge.V1.Target.Kind do
   @moduledoc false
 
@@ -203,6 +212,29 @@ defmodule VllmBridge.V1.StreamItem do
 
   field :index, 1, type: :uint64
   field :value, 2, type: VllmBridge.V1.Value
+  field :patch, 3, type: VllmBridge.V1.StreamPatch
+end
+
+defmodule VllmBridge.V1.StreamPatch do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :ops, 1, repeated: true, type: VllmBridge.V1.PatchOp
+end
+
+defmodule VllmBridge.V1.PatchOp do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  oneof :op, 0
+
+  field :path, 1, repeated: true, type: :uint32
+  field :set, 2, type: VllmBridge.V1.Value, oneof: 0
+  field :append_str, 3, type: :string, json_name: "appendStr", oneof: 0
+  field :append_ints, 4, type: VllmBridge.V1.Ints, json_name: "appendInts", oneof: 0
+  field :append_items, 5, type: VllmBridge.V1.Items, json_name: "appendItems", oneof: 0
 end
 
 defmodule VllmBridge.V1.CollectiveRequest do
@@ -392,6 +424,7 @@ defmodule VllmBridge.V1.MuxEvent do
   field :value, 2, type: VllmBridge.V1.Value, oneof: 0
   field :end, 3, type: VllmBridge.V1.Null, oneof: 0
   field :error, 4, type: VllmBridge.V1.MuxError, oneof: 0
+  field :patch, 5, type: VllmBridge.V1.StreamPatch, oneof: 0
 end
 
 defmodule VllmBridge.V1.MuxError do
@@ -458,6 +491,7 @@ defmodule VllmBridge.V1.MuxEventView do
   field :value, 2, type: :bytes, oneof: 0
   field :end, 3, type: VllmBridge.V1.Null, oneof: 0
   field :error, 4, type: VllmBridge.V1.MuxError, oneof: 0
+  field :patch, 5, type: :bytes, oneof: 0
 end
 
 defmodule VllmBridge.V1.CallReplyView do
@@ -475,6 +509,7 @@ defmodule VllmBridge.V1.StreamItemView do
 
   field :index, 1, type: :uint64
   field :value, 2, type: :bytes
+  field :patch, 3, type: :bytes
 end
 
 defmodule VllmBridge.V1.Bridge.Service do

@@ -1,0 +1,111 @@
+defmodule VllmBridge.PatchStreamTest do
+  # No server needed: a stream over a stand-in for the shared Multiplex stream's process, which
+  # answers the start and then sends what a test tells it to. What the caller sees of a patch that
+  # does not fit, or that cannot be read: a VllmBridge.Error, and the call cancelled on the server.
+  use ExUnit.Case, async: false
+
+  alias VllmBridge.{Codec, Error, Mux}
+  alias VllmBridge.V1, as: PB
+
+  @address "127.0.0.1:9"
+
+  setup do
+    saved = Application.get_env(:vllm_bridge, :release_sessions_on_exit)
+    Application.put_env(:vllm_bridge, :release_sessions_on_exit, false)
+
+    on_exit(fn ->
+      if saved == nil,
+        do: Application.delete_env(:vllm_bridge, :release_sessions_on_exit),
+        else: Application.put_env(:vllm_bridge, :release_sessions_on_exit, saved)
+    end)
+  end
+
+  # A process registered as the multiplexer of @address: it accepts one call (id 1), reports its
+  # start and cancel to the test, and sends the caller `events` (as the real one does, as bytes).
+  defp stand_in(events) do
+    test = self()
+
+    pid =
+      spawn_link(fn ->
+        {:ok, _} = Registry.register(VllmBridge.MuxRegistry, @address, nil)
+        send(test, :registered)
+        stand_in_loop(test, events)
+      end)
+
+    assert_receive :registered
+    pid
+  end
+
+  defp stand_in_loop(test, events) do
+    receive do
+      {:"$gen_call", from, {:start, _server, _req, metadata, _timeout, caller}} ->
+        GenServer.reply(from, {:ok, 1})
+        send(test, {:started, metadata})
+        for event <- events, do: send(caller, {Mux, 1, event})
+        stand_in_loop(test, events)
+
+      {:"$gen_cast", {:cancel, id}} ->
+        send(test, {:cancelled, id})
+        stand_in_loop(test, events)
+
+      {:"$gen_cast", _credit} ->
+        stand_in_loop(test, events)
+    end
+  end
+
+  defp value(term), do: {:value, term |> Codec.encode() |> elem(0) |> PB.Value.encode() |> IO.iodata_to_binary()}
+  defp patch(ops), do: {:patch, %PB.StreamPatch{ops: ops} |> PB.StreamPatch.encode() |> IO.iodata_to_binary()}
+  defp stream(runtime \\ []), do: VllmBridge.iterate("it", __runtime__: [server: @address] ++ runtime)
+
+  test "items arrive as a value and patches, and decode as whole ones would; patch-v1 is asked for" do
+    stand_in([value(["a", 1]), patch([%PB.PatchOp{path: [0], op: {:append_str, "b"}}]), patch([]), {:end, ""}])
+    {:ok, s} = stream()
+    assert Enum.to_list(s) == [["a", 1], ["ab", 1], ["ab", 1]]
+    assert_received {:started, %{"x-bridge-stream-encoding" => "patch-v1"} = md}
+    refute Map.has_key?(md, "x-bridge-stream-tee")
+    refute_receive {:cancelled, _}, 100
+  end
+
+  test "stream_encoding: :full asks for whole items; stream_tee for each item twice" do
+    stand_in([value(1), {:end, ""}])
+    {:ok, s} = stream(stream_encoding: :full)
+    assert Enum.to_list(s) == [1]
+    assert_received {:started, %{"x-bridge-stream-encoding" => "full"}}
+    {:ok, s} = stream(stream_tee: true)
+    assert Enum.to_list(s) == [1]
+    assert_received {:started, %{"x-bridge-stream-encoding" => "patch-v1", "x-bridge-stream-tee" => "1"}}
+  end
+
+  test "a patch that does not fit raises VllmBridge.Error in the consumer, and the call is cancelled" do
+    stand_in([value(["a"]), patch([%PB.PatchOp{path: [3], op: {:append_str, "b"}}]), {:end, ""}])
+    {:ok, s} = stream()
+
+    assert %Error{code: :internal, category: "grpc_error", reason: "stream patch does not fit", message: message} =
+             catch_error(Enum.to_list(s))
+
+    assert message ==
+             "stream patch: patch.ops[0] (path [3]): expected an op that fits the state, got position 3 of a list"
+
+    assert_receive {:cancelled, 1}
+  end
+
+  test "a patch before any value raises VllmBridge.Error too, and the call is cancelled" do
+    stand_in([patch([]), {:end, ""}])
+    {:ok, s} = stream()
+
+    assert %Error{message: "stream patch: stream: expected a whole value before the first patch" <> _} =
+             catch_error(Enum.to_list(s))
+
+    assert_receive {:cancelled, 1}
+  end
+
+  test "bytes that are no patch raise VllmBridge.Error, and the call is cancelled" do
+    stand_in([value(1), {:patch, <<255, 255, 255>>}, {:end, ""}])
+    {:ok, s} = stream()
+
+    assert %Error{code: :internal, message: "an unreadable VllmBridge.V1.StreamPatch" <> _} =
+             catch_error(Enum.to_list(s))
+
+    assert_receive {:cancelled, 1}
+  end
+end
