@@ -21,7 +21,7 @@ from typing import Any
 from bridge_server.wire.codec import Encoder
 from bridge_server.wire.patch import Patcher
 from bridge_server.wire.streamstate import StreamState
-from tests.wire.test_patch import Color, Opaque, Pair, Plain, Rec, vllm_records
+from tests.wire.test_patch import Color, Opaque, Pair, Plain, Rec, request_outputs, vllm_records
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 FIXTURE = Path(__file__).resolve().parents[2] / "mix_client_example" / "test" / "fixtures" / "patch_streams.bin"
@@ -81,34 +81,7 @@ def _vllm_streams(encoder_records: dict[type, tuple[str, ...]]) -> Iterator[Iter
     from adapters.async_llm import ASYNC_LLM
     encoder_records[vllm_records()[0]] = next(r.fields for r in ASYNC_LLM.records if r.attr == "RequestOutput")
     for kind in ("cumulative", "delta", "n2-delta"):
-        yield _request_outputs(kind)
-
-
-def _request_outputs(kind: str) -> Iterator[object]:
-    """vLLM's records as its output processor makes them: the token and logprob lists and the stats
-    object are the same objects from item to item, changed in place (as in tests/wire/test_patch.py)."""
-    RequestOutput, CompletionOutput, RequestStateStats, Logprob = vllm_records()
-    stats = RequestStateStats(arrival_time=1.5)
-    tokens: list[int] = []
-    logprobs: list[dict[int, Any]] = []
-    prompt_logprobs = [None, {3: Logprob(-1.0, 1, "a")}]
-    text = ""
-    for i in range(6):
-        child = i % 2 if kind == "n2-delta" else 0
-        tokens.append(10 + i)
-        logprobs.append({10 + i: Logprob(-0.5 * i, 1, f"t{i}")})
-        stats.num_generation_tokens += 1
-        stats.last_token_ts = 2.0 + i
-        text += f" t{i}"
-        delta = kind != "cumulative"
-        done = i == 5
-        out = CompletionOutput(index=child, text=f" t{i}" if delta else text,
-                               token_ids=[10 + i] if delta else tokens, cumulative_logprob=-0.5 * i,
-                               logprobs=logprobs[-1:] if delta else logprobs,
-                               finish_reason="stop" if done else None, stop_reason=15 if done else None)
-        yield RequestOutput(request_id="r", prompt="p", prompt_token_ids=[1, 2, 3],
-                            prompt_logprobs=prompt_logprobs if i == 0 or not delta else None,
-                            outputs=[out], finished=done, metrics=stats, num_cached_tokens=0)
+        yield request_outputs(kind)
 
 
 def build() -> bytes:

@@ -312,37 +312,41 @@ def vllm_records() -> tuple[Callable[..., Any], Callable[..., Any], Callable[...
     return RequestOutput, CompletionOutput, RequestStateStats, Logprob
 
 
+def request_outputs(kind: str) -> Iterator[Any]:
+    """vLLM's records as its output processor makes them (`kind`: cumulative, delta, or delta with
+    two sequences): the token and logprob lists and the stats object are the same objects from item
+    to item, changed in place."""
+    RequestOutput, CompletionOutput, RequestStateStats, Logprob = vllm_records()
+    stats = RequestStateStats(arrival_time=1.5)
+    tokens: list[int] = []
+    logprobs: list[dict[int, Any]] = []
+    prompt_logprobs = [None, {3: Logprob(-1.0, 1, "a")}]
+    text = ""
+    for i in range(6):
+        child = i % 2 if kind == "n2-delta" else 0
+        tokens.append(10 + i)
+        logprobs.append({10 + i: Logprob(-0.5 * i, 1, f"t{i}")})
+        stats.num_generation_tokens += 1
+        stats.last_token_ts = 2.0 + i
+        text += f" t{i}"
+        delta = kind != "cumulative"
+        done = i == 5
+        out = CompletionOutput(index=child, text=f" t{i}" if delta else text,
+                               token_ids=[10 + i] if delta else tokens, cumulative_logprob=-0.5 * i,
+                               logprobs=logprobs[-1:] if delta else logprobs,
+                               finish_reason="stop" if done else None, stop_reason=15 if done else None)
+        yield RequestOutput(request_id="r", prompt="p", prompt_token_ids=[1, 2, 3],
+                            prompt_logprobs=prompt_logprobs if i == 0 or not delta else None,
+                            outputs=[out], finished=done, metrics=stats, num_cached_tokens=0)
+
+
 @pytest.mark.parametrize("kind", ["cumulative", "delta", "n2-delta"])
 def test_request_outputs_stream_as_vllm_makes_them(kind: str) -> None:
     from adapters.async_llm import ASYNC_LLM
-    RequestOutput, CompletionOutput, RequestStateStats, Logprob = vllm_records()
+    RequestOutput = vllm_records()[0]
     RECORDS[RequestOutput] = next(r.fields for r in ASYNC_LLM.records if r.attr == "RequestOutput")
     try:
-        stats = RequestStateStats(arrival_time=1.5)
-        tokens: list[int] = []
-        logprobs: list[dict[int, Any]] = []
-        prompt_logprobs = [None, {3: Logprob(-1.0, 1, "a")}]
-
-        def items() -> Iterator[object]:
-            text = ""
-            for i in range(6):
-                child = i % 2 if kind == "n2-delta" else 0
-                tokens.append(10 + i)
-                logprobs.append({10 + i: Logprob(-0.5 * i, 1, f"t{i}")})
-                stats.num_generation_tokens += 1
-                stats.last_token_ts = 2.0 + i
-                text += f" t{i}"
-                delta = kind != "cumulative"
-                done = i == 5
-                out = CompletionOutput(index=child, text=f" t{i}" if delta else text,
-                                       token_ids=[10 + i] if delta else tokens, cumulative_logprob=-0.5 * i,
-                                       logprobs=logprobs[-1:] if delta else logprobs,
-                                       finish_reason="stop" if done else None, stop_reason=15 if done else None)
-                yield RequestOutput(request_id="r", prompt="p", prompt_token_ids=[1, 2, 3],
-                                    prompt_logprobs=prompt_logprobs if i == 0 or not delta else None,
-                                    outputs=[out], finished=done, metrics=stats, num_cached_tokens=0)
-
-        sent = check_stream(items())
+        sent = check_stream(request_outputs(kind))
         if kind == "cumulative":    # the growing parts grow by appends
             assert {o for m in sent[1:] for _, o in ops(m)} == {"append_str", "append_ints", "append_items", "set"}
     finally:
