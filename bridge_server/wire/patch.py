@@ -204,17 +204,23 @@ def _diff_parts(p: Patcher, values: Any, leaves: list[Any], kids: list[_Node | N
         leaves[i] = kid.member if type(kid) is _Enum else x if i in constant else _NOT_A_LEAF
 
 
-def _same_parts(p: Patcher, values: Any, leaves: list[Any], kids: list[_Node | None], depth: int,
+def _same_parts(p: Patcher, owner: Any, values: Any, leaves: list[Any], kids: list[_Node | None], depth: int,
                 active: set[int]) -> bool:
-    for x, old, kid in zip(values, leaves, kids):
-        if x is old:
-            continue
-        if kid is None:
-            if not _same_scalar(x, old):
+    """Whether `owner`'s parts (`values`) are those shadowed; `owner` is on the path meanwhile, so a
+    cycle back to it is never followed."""
+    active.add(id(owner))
+    try:
+        for x, old, kid in zip(values, leaves, kids):
+            if x is old:
+                continue
+            if kid is None:
+                if not _same_scalar(x, old):
+                    return False
+            elif not kid.same(p, x, depth, active):
                 return False
-        elif not kid.same(p, x, depth, active):
-            return False
-    return True
+        return True
+    finally:
+        active.discard(id(owner))
 
 
 class _Seq(_Node):
@@ -236,11 +242,7 @@ class _Seq(_Node):
     def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
         if not self._fits(p, obj, depth, active) or len(obj) != len(self.leaves):
             return False
-        active.add(id(obj))
-        try:
-            return _same_parts(p, obj, self.leaves, self.kids, depth + 1, active)
-        finally:
-            active.discard(id(obj))
+        return _same_parts(p, obj, obj, self.leaves, self.kids, depth + 1, active)
 
     def diff(self, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
         leaves, kids = self.leaves, self.kids
@@ -316,11 +318,7 @@ class _Record(_Node):
         values = self._fields(p, obj, depth, active)
         if values is None:
             return False
-        active.add(id(obj))
-        try:
-            return _same_parts(p, values, self.leaves, self.kids, depth + 1, active)
-        finally:
-            active.discard(id(obj))
+        return _same_parts(p, obj, values, self.leaves, self.kids, depth + 1, active)
 
     def diff(self, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
         key = id(obj)
