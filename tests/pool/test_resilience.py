@@ -279,13 +279,21 @@ def worker_pid(server: PoolServer, pool: str) -> int:
     return int(server.pool(pool).workers[0].pid)
 
 
+def _fd_target(pid: int, fd: str) -> str:
+    """What a process's fd refers to; "" for one it closed since its folder was listed."""
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except FileNotFoundError:
+        return ""
+
+
 def shut_down_lane(pid: int, path: str) -> int:
     """Shuts down the worker's end of its lane connections, as a failure would (the socket closes
     under both ends): the worker's fds are duplicated into this process (pidfd_getfd) and shut down."""
     inodes = {line.split()[6] for line in Path("/proc/net/unix").read_text().splitlines()[1:]
               if len(line.split()) >= 8 and line.split()[7] == path and line.split()[5] == "03"}
-    fds = [int(fd) for fd in os.listdir(f"/proc/{pid}/fd")
-           if os.readlink(f"/proc/{pid}/fd/{fd}") in {f"socket:[{i}]" for i in inodes}]
+    lanes = {f"socket:[{i}]" for i in inodes}
+    fds = [int(fd) for fd in os.listdir(f"/proc/{pid}/fd") if _fd_target(pid, fd) in lanes]
     libc = ctypes.CDLL(None, use_errno=True)
     pidfd = os.pidfd_open(pid)
     try:
