@@ -456,7 +456,20 @@ async def bridge_mux_measure(work: Workload, address: str, kind: str, roles: Rol
         call = channel.stream_stream(MUX_METHOD)(metadata=metadata)
         waiting: dict[int, asyncio.Queue[Any]] = {}
         ids = itertools.count(1)
-        write_lock = asyncio.Lock()    # one write at a time on a gRPC stream
+        # Starts issued in the same loop turn leave as one MuxBatch, as the Python client sends them:
+        # one write at a time on a gRPC stream, by one writer.
+        pending: list[Any] = []
+        wake = asyncio.Event()
+
+        async def send() -> None:
+            while True:
+                await wake.wait()
+                wake.clear()
+                while pending:
+                    batch = pending[:]
+                    pending.clear()
+                    msg = batch[0] if len(batch) == 1 else pb.MuxRequest(batch=pb.MuxBatch(requests=batch))
+                    await call.write(msg.SerializeToString())
 
         async def dispatch() -> None:
             while (raw := await call.read()) is not grpc.aio.EOF:
@@ -466,11 +479,9 @@ async def bridge_mux_measure(work: Workload, address: str, kind: str, roles: Rol
         async def one(request_id: str, prompt: str) -> Sample:
             call_id, events = next(ids), asyncio.Queue[Any]()
             waiting[call_id] = events
-            start = pb.MuxRequest(start=pb.MuxStart(id=call_id, stream=True,
-                                                    call=make_request(request_id, prompt)))
-            payload = start.SerializeToString()
-            async with write_lock:
-                await call.write(payload)
+            pending.append(pb.MuxRequest(start=pb.MuxStart(id=call_id, stream=True,
+                                                           call=make_request(request_id, prompt))))
+            wake.set()
             tokens, items = 0, 0
             first = None
             kept = _Items()
@@ -488,10 +499,11 @@ async def bridge_mux_measure(work: Workload, address: str, kind: str, roles: Rol
             n, engine_ttft = _inspect_value(kept.value()) if items else (0, None)
             return Sample(first or end, end, tokens if delta else n, items, engine_ttft)
 
-        reader = asyncio.create_task(dispatch())
+        reader, sender = asyncio.create_task(dispatch()), asyncio.create_task(send())
         try:
             return await run_schedule(work, one, roles, f"bridge-mux-{kind}-{encoding}")
         finally:
+            sender.cancel()
             await call.done_writing()
             reader.cancel()
 

@@ -20,6 +20,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from vllm_bridge.v1 import bridge_pb2 as pb
+from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 
@@ -94,3 +97,33 @@ def client(worker: WorkerProcess) -> Iterator[object]:
     from bridge_server.client.client import BridgeClient
     with BridgeClient(worker.address) as c:
         yield c
+
+
+def _pp_start(call_id: int, *args: int) -> pb.MuxRequest:
+    call = pb.CallRequest(target=pb.Target(kind=pb.Target.FUNCTION, name="vllm.distributed.get_pp_indices"),
+                          args=[pb.Value(int=a) for a in args])
+    return pb.MuxRequest(start=pb.MuxStart(id=call_id, call=call))
+
+
+def multiplex_batches(address: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    """A check for the worker's Multiplex and the pool server's alike. Starts sent as MuxBatches run as if each had come alone, a bad request in a batch fails only
+    its own call, and a batch inside a batch is refused (id 0) without harm to the rest."""
+    batch = pb.MuxRequest(batch=pb.MuxBatch(requests=[_pp_start(i, 64, i % 4, 4) for i in range(1, 33)]))
+    bad = pb.MuxRequest(batch=pb.MuxBatch(requests=[
+        _pp_start(40, 64, 1, 4),
+        pb.MuxRequest(batch=pb.MuxBatch(requests=[_pp_start(41, 64, 2, 4)])),   # nested: refused
+        _pp_start(42, 64, 9, 4),                                               # fails on its own
+        pb.MuxRequest(cancel=999),                                             # names nothing: ignored
+        _pp_start(43, 64, 3, 4)]))
+    with grpc.insecure_channel(address) as channel:
+        replies = list(pb_grpc.BridgeStub(channel).Multiplex(iter([batch, bad]), metadata=metadata))
+    events = [e for r in replies for e in r.events]
+    got = {e.id: e for e in events}
+    assert sorted(got) == [0, *range(1, 33), 40, 42, 43]
+    for i in range(1, 33):
+        assert tuple(v.int for v in got[i].value.tuple.items) == ((i % 4) * 16, (i % 4) * 16 + 16)
+    assert got[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "not another batch" in got[0].error.message
+    assert got[42].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], got[42]
+    assert tuple(v.int for v in got[40].value.tuple.items) == (16, 32)
+    assert tuple(v.int for v in got[43].value.tuple.items) == (48, 64)

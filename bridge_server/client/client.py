@@ -226,6 +226,40 @@ class BridgeClient:
         return Multiplexer(self, timeout, options)
 
 
+BATCH_BYTES = 1 << 20     # requests gathered into one message at most (the server's limit is 4 MiB)
+BATCH_REQUESTS = 256
+
+
+def outgoing(requests: queue.SimpleQueue[pb.MuxRequest | None]) -> Iterator[pb.MuxRequest]:
+    """The Multiplex requests as they go out: whatever was queued by the time gRPC takes the next
+    message leaves as one `MuxBatch` (calls started together then cost one write and one read, not
+    one each: what a burst of starts waits on), alone otherwise. A batch never holds more than
+    `BATCH_BYTES` of requests, unless a single request does. Ends at None."""
+    carried: pb.MuxRequest | None = None
+    while True:
+        first = carried if carried is not None else requests.get()
+        carried = None
+        if first is None:
+            return
+        batch, size = [first], first.ByteSize()
+        while len(batch) < BATCH_REQUESTS:
+            try:
+                more = requests.get_nowait()
+            except queue.Empty:
+                break
+            if more is None or size + more.ByteSize() > BATCH_BYTES:
+                carried = more if more is not None else _END
+                break
+            batch.append(more)
+            size += more.ByteSize()
+        yield first if len(batch) == 1 else pb.MuxRequest(batch=pb.MuxBatch(requests=batch))
+        if carried is _END:
+            return
+
+
+_END = pb.MuxRequest()   # stands for the end (None) met while gathering a batch
+
+
 class Multiplexer:
     """Calls and streams over one `Multiplex` stream; they behave as `BridgeClient.call`/`stream` do.
 
@@ -239,7 +273,7 @@ class Multiplexer:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._failure: CallError | None = None
-        self._replies = client.stub.Multiplex(iter(self._requests.get, None), timeout=timeout,
+        self._replies = client.stub.Multiplex(outgoing(self._requests), timeout=timeout,
                                               metadata=client._metadata([], options))
         self.replies = 0   # replies received: fewer than events when events were batched
         self._reader = threading.Thread(target=self._read, name="bridge-multiplex", daemon=True)

@@ -232,6 +232,25 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         else:
             queued[client_id] = loop.create_task(wait_and_launch(client_id, start, md, route, plan))
 
+    def handle(request: Any) -> None:
+        """One start, cancel or credit (a batch's requests come here one by one)."""
+        kind = request.WhichOneof("kind")
+        if kind == "start":
+            handle_start(request.start)
+        elif kind == "cancel":
+            run = running.get(request.cancel)
+            if run is not None and run.lc is not None:
+                run.lc.ask_to_cancel()      # the worker's CANCELLED event ends it
+            elif (waiting := queued.get(request.cancel)) is not None:
+                waiting.cancel()
+        elif kind == "credit":
+            run = running.get(request.credit.id)
+            if run is not None and run.lc is not None and not run.own_window:
+                run.lc.credit(request.credit.events)
+        else:
+            refuse(0, BridgeError.validation("Multiplex: a request must hold start, cancel, credit or batch",
+                                             parameter="kind"))
+
     async def read() -> None:
         async for raw in requests:
             try:
@@ -239,22 +258,16 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             except BridgeError as err:     # no call id can be read: id 0, which no call uses
                 refuse(0, err)
                 continue
-            kind = request.WhichOneof("kind")
-            if kind == "start":
-                handle_start(request.start)
-            elif kind == "cancel":
-                run = running.get(request.cancel)
-                if run is not None and run.lc is not None:
-                    run.lc.ask_to_cancel()      # the worker's CANCELLED event ends it
-                elif (waiting := queued.get(request.cancel)) is not None:
-                    waiting.cancel()
-            elif kind == "credit":
-                run = running.get(request.credit.id)
-                if run is not None and run.lc is not None and not run.own_window:
-                    run.lc.credit(request.credit.events)
+            if request.WhichOneof("kind") == "batch":
+                for each in request.batch.requests:
+                    if each.WhichOneof("kind") == "batch":
+                        refuse(0, BridgeError.validation(
+                            "Multiplex: a batch holds starts, cancels and credits, not another batch",
+                            parameter="batch.requests"))
+                    else:
+                        handle(each)
             else:
-                refuse(0, BridgeError.validation("Multiplex: a request must hold start, cancel or credit",
-                                                 parameter="kind"))
+                handle(request)
         await idle.wait()         # half-closed: every call runs to its end
 
     failed: list[BaseException] = []

@@ -213,10 +213,18 @@ class MuxSession:
             return
         self.handle(request)
 
-    def handle(self, request: pb.MuxRequest) -> None:
+    def handle(self, request: pb.MuxRequest, nested: bool = False) -> None:
         kind = request.WhichOneof("kind")
         out = self.out
-        if kind == "start":
+        if kind == "batch":
+            if nested:
+                self._refuse(0, BridgeError.validation(
+                    "Multiplex: a batch holds starts, cancels and credits, not another batch",
+                    parameter="batch.requests"))
+                return
+            for each in request.batch.requests:
+                self.handle(each, nested=True)
+        elif kind == "start":
             start = request.start
             if start.id == 0:
                 self._refuse(0, BridgeError.validation(
@@ -248,7 +256,7 @@ class MuxSession:
         elif kind == "credit":
             out.grant(request.credit.id, request.credit.events)
         else:
-            self._refuse(0, BridgeError.validation("Multiplex: a request must hold start, cancel or credit",
+            self._refuse(0, BridgeError.validation("Multiplex: a request must hold start, cancel, credit or batch",
                                                    parameter="kind"))
 
     def _answer_now(self, start: pb.MuxStart) -> bool:

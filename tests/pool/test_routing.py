@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bridge_server.client.client import CallError, Target
-from tests.conftest import ROOT
+from tests.conftest import ROOT, multiplex_batches
 from tests.pool.harness import Gate, PoolServer, in_thread, open_gates, start_pool_server, wait_until
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -305,6 +305,11 @@ def test_multiplex_through_the_pool_routes_each_call_like_a_plain_call(server: P
         assert err.value.category == "pool" and "nope" in err.value.details
         with ThreadPoolExecutor(16) as ex:
             assert list(ex.map(lambda i: mux.call(DIVIDE, 4 * i, 4), range(64))) == list(range(64))
+    idle(server, "b")
+
+
+def test_multiplex_through_the_pool_takes_requests_in_batches(server: PoolServer) -> None:
+    multiplex_batches(server.address, (("x-bridge-pool", "b"),))
     idle(server, "b")
 
 

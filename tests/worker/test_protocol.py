@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from bridge_server.client.client import BridgeClient, CallError, Target
 from bridge_server.wire.errors import BridgeError
 from bridge_server.wire.protocol import MD_TIMEOUT_PROFILE, parse_metadata
-from tests.conftest import WorkerProcess, free_port, start_worker
+from tests.conftest import WorkerProcess, free_port, multiplex_batches, start_worker
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
 
@@ -268,8 +268,12 @@ def test_multiplex_runs_calls_together_and_finishes_them_after_the_client_half_c
         # and the stream carries on with the calls after it.
         got = {e.id: e for r in stub.Multiplex(iter(requests[-1:] + requests[:1])) for e in r.events}
         assert got[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-        assert "start, cancel or credit" in got[0].error.message
+        assert "start, cancel, credit or batch" in got[0].error.message
         assert tuple(v.int for v in got[1].value.tuple.items) == (16, 32)
+
+
+def test_multiplex_takes_requests_in_batches(worker: WorkerProcess) -> None:
+    multiplex_batches(worker.address)
 
 
 def test_the_plain_asyncio_loop_serves_too(tmp_path: Path) -> None:

@@ -371,6 +371,15 @@ defmodule VllmBridge.V1.MuxRequest do
   field :start, 1, type: VllmBridge.V1.MuxStart, oneof: 0
   field :cancel, 2, type: :uint64, oneof: 0
   field :credit, 3, type: VllmBridge.V1.MuxCredit, oneof: 0
+  field :batch, 4, type: VllmBridge.V1.MuxBatch, oneof: 0
+end
+
+defmodule VllmBridge.V1.MuxBatch do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :requests, 1, repeated: true, type: VllmBridge.V1.MuxRequest
 end
 
 defmodule VllmBridge.V1.MuxCredit do
@@ -447,6 +456,15 @@ defmodule VllmBridge.V1.MuxRequestView do
   field :start, 1, type: VllmBridge.V1.MuxStartView, oneof: 0
   field :cancel, 2, type: :uint64, oneof: 0
   field :credit, 3, type: VllmBridge.V1.MuxCredit, oneof: 0
+  field :batch, 4, type: VllmBridge.V1.MuxBatchView, oneof: 0
+end
+
+defmodule VllmBridge.V1.MuxBatchView do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :requests, 1, repeated: true, type: VllmBridge.V1.MuxRequestView
 end
 
 defmodule VllmBridge.V1.MuxStartView.MetadataEntry do
