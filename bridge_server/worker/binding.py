@@ -55,6 +55,20 @@ class Building:
     types: Mapping[str, type]
     rule: Callable[[type], RecordRule | None] = lambda cls: None
     policy: Policy = Policy()
+    _named: dict[str, type | None] = dataclasses.field(default_factory=dict, repr=False, compare=False, hash=False)
+
+    def record_for(self, annotation: Any) -> type | None:
+        """The class a parameter's annotation names, if it names one of `types`: searched once per
+        annotation, as a request's map arguments are built on every call."""
+        text = annotation if isinstance(annotation, str) else repr(annotation)
+        try:
+            return self._named[text]
+        except KeyError:
+            pass
+        found = next((cls for short, cls in self.types.items() if re.search(rf"\b{short}\b", text)), None)
+        if len(self._named) < 4096:
+            self._named[text] = found
+        return found
 
 
 def bind_arguments(label: str, signature: inspect.Signature, args: list[Any], kwargs: dict[str, Any],
@@ -262,11 +276,8 @@ def _describe(exc: pydantic.ValidationError, expected: str, value: Any) -> str:
 # ------------------------------------------------------------------------------------------ records
 def _build_argument(label: str, param: inspect.Parameter, value: dict[Any, Any], building: Building) -> Any:
     """A map given where the signature expects one of the catalog's classes is built into it."""
-    annotation = param.annotation if isinstance(param.annotation, str) else repr(param.annotation)
-    for short, cls in building.types.items():
-        if re.search(rf"\b{short}\b", annotation):
-            return _build_record(label, param.name, cls, value, building)
-    return value
+    cls = building.record_for(param.annotation)
+    return value if cls is None else _build_record(label, param.name, cls, value, building)
 
 
 def _build_record(label: str, where: str, cls: type, value: dict[Any, Any], building: Building, depth: int = 0) -> Any:
@@ -288,12 +299,14 @@ def check_record(label: str, where: str, cls: type, fields: dict[str, Any], buil
     what the adapter's `RecordRule` lets a client set (PERMISSION_DENIED), then each field's type,
     then the rule's check of the values against the operator's policy."""
     what = f"{label}: parameter {where}: cannot build {cls.__name__} from the map given"
-    try:
-        _class_signature(cls).bind(**fields)
-    except TypeError as exc:
-        raise BridgeError.validation(f"{what}: {exc}", target=label, parameter=where) from None
-    except ValueError:
-        pass   # no introspectable signature: let the class judge
+    shape = _keyword_shape(cls)
+    if shape is None or not (fields.keys() <= shape[0] and shape[1] <= fields.keys()):
+        try:
+            _class_signature(cls).bind(**fields)      # what is wrong, in Python's words
+        except TypeError as exc:
+            raise BridgeError.validation(f"{what}: {exc}", target=label, parameter=where) from None
+        except ValueError:
+            pass   # no introspectable signature: let the class judge
     rule = building.rule(cls)
     if rule is not None:
         _allowed_fields(label, where, cls, fields, rule)
@@ -427,6 +440,28 @@ def namespace_of(obj: Any) -> Mapping[str, Any]:
 def _class_signature(cls: type) -> inspect.Signature:
     """Resolving a config class's signature walks its type hints: once per class, not per request."""
     return inspect.signature(cls)
+
+
+@functools.lru_cache(maxsize=256)
+def _keyword_shape(cls: type) -> tuple[frozenset[str], frozenset[str]] | None:
+    """The names `cls(**fields)` accepts and those it requires, where that is all binding checks
+    (None otherwise): a map whose keys fit binds without binding it, which for a record of ~35 fields
+    (SamplingParams) is most of what a request's arguments cost to check."""
+    try:
+        sig = _class_signature(cls)
+    except (TypeError, ValueError):
+        return None
+    accepted: set[str] = set()
+    required: set[str] = set()
+    for p in sig.parameters.values():
+        if p.kind is inspect.Parameter.VAR_KEYWORD or (p.kind is inspect.Parameter.POSITIONAL_ONLY
+                                                       and p.default is inspect.Parameter.empty):
+            return None
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+            accepted.add(p.name)
+            if p.default is inspect.Parameter.empty:
+                required.add(p.name)
+    return frozenset(accepted), frozenset(required)
 
 
 def _short_sig(sig: inspect.Signature) -> str:

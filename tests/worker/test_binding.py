@@ -19,7 +19,9 @@ from bridge_server.worker.binding import (
     Checks,
     _class_hints,
     _documented,
+    _class_signature,
     _field_check,
+    _keyword_shape,
     _resolve,
     bind_arguments,
     member_checks,
@@ -69,6 +71,34 @@ def test_every_field_of_every_record_class_a_map_can_build_is_checked(catalog: C
                  for name, hint in _class_hints(cls).items()
                  if hint is not Any and not name.startswith("_") and _field_check(cls, name) is None]
     assert not unchecked, unchecked
+
+
+def test_the_quick_key_check_of_a_map_agrees_with_binding_it(catalog: Catalog) -> None:
+    """A map whose keys the precomputed shape accepts is never bound (it is what most of a request's
+    checks cost); the shape must accept exactly what binding would, for every class a map can build:
+    each field alone, all of them, all the required ones, and each with an unknown key or one left out."""
+    import random
+    rng = random.Random(7)
+    compared = 0
+    for cls in catalog.types.values():
+        shape = _keyword_shape(cls)
+        if shape is None:
+            continue
+        accepted, required = shape
+        names = sorted(accepted)
+        cases = [set(required), set(names), {"no_such_field", *required}]
+        cases += [{n, *required} for n in names]
+        cases += [set(required) - {n} for n in required]
+        cases += [set(rng.sample(names, rng.randint(0, len(names)))) | set(required) for _ in range(10)]
+        for keys in cases:
+            try:
+                _class_signature(cls).bind(**dict.fromkeys(keys))
+                binds = True
+            except TypeError:
+                binds = False
+            assert (keys <= accepted and required <= keys) == binds, (cls, sorted(keys))
+            compared += 1
+    assert compared > 400, compared
 
 
 def bind(catalog: Catalog, name: str, *args: Any, **kwargs: Any) -> tuple[list[Any], dict[str, Any]]:
