@@ -13,8 +13,9 @@ one after the other so that they never share the machine's CPU cores:
                `engine`; each request is a gRPC `Stream` call of `Target.method("engine", "generate")`
                with (prompt, sampling params map, request id), made from a grpc.aio client here: what
                a client that does not multiplex (grpcurl, `BridgeClient.stream`) costs.
-   bridge-mux  the same worker and engine; all requests of the run share one `Multiplex` stream (a
-               message starts each request; items ready together come back in one reply).
+   bridge-mux  the same worker and engine; all requests of the run share one `Multiplex` stream (the
+               starts a round issues together leave as one `MuxBatch` message, as the Python client
+               sends them; items ready together come back in one reply).
 2. in-process  `AsyncLLM.from_engine_args` in a separate Python process (this module, `--phase`),
                iterating `generate` directly: the ceiling the bridge is measured against.
 3. vllm-serve  vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`): streamed
