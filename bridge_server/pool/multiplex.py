@@ -28,7 +28,7 @@ from bridge_server.pool.lane import STREAM_WINDOW, LaneCall, LaneClosed
 from bridge_server.pool.poolstate import Backend, Flight, Plan, PoolRouter
 from bridge_server.pool.router import Route, Router, read_route, time_left
 from bridge_server.wire.errors import BridgeError
-from bridge_server.wire.protocol import MAX_MESSAGE_BYTES, parse_request, time_left_s
+from bridge_server.wire.protocol import MAX_MESSAGE_BYTES, MUX_BATCH_SLICE, parse_request, time_left_s
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["forward_multiplex"]
@@ -259,7 +259,11 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                 refuse(0, err)
                 continue
             if request.WhichOneof("kind") == "batch":
-                for each in request.batch.requests:
+                # A slice at a time, the loop free between slices: one message of many thousand
+                # small starts holds up other calls no more than as many messages would.
+                for i, each in enumerate(request.batch.requests):
+                    if i and i % MUX_BATCH_SLICE == 0:
+                        await asyncio.sleep(0)
                     if each.WhichOneof("kind") == "batch":
                         refuse(0, BridgeError.validation(
                             "Multiplex: a batch holds starts, cancels and credits, not another batch",

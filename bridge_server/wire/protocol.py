@@ -44,6 +44,10 @@ ROUTER_ONLY_KEYS = frozenset({MD_COLLECTIVE, MD_IDENTITY})
 
 DEFAULT_SESSION = "default"
 
+# Multiplex: a batch's requests handled before the event loop turns (a server handles a batch a
+# slice at a time, so one message of many small starts holds up others no more than many messages).
+MUX_BATCH_SLICE = 64
+
 # Channel and server options shared by every client and server of the protocol: tensors by value
 # can be large, and a port must never be silently shared by two servers.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024

@@ -26,7 +26,14 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from bridge_server.wire.errors import BridgeError, server_error, target_label
-from bridge_server.wire.protocol import MAX_MESSAGE_BYTES, RuntimeOptions, parse_metadata, time_left_s, too_large
+from bridge_server.wire.protocol import (
+    MAX_MESSAGE_BYTES,
+    MUX_BATCH_SLICE,
+    RuntimeOptions,
+    parse_metadata,
+    time_left_s,
+    too_large,
+)
 from bridge_server.worker.deadlines import resolve_deadlines
 from bridge_server.worker.invoke import Caller, Invoker
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -201,17 +208,39 @@ class MuxSession:
         """Handles one request as read off the wire. Bytes that are not a `MuxRequest` end only the
         call they name (or, when no call id can be read from them, get an error event for id 0,
         which no call uses), so one bad message never takes a shared stream or lane down."""
+        request = self.parse(raw)
+        if request is not None:
+            self.handle(request)
+
+    async def feed(self, raw: bytes) -> None:
+        """handle_bytes for a stream a stranger writes: a batch's requests are handled a slice at a
+        time, with the loop free between slices, so one message of many thousand small starts
+        delays other calls and connections no more than as many messages would. The next message
+        is read only after the batch, so requests keep their order."""
+        request = self.parse(raw)
+        if request is None:
+            return
+        if request.WhichOneof("kind") != "batch" or len(request.batch.requests) <= MUX_BATCH_SLICE:
+            self.handle(request)
+            return
+        each = request.batch.requests
+        for i in range(0, len(each), MUX_BATCH_SLICE):
+            if i:
+                await asyncio.sleep(0)
+            for one in each[i:i + MUX_BATCH_SLICE]:
+                self.handle(one, nested=True)
+
+    def parse(self, raw: bytes) -> pb.MuxRequest | None:
         if len(raw) > self.max_request_bytes:
             self._refuse(_call_id_of(raw), too_large(len(raw), self.max_request_bytes, "Multiplex"))
-            return
+            return None
         try:
-            request = pb.MuxRequest.FromString(raw)
+            return pb.MuxRequest.FromString(raw)
         except (DecodeError, RecursionError, ValueError) as exc:
             self._refuse(_call_id_of(raw), BridgeError.validation(
                 f"Multiplex: a request is not a valid vllm_bridge.v1.MuxRequest ({len(raw)} bytes): {exc}",
                 parameter="request"))
-            return
-        self.handle(request)
+            return None
 
     def handle(self, request: pb.MuxRequest, nested: bool = False) -> None:
         kind = request.WhichOneof("kind")
@@ -327,7 +356,7 @@ async def multiplex(invoker: Invoker, requests: AsyncIterator[bytes],
     async def read() -> None:
         try:
             async for raw in requests:
-                session.handle_bytes(raw)
+                await session.feed(raw)
         finally:
             out.ready.set()
 
