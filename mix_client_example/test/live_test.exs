@@ -8,6 +8,7 @@ defmodule VllmBridge.LiveTest do
   alias Vllm.ForwardContext.DPMetadata
   alias Vllm.ForwardContext.Module, as: FC
   alias VllmBridge.{Bytes, Error, FrozenSet, PyEnum, Record, Ref, Tensor}
+  alias VllmBridge.V1, as: PB
 
   @engine System.get_env("VLLM_BRIDGE_ENGINE", "engine")
 
@@ -122,6 +123,63 @@ defmodule VllmBridge.LiveTest do
       assert shared == tokens.(multiplex: false)
     end
 
+    # Starts that reach the shared process together leave as one MuxBatch; each call then gets its
+    # own tokens. The process is held while the 16 callers start, so all 16 starts are in its mailbox
+    # at once (otherwise how many coincide depends on the machine); the write is seen with a trace.
+    test "16 streams started at once leave as one batch over the shared stream and all complete" do
+      prompts = for i <- 1..4, do: "batched prompt #{i}"
+      # one at a time first: what each prompt gives (and the shared stream is open)
+      alone = Map.new(prompts, fn p -> {p, generated_tokens(p)} end)
+      assert [{mux, _}] = Registry.lookup(VllmBridge.MuxRegistry, :default)
+
+      traced_writes(mux, fn ->
+        :ok = :sys.suspend(mux)
+        tasks = for i <- 1..16, p = Enum.at(prompts, rem(i, 4)), do: {p, Task.async(fn -> generated_tokens(p) end)}
+        wait_for_mailbox(mux, 16, 10_000)
+        :ok = :sys.resume(mux)
+
+        for {p, task} <- tasks,
+            do: assert(Task.await(task, 60_000) == alone[p], "the stream of #{inspect(p)} got another's tokens")
+
+        # the first write after the hold carries the 16 starts, in one MuxBatch
+        assert_receive {:trace, ^mux, :call, {:gun, :data, [_conn, _ref, :nofin, data]}}, 5_000
+        assert [ids] = written_batches(data)
+        assert length(ids) == 16 and ids == Enum.sort(ids)
+      end)
+    end
+
+    # gun refuses a stream opened as the connection closes (GOAWAY) and says so with
+    # {:gun_error, conn, ref, :closing}; the calls start again on a new connection. Here that report
+    # reaches the shared process before its queued starts were written: they leave once, on the new
+    # stream, as one batch.
+    test "starts refused as the connection closes start again on a new connection, in one batch" do
+      prompts = for i <- 1..3, do: "refused prompt #{i}"
+      alone = Map.new(prompts, fn p -> {p, generated_tokens(p)} end)
+      assert [{mux, _}] = Registry.lookup(VllmBridge.MuxRegistry, :default)
+      %{conn: old, ref: old_ref} = :sys.get_state(mux)
+
+      try do
+        traced_writes(mux, fn ->
+          :ok = :sys.suspend(mux)
+          tasks = for p <- prompts, do: {p, Task.async(fn -> generated_tokens(p) end)}
+          wait_for_mailbox(mux, 3, 10_000)
+          send(mux, {:gun_error, old, old_ref, :closing})
+          :ok = :sys.resume(mux)
+
+          for {p, task} <- tasks, do: assert(Task.await(task, 60_000) == alone[p])
+
+          assert_receive {:trace, ^mux, :call, {:gun, :data, [conn, _ref, :nofin, data]}}, 5_000
+          assert conn != old
+          assert [[_, _, _] = ids] = written_batches(data)
+          assert ids == Enum.sort(ids)
+          refute_received {:trace, ^mux, :call, {:gun, :data, [^old | _]}}
+        end)
+      after
+        # the forgotten connection still holds the stream the report was about
+        :gun.close(old)
+      end
+    end
+
     test "a slow consumer of a multiplexed stream gets every token" do
       {:ok, stream} = Engine.generate(@engine, "slowly", greedy(100), id())
 
@@ -228,6 +286,51 @@ defmodule VllmBridge.LiveTest do
 
   # The forward context holds whatever it is given as attn_metadata (documented as term()): an echo
   # through Python that stays within the documented surface.
+  defp generated_tokens(prompt) do
+    {:ok, stream} = Engine.generate(@engine, prompt, greedy(10), id())
+    last = stream |> Enum.to_list() |> List.last()
+    assert last[:finished] == true
+    get_in(last, [:outputs, Access.at(0), :token_ids])
+  end
+
+  # Runs `fun` with the shared process's writes (:gun.data/4) traced to the test process.
+  defp traced_writes(mux, fun) do
+    :erlang.trace_pattern({:gun, :data, 4}, true, [:global])
+    :erlang.trace(mux, true, [:call])
+    fun.()
+  after
+    # (resuming a process that runs does nothing)
+    :sys.resume(mux)
+    :erlang.trace(mux, false, [:call])
+    :erlang.trace_pattern({:gun, :data, 4}, false, [:global])
+  end
+
+  # The start ids of each MuxBatch of starts in written `data`; a message that is not one fails.
+  defp written_batches(data), do: data |> IO.iodata_to_binary() |> batches_in()
+
+  defp batches_in(<<>>), do: []
+
+  defp batches_in(<<0, size::32, body::binary-size(size), rest::binary>>) do
+    assert %PB.MuxRequest{kind: {:batch, %PB.MuxBatch{requests: requests}}} = PB.MuxRequest.decode(body)
+    [Enum.map(requests, fn %PB.MuxRequest{kind: {:start, %PB.MuxStart{id: id}}} -> id end) | batches_in(rest)]
+  end
+
+  defp wait_for_mailbox(pid, n, timeout) do
+    {:message_queue_len, len} = Process.info(pid, :message_queue_len)
+
+    cond do
+      len >= n ->
+        :ok
+
+      timeout <= 0 ->
+        flunk("#{n} messages expected in the multiplexer's mailbox, #{len} there")
+
+      true ->
+        Process.sleep(5)
+        wait_for_mailbox(pid, n, timeout - 5)
+    end
+  end
+
   defp echo(value) do
     {:ok, config} = VllmBridge.new("vllm.config.VllmConfig")
     {:ok, cm} = FC.set_forward_context(value, config, 0)

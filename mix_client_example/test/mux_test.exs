@@ -82,4 +82,89 @@ defmodule VllmBridge.MuxTest do
     assert state.calls == %{} and state.mons == %{}
     assert_received {Mux, 3, {:end, _}}
   end
+
+  describe "batches/1 (the messages that carry the queued requests)" do
+    defp encoded(requests), do: Enum.map(requests, &IO.iodata_to_binary(PB.MuxRequest.encode(&1)))
+
+    # every request the messages carry, in order, and each message's request count (1: sent alone)
+    defp unpack(messages) do
+      decoded = Enum.map(messages, &PB.MuxRequest.decode/1)
+
+      requests =
+        Enum.flat_map(decoded, fn
+          %PB.MuxRequest{kind: {:batch, %PB.MuxBatch{requests: rs}}} -> rs
+          request -> [request]
+        end)
+
+      sizes =
+        Enum.map(decoded, fn
+          %PB.MuxRequest{kind: {:batch, %PB.MuxBatch{requests: rs}}} -> length(rs)
+          _ -> 1
+        end)
+
+      {requests, sizes}
+    end
+
+    defp credit(i), do: %PB.MuxRequest{kind: {:credit, %PB.MuxCredit{id: i, events: 16}}}
+
+    defp start(i, text) do
+      call = %PB.CallRequest{target: %PB.Target{kind: :METHOD, name: "generate"}, args: [%PB.Value{kind: {:str, text}}]}
+      %PB.MuxRequest{kind: {:start, %PB.MuxStart{id: i, call: call, stream: true, window: 32}}}
+    end
+
+    test "nothing queued: no message" do
+      assert Mux.batches([]) == []
+    end
+
+    test "a lone request goes as it is, not wrapped in a batch" do
+      [bin] = encoded([start(1, "Hello")])
+      assert Mux.batches([bin]) == [bin]
+      assert %PB.MuxRequest{kind: {:start, %PB.MuxStart{id: 1}}} = PB.MuxRequest.decode(hd(Mux.batches([bin])))
+    end
+
+    test "requests queued together leave as one MuxBatch, in order, every kind" do
+      requests = [start(1, "a"), credit(7), %PB.MuxRequest{kind: {:cancel, 3}}, start(2, "b")]
+      assert [message] = Mux.batches(encoded(requests))
+      assert %PB.MuxRequest{kind: {:batch, %PB.MuxBatch{requests: ^requests}}} = PB.MuxRequest.decode(message)
+      # the same bytes the generated modules write for that batch
+      batch = %PB.MuxRequest{kind: {:batch, %PB.MuxBatch{requests: requests}}}
+      assert message == IO.iodata_to_binary(PB.MuxRequest.encode(batch))
+    end
+
+    test "at most 256 requests a batch; order kept, nothing lost" do
+      requests = for i <- 1..600, do: if(rem(i, 3) == 0, do: credit(i), else: start(i, "prompt #{i}"))
+      messages = Mux.batches(encoded(requests))
+      assert {^requests, [256, 256, 88]} = unpack(messages)
+
+      # 257 = one full batch and one request alone
+      assert {_, [256, 1]} = unpack(Mux.batches(encoded(Enum.take(requests, 257))))
+    end
+
+    test "at most 1 MiB of requests a batch; a larger request goes alone" do
+      big = fn i, kib -> start(i, String.duplicate("x", kib * 1024)) end
+      # 300 KiB each: three fit in 1 MiB, the fourth starts the next batch
+      requests = for i <- 1..7, do: big.(i, 300)
+      messages = Mux.batches(encoded(requests))
+      assert {^requests, [3, 3, 1]} = unpack(messages)
+      assert Enum.all?(messages, &(byte_size(&1) < 1_048_576 + 64))
+
+      # a request over 1 MiB goes alone, between batches of what came before and after it
+      requests = [credit(1), credit(2), big.(3, 1100), credit(4), big.(5, 1030), big.(6, 1)]
+      messages = Mux.batches(encoded(requests))
+      assert {^requests, [2, 1, 1, 1, 1]} = unpack(messages)
+      assert %PB.MuxRequest{kind: {:start, %PB.MuxStart{id: 3}}} = PB.MuxRequest.decode(Enum.at(messages, 1))
+    end
+
+    test "exactly 1 MiB of requests still fits in one batch" do
+      [one] = encoded([credit(1)])
+      rest = 1_048_576 - byte_size(one)
+      # a start of exactly `rest` bytes: the text's length less the start's other bytes (the length
+      # prefixes are as long for both texts, at this size)
+      [probe] = encoded([start(2, String.duplicate("y", rest))])
+      [bin] = encoded([start(2, String.duplicate("y", 2 * rest - byte_size(probe)))])
+      assert byte_size(one) + byte_size(bin) == 1_048_576
+      assert {_, [2]} = unpack(Mux.batches([one, bin]))
+      assert {_, [2, 1]} = unpack(Mux.batches([one, bin, one]))
+    end
+  end
 end

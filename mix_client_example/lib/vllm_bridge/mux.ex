@@ -16,6 +16,14 @@ defmodule VllmBridge.Mux do
   # consumes, so a slow consumer holds up only its own call (the server's vLLM merges the outputs
   # meanwhile) and no mailbox grows without bound.
   #
+  # Requests leave in batches: what this process queues while handling the messages already in its
+  # mailbox (a burst of starts from callers that began together, their credits, cancels) goes out as
+  # one `MuxBatch` message, once the mailbox holds nothing more that came before the flush. That is
+  # one write here and one read on the server instead of one per call, which is what a burst of
+  # starts otherwise waits on; a lone request goes out as it is, with no added wait (the flush is the
+  # next message this process handles). A batch holds at most @batch_requests requests and
+  # @batch_bytes of them (a larger request goes alone); order is kept.
+  #
   # Failure modes: a caller that exits gets its calls cancelled; if the shared stream or the
   # connection fails, every running call fails with that error and the next call opens a new stream;
   # if this process dies, the callers' monitors tell them. Call ids start at 1: the server reports a
@@ -31,6 +39,9 @@ defmodule VllmBridge.Mux do
 
   @path "/vllm_bridge.v1.Bridge/Multiplex"
   @window 32
+  # The server refuses a message over 4 MiB; 1 MiB of requests already makes one write of a burst.
+  @batch_requests 256
+  @batch_bytes 1_048_576
 
   defmodule Wire do
     @moduledoc false
@@ -51,6 +62,21 @@ defmodule VllmBridge.Mux do
       @moduledoc false
       use Protobuf, syntax: :proto3
       field(:events, 1, repeated: true, type: VllmBridge.Mux.Wire.Event)
+    end
+
+    # MuxRequest{batch: MuxBatch} with the requests already encoded (each was encoded once, when it
+    # was queued, to know its size), so a batch is put together without encoding them again.
+    defmodule Batch do
+      @moduledoc false
+      use Protobuf, syntax: :proto3
+      field(:requests, 1, repeated: true, type: :bytes)
+    end
+
+    defmodule Request do
+      @moduledoc false
+      use Protobuf, syntax: :proto3
+      oneof(:kind, 0)
+      field(:batch, 4, type: VllmBridge.Mux.Wire.Batch, oneof: 0)
     end
   end
 
@@ -190,7 +216,10 @@ defmodule VllmBridge.Mux do
        next_id: 1,
        calls: %{},
        mons: %{},
-       unanswered: %{}
+       unanswered: %{},
+       # encoded requests waiting for the flush, newest first; flushing: a :flush is on its way
+       outgoing: [],
+       flushing: false
      }}
   end
 
@@ -209,7 +238,7 @@ defmodule VllmBridge.Mux do
           time_left_ms: if(timeout, do: timeout * 1.0, else: 0.0)
         }
 
-        send_request(state, %PB.MuxRequest{kind: {:start, start}})
+        state = queue_request(state, %PB.MuxRequest{kind: {:start, start}})
         mon = Process.monitor(pid)
         calls = Map.put(state.calls, id, {pid, mon})
         # kept until the call's first event, to start it again if the connection refused it
@@ -231,7 +260,7 @@ defmodule VllmBridge.Mux do
 
       {{_pid, mon}, calls} ->
         Process.demonitor(mon, [:flush])
-        send_request(state, %PB.MuxRequest{kind: {:cancel, id}})
+        state = queue_request(state, %PB.MuxRequest{kind: {:cancel, id}})
 
         {:noreply,
          %{state | calls: calls, mons: Map.delete(state.mons, mon), unanswered: Map.delete(state.unanswered, id)}}
@@ -239,14 +268,14 @@ defmodule VllmBridge.Mux do
   end
 
   def handle_cast({:credit, id, n}, state) do
-    if Map.has_key?(state.calls, id) and state.ref != nil do
-      send_request(state, %PB.MuxRequest{kind: {:credit, %PB.MuxCredit{id: id, events: n}}})
-    end
-
-    {:noreply, state}
+    if Map.has_key?(state.calls, id) and state.ref != nil,
+      do: {:noreply, queue_request(state, %PB.MuxRequest{kind: {:credit, %PB.MuxCredit{id: id, events: n}}})},
+      else: {:noreply, state}
   end
 
   @impl true
+  def handle_info(:flush, state), do: {:noreply, flush_requests(%{state | flushing: false})}
+
   def handle_info({:gun_response, _conn, ref, :nofin, 200, _headers}, %{ref: ref} = state), do: {:noreply, state}
 
   def handle_info({:gun_response, _conn, ref, _fin, status, headers}, %{ref: ref} = state) do
@@ -267,15 +296,21 @@ defmodule VllmBridge.Mux do
   end
 
   # The connection was closing (GOAWAY) when the stream was opened: gun refused it, so the server
-  # saw none of its calls. Once, on a new connection, they start again.
+  # saw none of its calls. Once, on a new connection, they start again (what was still queued for
+  # the refused stream is dropped: its starts are among these, its cancels were for calls the server
+  # never saw).
   def handle_info({:gun_error, conn, ref, :closing}, %{ref: ref} = state)
       when map_size(state.unanswered) == map_size(state.calls) do
     Connection.forget(state.server, conn)
     Process.demonitor(state.conn_mon, [:flush])
-    state = %{state | ref: nil, conn: nil, conn_mon: nil, buffer: <<>>}
+    state = %{state | ref: nil, conn: nil, conn_mon: nil, buffer: <<>>, outgoing: []}
 
     with {:ok, %{conn: new} = state} when new != conn <- ensure_stream(state, state.server) do
-      for {_id, start} <- Enum.sort(state.unanswered), do: send_request(state, %PB.MuxRequest{kind: {:start, start}})
+      state =
+        state.unanswered
+        |> Enum.sort()
+        |> Enum.reduce(state, fn {_id, start}, state -> queue_request(state, %PB.MuxRequest{kind: {:start, start}}) end)
+
       {:noreply, state}
     else
       {:ok, state} -> {:noreply, fail_all(state, VllmBridge.Transport.closing())}
@@ -304,7 +339,7 @@ defmodule VllmBridge.Mux do
 
       {id, mons} ->
         # The caller is gone: nobody reads this call any more.
-        if state.ref, do: send_request(state, %PB.MuxRequest{kind: {:cancel, id}})
+        state = if state.ref, do: queue_request(state, %PB.MuxRequest{kind: {:cancel, id}}), else: state
 
         {:noreply,
          %{state | calls: Map.delete(state.calls, id), mons: mons, unanswered: Map.delete(state.unanswered, id)}}
@@ -322,10 +357,53 @@ defmodule VllmBridge.Mux do
     end
   end
 
-  defp send_request(%{conn: conn, ref: ref}, msg) do
-    body = PB.MuxRequest.encode(msg)
-    :gun.data(conn, ref, :nofin, [<<0, IO.iodata_length(body)::32>>, body])
+  # A request for the current stream waits for the flush. The first one queued asks for it: the
+  # :flush lands behind every message already in the mailbox, so whatever those add (the other
+  # starts of a burst) leaves with it, and a lone request leaves as soon as this message is handled.
+  defp queue_request(state, %PB.MuxRequest{} = request) do
+    state = %{state | outgoing: [IO.iodata_to_binary(PB.MuxRequest.encode(request)) | state.outgoing]}
+
+    if state.flushing do
+      state
+    else
+      send(self(), :flush)
+      %{state | flushing: true}
+    end
   end
+
+  # Writes what is queued, in order, as one piece of data (several messages when it is more than a
+  # batch holds). Nothing is queued without a stream: a stream that ends drops its queue.
+  defp flush_requests(%{outgoing: []} = state), do: state
+
+  defp flush_requests(%{conn: conn, ref: ref, outgoing: outgoing} = state) when ref != nil do
+    frames = for body <- batches(Enum.reverse(outgoing)), do: [<<0, IO.iodata_length(body)::32>>, body]
+    :gun.data(conn, ref, :nofin, frames)
+    %{state | outgoing: []}
+  end
+
+  defp flush_requests(state), do: %{state | outgoing: []}
+
+  @doc false
+  # The messages that carry `requests` (encoded MuxRequests, in order): consecutive requests gathered
+  # into MuxBatch messages of at most @batch_requests requests and @batch_bytes of requests, a
+  # request alone as it is (public for the tests).
+  @spec batches([binary()]) :: [binary()]
+  def batches(requests), do: requests |> group([], 0, 0, []) |> Enum.map(&batch_message/1)
+
+  # group(requests, current batch (reversed), its count, its bytes, batches so far (reversed))
+  defp group([], [], _n, _bytes, acc), do: Enum.reverse(acc)
+  defp group([], batch, _n, _bytes, acc), do: Enum.reverse([Enum.reverse(batch) | acc])
+
+  defp group([req | rest], batch, n, bytes, acc)
+       when batch != [] and (n >= @batch_requests or bytes + byte_size(req) > @batch_bytes),
+       do: group(rest, [req], 1, byte_size(req), [Enum.reverse(batch) | acc])
+
+  defp group([req | rest], batch, n, bytes, acc), do: group(rest, [req | batch], n + 1, bytes + byte_size(req), acc)
+
+  defp batch_message([request]), do: request
+
+  defp batch_message(requests),
+    do: IO.iodata_to_binary(Wire.Request.encode(%Wire.Request{kind: {:batch, %Wire.Batch{requests: requests}}}))
 
   @doc false
   # Splits the buffer into whole messages and hands their events out (public for the tests).
@@ -387,7 +465,18 @@ defmodule VllmBridge.Mux do
 
     if state.ref && state.conn, do: :gun.cancel(state.conn, state.ref)
     if state.conn_mon, do: Process.demonitor(state.conn_mon, [:flush])
-    %{state | ref: nil, conn: nil, buffer: <<>>, calls: %{}, mons: %{}, conn_mon: nil, unanswered: %{}}
+
+    %{
+      state
+      | ref: nil,
+        conn: nil,
+        buffer: <<>>,
+        calls: %{},
+        mons: %{},
+        conn_mon: nil,
+        unanswered: %{},
+        outgoing: []
+    }
   end
 
   defp response_error(status, headers) do
