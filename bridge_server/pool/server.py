@@ -118,6 +118,7 @@ class PoolServer:
         log.info("listening on %s (port %d, %s loop); starting %d pool(s)", self.config.listen, self.port,
                  eventloop.loop_name(asyncio.get_running_loop()), len(self.config.pools))
         await self.supervisor.start()
+        eventloop.freeze_heap()
         self.state = "serving"
         self._changed()
         log.info("serving: %s", ", ".join(f"{n} ({p.state})" for n, p in self.supervisor.pools.items()))

@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from adapters.spec import Policy
+from bridge_server.wire import eventloop
 from bridge_server.wire.errors import BridgeError, server_error, target_label
 from bridge_server.wire.jsonvalue import from_json
 from bridge_server.wire.protocol import (
@@ -277,6 +278,7 @@ class Worker:
         if self.config.distributed is not None:
             await self._join_group(self.config.distributed)
         await self.liveness.create_published()
+        eventloop.freeze_heap()
         self.ready = True
         await self.report_health()
         self._tasks = [asyncio.create_task(self._sweep()), asyncio.create_task(self.liveness.run())]
