@@ -98,11 +98,12 @@ defmodule VllmBridge.PatchLiveTest do
     {:ok, conn} = Connection.get(server)
     %{path: path} = VllmBridge.V1.Bridge.Service.__rpc__(:Stream)
 
-    # engine.generate("Hello", greedy(8), id), as the client sends it
+    # engine.generate("Hello", greedy(32), id), as the client sends it: long enough that, however
+    # busy the machine (vLLM merges the outputs a slow reader has not taken), a patch follows the value
     request = fn id ->
       %PB.CallRequest{
         target: %PB.Target{kind: :METHOD, name: "generate", receiver: {:object, @engine}},
-        args: Enum.map(["Hello", greedy(8), id], &elem(Codec.encode(&1), 0))
+        args: Enum.map(["Hello", greedy(32), id], &elem(Codec.encode(&1), 0))
       }
     end
 
@@ -127,7 +128,7 @@ defmodule VllmBridge.PatchLiveTest do
       mux = h |> read_all(&Mux.next/1) |> Enum.map(&elem(&1, 0))
 
       for {via, kinds} <- [grpc: grpc, mux: mux] do
-        assert length(kinds) >= 4, "#{via}: #{inspect(kinds)}"
+        assert length(kinds) >= 2, "#{via}: #{inspect(kinds)}"
 
         expected =
           if encoding == "patch-v1",
