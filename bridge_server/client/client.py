@@ -226,7 +226,7 @@ class BridgeClient:
         return Multiplexer(self, timeout, options)
 
 
-BATCH_BYTES = 1 << 20     # requests gathered into one message at most (the server's limit is 4 MiB)
+BATCH_BYTES = 1 << 20     # requests gathered into one message at most (well under max_request_bytes)
 BATCH_REQUESTS = 256
 
 

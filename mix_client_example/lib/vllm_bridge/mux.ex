@@ -39,7 +39,8 @@ defmodule VllmBridge.Mux do
 
   @path "/vllm_bridge.v1.Bridge/Multiplex"
   @window 32
-  # The server refuses a message over 4 MiB; 1 MiB of requests already makes one write of a burst.
+  # Well under the servers' max_request_bytes (64 MiB unless set lower); 1 MiB of requests already
+  # makes one write of a burst.
   @batch_requests 256
   @batch_bytes 1_048_576
 
