@@ -28,7 +28,13 @@ from bridge_server.pool.lane import STREAM_WINDOW, LaneCall, LaneClosed
 from bridge_server.pool.poolstate import Backend, Flight, Plan, PoolRouter
 from bridge_server.pool.router import Route, Router, read_route, time_left
 from bridge_server.wire.errors import BridgeError
-from bridge_server.wire.protocol import MAX_MESSAGE_BYTES, MUX_BATCH_SLICE, parse_request, time_left_s
+from bridge_server.wire.protocol import (
+    MAX_MESSAGE_BYTES,
+    MUX_BATCH_SLICE,
+    mux_calls_named,
+    parse_request,
+    time_left_s,
+)
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["forward_multiplex"]
@@ -255,8 +261,10 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         async for raw in requests:
             try:
                 request = parse_request(pb.MuxRequestView, raw, "Multiplex", limit + 64 * 1024)
-            except BridgeError as err:     # no call id can be read: id 0, which no call uses
-                refuse(0, err)
+            except BridgeError as err:     # each call it names fails (id 0, which no call uses: none)
+                for call_id in mux_calls_named(raw):
+                    if call_id not in running and call_id not in queued:
+                        refuse(call_id, err)
                 continue
             if request.WhichOneof("kind") == "batch":
                 # A slice at a time, the loop free between slices: one message of many thousand

@@ -18,6 +18,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from bridge_server.wire.errors import BridgeError, quote
+from vllm_bridge.v1 import bridge_pb2 as pb
 
 # Metadata keys (gRPC metadata keys are lower case ASCII).
 MD_SESSION = "x-bridge-session"
@@ -96,6 +97,21 @@ def parse_request(cls: type[M], data: bytes, rpc: str, limit: int | None = None)
         raise BridgeError.validation(
             f"{rpc}: the request is not a valid {cls.DESCRIPTOR.full_name} ({len(data)} bytes): {exc}",
             parameter="request") from None
+
+
+def mux_calls_named(raw: bytes) -> list[int]:
+    """The calls a Multiplex request that cannot be taken (too large, or not a MuxRequest) names, so
+    each gets its error: a start that heard nothing back would wait for ever. Read through the view
+    that leaves calls unparsed (a bad request mostly carries a bad call, not a bad id); a batch names
+    every start and credit in it. [0] (no call's id: the stream's) when it names none."""
+    try:
+        view = pb.MuxRequestView.FromString(raw)
+    except (DecodeError, RecursionError, ValueError):
+        return [0]
+    requests = view.batch.requests if view.WhichOneof("kind") == "batch" else [view]
+    ids = [r.start.id if kind == "start" else r.credit.id
+           for r in requests if (kind := r.WhichOneof("kind")) in ("start", "credit")]
+    return list(dict.fromkeys(i for i in ids if i)) or [0]
 
 
 @dataclass(frozen=True)

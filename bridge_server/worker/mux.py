@@ -30,6 +30,7 @@ from bridge_server.wire.protocol import (
     MAX_MESSAGE_BYTES,
     MUX_BATCH_SLICE,
     RuntimeOptions,
+    mux_calls_named,
     parse_metadata,
     time_left_s,
     too_large,
@@ -232,15 +233,18 @@ class MuxSession:
 
     def parse(self, raw: bytes) -> pb.MuxRequest | None:
         if len(raw) > self.max_request_bytes:
-            self._refuse(_call_id_of(raw), too_large(len(raw), self.max_request_bytes, "Multiplex"))
-            return None
-        try:
-            return pb.MuxRequest.FromString(raw)
-        except (DecodeError, RecursionError, ValueError) as exc:
-            self._refuse(_call_id_of(raw), BridgeError.validation(
-                f"Multiplex: a request is not a valid vllm_bridge.v1.MuxRequest ({len(raw)} bytes): {exc}",
-                parameter="request"))
-            return None
+            err = too_large(len(raw), self.max_request_bytes, "Multiplex")
+        else:
+            try:
+                return pb.MuxRequest.FromString(raw)
+            except (DecodeError, RecursionError, ValueError) as exc:
+                err = BridgeError.validation(
+                    f"Multiplex: a request is not a valid vllm_bridge.v1.MuxRequest ({len(raw)} bytes): {exc}",
+                    parameter="request")
+        for call_id in mux_calls_named(raw):
+            if call_id not in self.running:     # a running call's own events go on
+                self._refuse(call_id, err)
+        return None
 
     def handle(self, request: pb.MuxRequest, nested: bool = False) -> None:
         kind = request.WhichOneof("kind")
@@ -330,17 +334,6 @@ class MuxSession:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _call_id_of(raw: bytes) -> int:
-    """The call a malformed request names, read through the view that leaves the call unparsed
-    (most bad requests carry a bad call, not a bad id); 0 when even that cannot be read."""
-    try:
-        view = pb.MuxRequestView.FromString(raw)
-    except (DecodeError, RecursionError, ValueError):
-        return 0
-    kind = view.WhichOneof("kind")
-    return view.start.id if kind == "start" else view.credit.id if kind == "credit" else 0
 
 
 async def multiplex(invoker: Invoker, requests: AsyncIterator[bytes],

@@ -140,29 +140,29 @@ defmodule VllmBridge.MuxTest do
       assert {_, [256, 1]} = unpack(Mux.batches(encoded(Enum.take(requests, 257))))
     end
 
-    test "at most 1 MiB of requests a batch; a larger request goes alone" do
+    test "at most 64 KiB of requests a batch; a larger request goes alone" do
       big = fn i, kib -> start(i, String.duplicate("x", kib * 1024)) end
-      # 300 KiB each: three fit in 1 MiB, the fourth starts the next batch
-      requests = for i <- 1..7, do: big.(i, 300)
+      # 20 KiB each: three fit in 64 KiB, the fourth starts the next batch
+      requests = for i <- 1..7, do: big.(i, 20)
       messages = Mux.batches(encoded(requests))
       assert {^requests, [3, 3, 1]} = unpack(messages)
-      assert Enum.all?(messages, &(byte_size(&1) < 1_048_576 + 64))
+      assert Enum.all?(messages, &(byte_size(&1) < 65_536 + 64))
 
-      # a request over 1 MiB goes alone, between batches of what came before and after it
-      requests = [credit(1), credit(2), big.(3, 1100), credit(4), big.(5, 1030), big.(6, 1)]
+      # a request over 64 KiB goes alone, between batches of what came before and after it
+      requests = [credit(1), credit(2), big.(3, 70), credit(4), big.(5, 66), big.(6, 1)]
       messages = Mux.batches(encoded(requests))
       assert {^requests, [2, 1, 1, 1, 1]} = unpack(messages)
       assert %PB.MuxRequest{kind: {:start, %PB.MuxStart{id: 3}}} = PB.MuxRequest.decode(Enum.at(messages, 1))
     end
 
-    test "exactly 1 MiB of requests still fits in one batch" do
+    test "exactly 64 KiB of requests still fits in one batch" do
       [one] = encoded([credit(1)])
-      rest = 1_048_576 - byte_size(one)
+      rest = 65_536 - byte_size(one)
       # a start of exactly `rest` bytes: the text's length less the start's other bytes (the length
       # prefixes are as long for both texts, at this size)
       [probe] = encoded([start(2, String.duplicate("y", rest))])
       [bin] = encoded([start(2, String.duplicate("y", 2 * rest - byte_size(probe)))])
-      assert byte_size(one) + byte_size(bin) == 1_048_576
+      assert byte_size(one) + byte_size(bin) == 65_536
       assert {_, [2]} = unpack(Mux.batches([one, bin]))
       assert {_, [2, 1]} = unpack(Mux.batches([one, bin, one]))
     end

@@ -276,6 +276,28 @@ def test_multiplex_takes_requests_in_batches(worker: WorkerProcess) -> None:
     multiplex_batches(worker.address)
 
 
+def test_a_batch_over_the_request_limit_fails_each_call_it_starts_and_the_stream_goes_on(tmp_path: Path) -> None:
+    """A MuxBatch is one message: over max_request_bytes it is refused whole, but every start in it
+    hears why (none waits for ever), and the stream takes the next request."""
+    w = start_worker(tmp_path, "--max-request-bytes", "65536", name="small-requests")
+    try:
+        with BridgeClient(w.address) as c:
+            def start(call_id: int, *args: object) -> pb.MuxRequest:
+                req, _ = c.request(f"{D}.divide", args, None)
+                return pb.MuxRequest(start=pb.MuxStart(id=call_id, call=req))
+
+            big = pb.MuxRequest(batch=pb.MuxBatch(requests=[start(i, "x" * 30_000, 3) for i in (1, 2, 3)]))
+            assert 65_536 < big.ByteSize() < 65_536 + 64 * 1024     # past our limit, within gRPC's
+            got = {e.id: e for r in c.stub.Multiplex(iter([big, start(4, 6, 3)]), timeout=30) for e in r.events}
+    finally:
+        w.stop()
+    assert sorted(got) == [1, 2, 3, 4]
+    for i in (1, 2, 3):
+        assert got[i].error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], got[i]
+        assert "max_request_bytes" in got[i].error.message
+    assert got[4].value.int == 2
+
+
 def test_the_plain_asyncio_loop_serves_too(tmp_path: Path) -> None:
     """Workers run on uvloop by default; `--loop asyncio` is the fallback and must serve the same."""
     w = start_worker(tmp_path, "--loop", "asyncio", name="asyncio-loop")

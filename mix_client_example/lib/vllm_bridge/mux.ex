@@ -39,10 +39,11 @@ defmodule VllmBridge.Mux do
 
   @path "/vllm_bridge.v1.Bridge/Multiplex"
   @window 32
-  # Well under the servers' max_request_bytes (64 MiB unless set lower); 1 MiB of requests already
-  # makes one write of a burst.
+  # Small beside any server's max_request_bytes (64 MiB unless an operator sets it lower, and a message
+  # over it fails the whole stream): 64 KiB of requests (a hundred-odd starts) already makes one write
+  # of a burst.
   @batch_requests 256
-  @batch_bytes 1_048_576
+  @batch_bytes 65_536
 
   defmodule Wire do
     @moduledoc false
