@@ -209,6 +209,7 @@ defmodule VllmBridge.LiveTest do
       # the published engine is shared: only an operator (pool key operators) may change it
       assert {:error, %Error{code: :permission_denied, reason: "published"}} =
                Engine.reset_prefix_cache(@engine, [false])
+
       assert {:ok, nil} = Engine.check_health(@engine, __runtime__: [timeout: 10_000])
     end
   end
