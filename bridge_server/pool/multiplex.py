@@ -32,6 +32,7 @@ from bridge_server.wire.protocol import (
     MAX_MESSAGE_BYTES,
     MUX_BATCH_SLICE,
     mux_calls_named,
+    mux_refusal,
     parse_request,
     time_left_s,
 )
@@ -254,8 +255,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             if run is not None and run.lc is not None and not run.own_window:
                 run.lc.credit(request.credit.events)
         else:
-            refuse(0, BridgeError.validation("Multiplex: a request must hold start, cancel, credit or batch",
-                                             parameter="kind"))
+            refuse(0, mux_refusal("kind"))
 
     async def read() -> None:
         async for raw in requests:
@@ -273,9 +273,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                     if i and i % MUX_BATCH_SLICE == 0:
                         await asyncio.sleep(0)
                     if each.WhichOneof("kind") == "batch":
-                        refuse(0, BridgeError.validation(
-                            "Multiplex: a batch holds starts, cancels and credits, not another batch",
-                            parameter="batch.requests"))
+                        refuse(0, mux_refusal("nested"))
                     else:
                         handle(each)
             else:

@@ -99,6 +99,16 @@ def parse_request(cls: type[M], data: bytes, rpc: str, limit: int | None = None)
             parameter="request") from None
 
 
+def mux_refusal(what: str) -> BridgeError:
+    """What a Multiplex request that names no call gets (as an error event for id 0), the same from
+    a worker and from the pool server: `what` is "kind" (it holds none of the kinds) or "nested" (a
+    batch inside a batch)."""
+    if what == "nested":
+        return BridgeError.validation("Multiplex: a batch holds starts, cancels and credits, not another batch",
+                                      parameter="batch.requests")
+    return BridgeError.validation("Multiplex: a request must hold start, cancel, credit or batch", parameter="kind")
+
+
 def mux_calls_named(raw: bytes) -> list[int]:
     """The calls a Multiplex request that cannot be taken (too large, or not a MuxRequest) names, so
     each gets its error: a start that heard nothing back would wait for ever. Read through the view

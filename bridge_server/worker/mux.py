@@ -31,6 +31,7 @@ from bridge_server.wire.protocol import (
     MUX_BATCH_SLICE,
     RuntimeOptions,
     mux_calls_named,
+    mux_refusal,
     parse_metadata,
     time_left_s,
     too_large,
@@ -251,9 +252,7 @@ class MuxSession:
         out = self.out
         if kind == "batch":
             if nested:
-                self._refuse(0, BridgeError.validation(
-                    "Multiplex: a batch holds starts, cancels and credits, not another batch",
-                    parameter="batch.requests"))
+                self._refuse(0, mux_refusal("nested"))
                 return
             for each in request.batch.requests:
                 self.handle(each, nested=True)
@@ -289,8 +288,7 @@ class MuxSession:
         elif kind == "credit":
             out.grant(request.credit.id, request.credit.events)
         else:
-            self._refuse(0, BridgeError.validation("Multiplex: a request must hold start, cancel, credit or batch",
-                                                   parameter="kind"))
+            self._refuse(0, mux_refusal("kind"))
 
     def _answer_now(self, start: pb.MuxStart) -> bool:
         """Answers a call of a trivial helper (an inline plan) on the spot, as `_run` would, and says
