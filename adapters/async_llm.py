@@ -27,7 +27,8 @@ from typing import Any
 import grpc
 import psutil
 
-from adapters.spec import AdapterSpec, CallContext, Constructor, Exposure, Lifecycle, Policy, RecordRule, RecordType
+from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Growing, Lifecycle, Policy, RecordRule,
+                           RecordType)
 from bridge_server.wire.errors import BridgeError, quote
 
 log = logging.getLogger("vllm_bridge.engine")
@@ -541,5 +542,12 @@ ASYNC_LLM = AdapterSpec(
                    ("request_id", "outputs", "prompt_token_ids", "num_cached_tokens", "finished")),
         RecordType("vllm.outputs", "EmbeddingRequestOutput",
                    ("request_id", "outputs", "prompt_token_ids", "num_cached_tokens", "finished")),
+    ),
+    # A CUMULATIVE generation's output holds the detokenizer's token id list and the logprobs
+    # processor's list (or its FlatLogprobs), the same objects from item to item, appended to.
+    growing=(
+        Growing("vllm.outputs", "CompletionOutput", ("token_ids", "logprobs")),
+        Growing("vllm.logprobs", "FlatLogprobs",
+                ("start_indices", "end_indices", "token_ids", "logprobs", "ranks", "decoded_tokens")),
     ),
 )

@@ -94,6 +94,19 @@ class RecordType:
 
 
 @dataclass(frozen=True)
+class Growing:
+    """Fields of a class sent by value (a RecordType, a dataclass) that, through one stream, hold
+    one list which only grows: items once in it are never changed, only new ones appended (vLLM's
+    cumulative token ids and logprobs). While a field is still that same list, a patch sender
+    compares only the new items; without the declaration it would compare every item again at
+    every step, a cost per item that grows with the generation (see `wire/patch.py`)."""
+
+    module: str
+    attr: str
+    fields: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Lifecycle:
     """For instances of an adapter's class that can die under the worker (an engine whose core
     process exits or stops answering): how to tell, what to do then, and how to warm one up."""
@@ -140,6 +153,7 @@ class AdapterSpec:
     exposures: tuple[Exposure, ...] = ()
     constructors: tuple[Constructor, ...] = ()
     records: tuple[RecordType, ...] = ()
+    growing: tuple[Growing, ...] = ()
 
     @property
     def prefix(self) -> str:

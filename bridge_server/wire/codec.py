@@ -216,7 +216,11 @@ class Encoder:
     # For one stream of records: fields that stay the same object from item to item (a request's prompt
     # and prompt token ids) are encoded once and copied after that. None: no memo (one-off values).
     constant_fields: Mapping[type, frozenset[str]] = dataclasses.field(default_factory=dict)
-    memo: dict[tuple[type, str], tuple[object, pb.Value]] | None = None
+    memo: dict[tuple[type, str], tuple[Any, ...]] | None = None
+    # For one stream of records: fields that hold one list which only grows (see
+    # `adapters.spec.Growing`). With a memo, such a list's last encoding is copied (in C) and only
+    # its new items are encoded, while it is still the same list; a patch sender compares only them.
+    growing_fields: Mapping[type, frozenset[str]] = dataclasses.field(default_factory=dict)
 
     def encode(self, obj: object) -> pb.Value:
         return self.encode_into(obj, pb.Value())
@@ -282,7 +286,9 @@ class Encoder:
         if fields is not None:
             record = out.record
             record.type_name = _type_name_of(cls)
-            constant = self.constant_fields.get(cls) if self.memo is not None else None
+            constant = growing = None
+            if self.memo is not None:
+                constant, growing = self.constant_fields.get(cls), self.growing_fields.get(cls)
             add_field = record.fields.add
             for name, value in fields:
                 field = add_field(name=name)
@@ -291,6 +297,8 @@ class Encoder:
                     put(value, field.value)
                 elif constant and name in constant:
                     self._fill_constant(cls, name, value, field.value, depth, active)
+                elif growing and name in growing:
+                    self._fill_growing(cls, name, value, field.value, depth, active)
                 else:
                     self._fill(value, field.value, depth, active)
         elif kind == "map":
@@ -319,6 +327,40 @@ class Encoder:
             return
         self._fill(value, out, depth, active)
         self.memo[(cls, name)] = (value, out)   # keeps `value` alive, so its id cannot be reused
+
+    def _fill_growing(self, cls: type, name: str, value: Any, out: pb.Value, depth: int, active: set[int]) -> None:
+        """A field declared growing: while it is the list encoded last time, at the same depth, and no
+        shorter, that encoding is copied and only the new items are encoded onto it. The kind stays
+        as `_fill` would choose it: packed ints only while every item is an int of 64 bits."""
+        assert self.memo is not None
+        key = (cls, name)
+        seen = self.memo.get(key)
+        if seen is not None and seen[0] is value and seen[2] == depth and len(value) >= seen[3] > 0:
+            last, n = seen[1], seen[3]
+            kind = last.WhichOneof("kind")
+            tail = value[n:]
+            if kind == "ints" and (not tail or (set(map(type, tail)) == _INT_ONLY and
+                                                _I64_MIN <= min(tail) and max(tail) <= _I64_MAX)):
+                out.CopyFrom(last)
+                out.ints.values.extend(tail)
+                self.memo[key] = (value, out, depth, len(value))
+                return
+            if kind == "list" and depth < self.max_depth and id(value) not in active:
+                out.CopyFrom(last)
+                add = out.list.items.add
+                active.add(id(value))
+                for item in tail:
+                    put = _SCALARS.get(type(item))
+                    if put is not None:
+                        put(item, add())
+                    else:
+                        self._fill(item, add(), depth + 1, active)
+                active.discard(id(value))
+                self.memo[key] = (value, out, depth, len(value))
+                return
+        self._fill(value, out, depth, active)
+        if type(value) is list:
+            self.memo[key] = (value, out, depth, len(value))   # keeps `value` alive, so its id cannot be reused
 
     def _fill_leaf(self, obj: Any, out: pb.Value) -> bool:
         """Fill the by-value kinds that hold no other values, matched by class; False if none."""

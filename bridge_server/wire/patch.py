@@ -17,6 +17,13 @@ encoded from (strings and numbers as they were, int lists copied, records and li
 their parts). Identity is never taken for sameness of anything mutable: vLLM appends to a request's
 token id and logprob lists in place and reuses its stats object, so an item's lists may be the very
 objects of the item before, changed since.
+
+Except where an adapter says so. A list compared item by item costs, at every step, time in
+proportion to its length: a generation's token ids, and worse its logprobs (a dict per token),
+would make each item of a long generation dearer than the one before, and the whole stream
+quadratic. So fields that an adapter declares growing (`adapters.spec.Growing`: one list, only
+appended to, through the stream) are compared by their new items only, while they are still the
+very list the last item held; any other list in their place is compared whole, as always.
 """
 
 from __future__ import annotations
@@ -136,10 +143,11 @@ class _Ints(_Node):
     """A list sent as packed `ints`; the shadow is a copy of its values (the list itself may be
     appended to in place by its owner)."""
 
-    __slots__ = ("values",)
+    __slots__ = ("values", "source")
 
     def __init__(self, values: list[int]) -> None:
         self.values = values
+        self.source: Any = None     # for a growing field: the list shadowed (see the module's doc)
 
     def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
         return type(obj) is list and obj == self.values and _all_ints(obj)
@@ -147,6 +155,15 @@ class _Ints(_Node):
     def diff(self, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
         old = self.values
         n = len(old)
+        if obj is self.source:       # a growing field, still its list: only the new items are new
+            if len(obj) == n:
+                return self
+            tail = obj[n:] if len(obj) > n else None
+            if tail is not None and _all_ints(tail) and _I64_MIN <= min(tail) and max(tail) <= _I64_MAX:
+                p.op(path).append_ints.values.extend(tail)
+                old.extend(tail)
+                return self
+            return p.whole(obj, path, depth, active)
         # Every item's type, not only the new ones': an equal int of another type (True, 1.0) in
         # place of an old one would encode differently. In C, and what the encoder checks anyway.
         if type(obj) is list and len(obj) >= n and obj[:n] == old and _all_ints(obj):
@@ -161,12 +178,14 @@ class _Ints(_Node):
 
 
 def _diff_parts(p: Patcher, values: Any, leaves: list[Any], kids: list[_Node | None], path: list[int],
-                depth: int, active: set[int], constant: frozenset[int] = frozenset()) -> None:
+                depth: int, active: set[int], constant: frozenset[int] = frozenset(),
+                grows: frozenset[int] = frozenset()) -> None:
     """Emits the ops for the parts (fields or items) in `values`, the first len(values) of those
     shadowed, and updates their shadow. `depth` is the parts' own. The parts at `constant` positions
     are a record's fields that its adapter declares to stay the same object through a stream (a
     request's prompt token ids): while they are that object they are not compared, which is what the
-    full encoding assumes of them too (it sends its first encoding again)."""
+    full encoding assumes of them too (it sends its first encoding again). Those at `grows` positions
+    are declared growing lists: their shadows learn which list they shadow."""
     ops = p.ops
     i = -1
     for x in values:
@@ -201,6 +220,8 @@ def _diff_parts(p: Patcher, values: Any, leaves: list[Any], kids: list[_Node | N
         kid = p.whole(x, path, depth, active) if kid is None else kid.diff(p, x, path, depth, active)
         path.pop()
         kids[i] = kid
+        if i in grows and type(kid) in _GROWABLE:
+            kid.source = x      # type: ignore[attr-defined]  # _Ints or _Seq
         leaves[i] = kid.member if type(kid) is _Enum else x if i in constant else _NOT_A_LEAF
 
 
@@ -226,12 +247,13 @@ def _same_parts(p: Patcher, owner: Any, values: Any, leaves: list[Any], kids: li
 class _Seq(_Node):
     """A list (of values, not packed) or a tuple: its items' shadows in order."""
 
-    __slots__ = ("cls", "leaves", "kids")
+    __slots__ = ("cls", "leaves", "kids", "source")
 
     def __init__(self, cls: type, leaves: list[Any], kids: list[_Node | None]) -> None:
         self.cls = cls
         self.leaves = leaves
         self.kids = kids
+        self.source: Any = None     # for a growing field: the list shadowed (see the module's doc)
 
     def _fits(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
         """obj encodes as this kind (not packed ints, not a ref) and can be compared item by item."""
@@ -251,7 +273,8 @@ class _Seq(_Node):
             return p.whole(obj, path, depth, active)
         active.add(id(obj))
         depth += 1
-        _diff_parts(p, obj if len(obj) == n else itertools.islice(obj, n), leaves, kids, path, depth, active)
+        if obj is not self.source:      # else a growing field, still its list: its items stay as they were
+            _diff_parts(p, obj if len(obj) == n else itertools.islice(obj, n), leaves, kids, path, depth, active)
         if len(obj) > n:
             added = p.op(path).append_items.items
             for x in obj[n:]:
@@ -285,16 +308,17 @@ class _Map(_Node):
 class _Record(_Node):
     """A record: its class, its field names as encoded, and their values' shadows."""
 
-    __slots__ = ("cls", "names", "leaves", "kids", "plan", "constant")
+    __slots__ = ("cls", "names", "leaves", "kids", "plan", "constant", "grows")
 
     def __init__(self, cls: type, names: tuple[str, ...], leaves: list[Any], kids: list[_Node | None],
-                 plan: FieldReader, constant: frozenset[int]) -> None:
+                 plan: FieldReader, constant: frozenset[int], grows: frozenset[int]) -> None:
         self.cls = cls
         self.names = names
         self.leaves = leaves
         self.kids = kids
         self.plan = plan
         self.constant = constant       # positions of fields declared constant (see `_diff_parts`)
+        self.grows = grows             # positions of fields declared growing (the same)
 
     def _fields(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> Any:
         """obj's field values, if obj encodes as a record with the same fields in the same order."""
@@ -331,7 +355,7 @@ class _Record(_Node):
             if values is None:
                 return p.whole(obj, path, depth, active)
         active.add(key)
-        _diff_parts(p, values, self.leaves, self.kids, path, depth + 1, active, self.constant)
+        _diff_parts(p, values, self.leaves, self.kids, path, depth + 1, active, self.constant, self.grows)
         active.discard(key)
         return self
 
@@ -442,11 +466,18 @@ class Patcher:
             names = plan.names        # the same tuple: `_Record._fields` then takes the fast way
         declared = self.encoder.constant_fields.get(cls)
         constant = frozenset(i for i, n in enumerate(names) if n in declared) if declared else frozenset()
+        growing = self.encoder.growing_fields.get(cls)
+        grows = frozenset(i for i, n in enumerate(names) if n in growing) if growing else frozenset()
         leaves, kids = self._parts(obj, (v for _, v in fields), depth, active)
         for i in constant:
             if kids[i] is not None and type(kids[i]) is not _Enum:
                 leaves[i] = fields[i][1]      # the object itself: skipped while it stays
-        return _Record(cls, names, leaves, kids, plan, constant)
+        for i in grows:
+            kid = kids[i]
+            if type(kid) in _GROWABLE:
+                kid.source = fields[i][1]     # type: ignore[union-attr]  # _Ints or _Seq
+        return _Record(cls, names, leaves, kids, plan, constant, grows)
 
 
 _PATCHED_ROOTS = (_Record, _Seq, _Ints, _Str)
+_GROWABLE = (_Ints, _Seq)

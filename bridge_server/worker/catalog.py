@@ -92,6 +92,7 @@ class Catalog:
     types: dict[str, type] = field(default_factory=dict)    # qualified name -> class clients may build
     records: dict[type, tuple[str, ...]] = field(default_factory=dict)   # plain classes sent by value
     record_constants: dict[type, frozenset[str]] = field(default_factory=dict)   # per stream, see codec
+    record_growing: dict[type, frozenset[str]] = field(default_factory=dict)     # per stream, see patch
     finalizers: dict[type, Callable[[Any], None]] = field(default_factory=dict)
     lifecycles: dict[type, Lifecycle] = field(default_factory=dict)
     rules: dict[type, RecordRule] = field(default_factory=dict)          # what a client may set when building one
@@ -253,6 +254,9 @@ def build_catalog(specs: Iterable[AdapterSpec], documents: dict[str, DocSurface]
             catalog.records[cls] = rec.fields
             if rec.constant:
                 catalog.record_constants[cls] = frozenset(rec.constant)
+        for grow in spec.growing:
+            cls = getattr(importlib.import_module(grow.module), grow.attr)
+            catalog.record_growing[cls] = frozenset(grow.fields)
     return catalog
 
 

@@ -386,7 +386,8 @@ class Invoker:
             return pb.Ref(id=entry.id, session_id=caller.session, worker_id=self.refs.worker_id,
                           type_name=entry.type_name, repr=_short_repr(obj))
         return Encoder(make_ref=make_ref, tensor_max_bytes=self.tensor_max_bytes, records=self.catalog.records,
-                       constant_fields=self.catalog.record_constants, memo={} if stream else None)
+                       constant_fields=self.catalog.record_constants, memo={} if stream else None,
+                       growing_fields=self.catalog.record_growing)
 
     def encode_result(self, plan: Plan, result: Any, caller: Caller) -> pb.Value:
         minted: list[str] = []

@@ -71,12 +71,15 @@ def encoders(**options: Any) -> tuple[Encoder, Patcher]:
 
 def check_stream(items: Iterator[object], stream_item: type = pb.MuxEvent, **options: Any) -> list[pb.MuxEvent]:
     """Sends each item (taken as the sender's objects are at that moment) both ways and checks that
-    the patched state equals the full Value, byte for byte; returns what was sent."""
+    the patched state equals the full Value, byte for byte; returns what was sent. A stream's own
+    full encoder (with a memo, as a worker's is) must agree with a fresh encoding too."""
     full, patcher = encoders(**options)
+    streamed = Encoder(by_identity, records=RECORDS, memo={}, **options)
     state = StreamState()
     sent = []
     for i, item in enumerate(items):
         expected = full.encode(item).SerializeToString(deterministic=True)
+        assert streamed.encode(item).SerializeToString(deterministic=True) == expected, f"item {i}, whole"
         msg = stream_item()
         patcher.put(item, msg)
         msg = stream_item.FromString(msg.SerializeToString())    # over the wire
@@ -198,6 +201,94 @@ def test_fields_declared_constant_are_trusted_while_they_stay_the_same_object_as
             whole.encode(item).SerializeToString(deterministic=True)
     assert [ops(m) for m in sent[1:]] == [[([1], "set")], [([1], "set")], [([0], "set"), ([1], "set")]]
 
+
+
+class Counted:
+    """A record that counts how often its fields are read: what a sender looks at."""
+
+    reads = 0
+
+    def __init__(self, v: object) -> None:
+        self._v = v
+
+    @property
+    def v(self) -> object:
+        Counted.reads += 1
+        return self._v
+
+
+def grown_stream(n: int, **options: Any) -> tuple[int, list[pb.MuxEvent]]:
+    """A record whose field `x` is one list grown by an item per stream item (a generation's
+    logprobs), streamed as patches: the reads of the list's items, and what was sent."""
+    held: list[Any] = []
+    ints: list[int] = []
+
+    def items() -> Iterator[Plain]:
+        for i in range(n):
+            held.append(Counted({i: -0.5 * i}))
+            ints.append(i)
+            yield Plain(x=held, y=ints)
+
+    records = {**RECORDS, Counted: ("v",)}
+    full = Encoder(by_identity, records=records, **options)
+    patcher = Patcher(Encoder(by_identity, records=records, **options))
+    whole = Encoder(by_identity, records=records, memo={}, **options)     # a stream's, sent whole
+    state, sent, reads = StreamState(), [], {"patch": 0, "whole": 0}
+    for item in items():
+        expected = full.encode(item).SerializeToString(deterministic=True)
+        msg = pb.MuxEvent()
+        Counted.reads = 0
+        patcher.put(item, msg)
+        reads["patch"] += Counted.reads
+        Counted.reads = 0
+        assert whole.encode(item).SerializeToString(deterministic=True) == expected
+        reads["whole"] += Counted.reads
+        assert state.item(msg).SerializeToString(deterministic=True) == expected
+        sent.append(msg)
+    return reads, sent
+
+
+def test_fields_declared_growing_cost_what_they_grew_by_not_their_length() -> None:
+    """A long generation's logprobs: undeclared, every item compares (or, sent whole, encodes) all
+    the list's items again, a stream quadratic in its length; declared growing, only the new one is
+    looked at: compared by patches, encoded onto a copy of the last encoding by whole values."""
+    n = 120
+    undeclared, _ = grown_stream(n)
+    assert undeclared["patch"] >= n * (n - 1) // 2 and undeclared["whole"] >= n * (n - 1) // 2
+    grown, sent = grown_stream(n, growing_fields={Plain: frozenset({"x", "y"})})
+    assert grown["patch"] <= 4 * n       # each new item: read to encode it and to shadow it
+    assert grown["whole"] <= 4 * n
+    assert all(ops(m) == [([0], "append_items"), ([1], "append_ints")] for m in sent[1:])
+
+
+@pytest.mark.parametrize("change", ["replaced", "shrunk", "no longer ints", "emptied"])
+def test_a_growing_field_that_does_not_grow_is_compared_or_sent_whole(change: str) -> None:
+    """A declaration trusts a list's old items only while the field is still the very list the last
+    item held and has not shrunk; anything else is compared as any list is."""
+    grown: list[Any] = [1, 2]
+    items: list[Plain] = [Plain(x=grown, y=0)]
+    grown.append(3)
+    items.append(Plain(x=grown, y=1))
+
+    def taken() -> Iterator[Plain]:
+        for i, item in enumerate(items):
+            yield item
+            if i == 1:
+                if change == "replaced":
+                    items.append(Plain(x=[1, 5, 3, 4], y=2))
+                elif change == "shrunk":
+                    del grown[1:]
+                    items.append(Plain(x=grown, y=2))
+                elif change == "no longer ints":
+                    grown.append("four")
+                    items.append(Plain(x=grown, y=2))
+                else:
+                    grown.clear()
+                    items.append(Plain(x=grown, y=2))
+                grown.append(9) if change != "replaced" else None
+                items.append(Plain(x=items[-1].x, y=3))
+
+    check_stream(taken(), growing_fields={Plain: frozenset({"x"})})
 
 def test_refs_tensors_and_sets_are_sent_whole_every_time() -> None:
     opaque, tensor, members = Opaque(), torch.arange(4), {1, 2}
@@ -341,12 +432,18 @@ def request_outputs(kind: str) -> Iterator[Any]:
 
 
 @pytest.mark.parametrize("kind", ["cumulative", "delta", "n2-delta"])
-def test_request_outputs_stream_as_vllm_makes_them(kind: str) -> None:
+@pytest.mark.parametrize("declared", [False, True])
+def test_request_outputs_stream_as_vllm_makes_them(kind: str, declared: bool) -> None:
+    """With and without the adapter's declarations of the fields that grow."""
+    import importlib
+
     from adapters.async_llm import ASYNC_LLM
     RequestOutput = vllm_records()[0]
     RECORDS[RequestOutput] = next(r.fields for r in ASYNC_LLM.records if r.attr == "RequestOutput")
+    growing = {getattr(importlib.import_module(g.module), g.attr): frozenset(g.fields)
+               for g in ASYNC_LLM.growing} if declared else {}
     try:
-        sent = check_stream(request_outputs(kind))
+        sent = check_stream(request_outputs(kind), growing_fields=growing)
         if kind == "cumulative":    # the growing parts grow by appends
             assert {o for m in sent[1:] for _, o in ops(m)} == {"append_str", "append_ints", "append_items", "set"}
     finally:

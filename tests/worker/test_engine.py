@@ -381,7 +381,8 @@ GENERATE = Target.method("engine", "generate")
 
 def stream_cases() -> dict[str, tuple[str, dict[str, Any]]]:
     """(prompt, sampling params) of requests whose items exercise every part of a streamed
-    RequestOutput: each output kind, logprobs and prompt logprobs, n > 1, stop tokens and strings."""
+    RequestOutput: each output kind, logprobs (as lists and flat) and prompt logprobs, n > 1, stop
+    tokens and strings."""
     from vllm.sampling_params import RequestOutputKind as K
     seeded = {"temperature": 1.0, "seed": 7, "n": 2, "max_tokens": 12}
     return {
@@ -390,6 +391,7 @@ def stream_cases() -> dict[str, tuple[str, dict[str, Any]]]:
         "final-only": ("The quick brown fox", greedy(24, output_kind=K.FINAL_ONLY)),
         "logprobs": ("A B C D", greedy(12, logprobs=3, prompt_logprobs=2)),
         "logprobs-delta": ("A B C D", greedy(12, logprobs=2, prompt_logprobs=1, output_kind=K.DELTA)),
+        "flat-logprobs": ("A B C D", greedy(12, logprobs=2, flat_logprobs=True)),
         "n2": ("Once upon a time", seeded),
         "n2-delta": ("Once upon a time", {**seeded, "output_kind": K.DELTA}),
         "n2-final-only": ("Once upon a time", {**seeded, "output_kind": K.FINAL_ONLY}),
@@ -409,7 +411,7 @@ def assert_patches_decode_like_whole_values(source: BridgeClient | Multiplexer, 
         assert len(patched) == len(whole) >= 1, name
         assert patched == whole, name
         assert whole[-1]["finished"] is True, name
-        if name in ("cumulative", "logprobs"):
+        if name in ("cumulative", "logprobs", "flat-logprobs"):
             assert len(whole) > 4, name       # streamed item by item, so most items were patches
 
 
