@@ -21,8 +21,9 @@ one after the other so that they never share the machine's CPU cores:
 3. vllm-serve  vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`): streamed
                completions over HTTP (aiohttp) from here.
 
-All three use the same engine arguments: the tiny model, float32, max_model_len 256, enforce_eager,
-max_num_seqs 16 (`--max-num-seqs`); so from 32 concurrent requests on they queue, the same way everywhere.
+All three use the same engine arguments: the tiny model, float32, max_model_len 256 (more for
+`--max-tokens` over 192), enforce_eager, max_num_seqs 16 (`--max-num-seqs`); so from 32 concurrent
+requests on they queue, the same way everywhere.
 
 All three also run with one core kept free of vLLM's OpenMP threads (`VLLM_CPU_NUM_OF_RESERVED_CPU=1`,
 `--reserved-cpus`), where the machine has two cores or more: serving processes off the OpenMP cores
@@ -50,6 +51,8 @@ Options for experiments (the client's or the operator's choice; no server change
 - `--stream-interval N`: vLLM's engine arg for all three ways (an output every N tokens, the first at
   once). In vLLM 0.14 it only takes effect with the DELTA kind (with CUMULATIVE, vLLM still emits an
   output per token), so pair it with `--kinds delta`.
+- `--max-tokens N --logprobs K`: longer generations, with K top logprobs per token. A stream's cost
+  per token must not grow with its length (with CUMULATIVE, the bridge patches only what grew).
 
 CPU accounting: during the measured rounds of each level the CPU time of every process involved is
 read and reported in microseconds per generated token: the client (this process), the front-end (the
@@ -134,16 +137,23 @@ class Workload:
     wait_quiet_s: float = 20.0   # per level, for a shared machine: see wait_quiet
     bridge_interval_ms: int = 0  # the bridge's own coalescing (x-bridge-stream-interval-ms); 0: every output
     reserved_cpus: int = 0       # cores vLLM keeps its OpenMP threads off (VLLM_CPU_NUM_OF_RESERVED_CPU)
+    logprobs: int = 0            # top logprobs per token (0: none), for every way
 
     def engine_args(self) -> dict[str, Any]:
-        args = {"model": self.model, "dtype": "float32", "max_model_len": 256, "enforce_eager": True,
+        args = {"model": self.model, "dtype": "float32", "max_model_len": self.max_model_len, "enforce_eager": True,
                 "max_num_seqs": self.max_num_seqs}
         if self.stream_interval != 1:
             args["stream_interval"] = self.stream_interval
         return args
 
+    @property
+    def max_model_len(self) -> int:
+        """Room for the prompt (~20 tokens) and the generation."""
+        return max(256, self.max_tokens + 64)
+
     def sampling(self) -> dict[str, Any]:
-        return {"temperature": 0.0, "max_tokens": self.max_tokens, "ignore_eos": True}
+        extra = {"logprobs": self.logprobs} if self.logprobs else {}
+        return {"temperature": 0.0, "max_tokens": self.max_tokens, "ignore_eos": True, **extra}
 
     def requests(self, tag: str, c: int, r: int) -> list[tuple[str, str]]:
         """[(request_id, prompt)] of round r (0: the warm-up) at concurrency c; the same prompts for
@@ -634,7 +644,7 @@ async def http_measure(work: Workload, base: str, roles: Roles) -> dict[str, Any
 def run_vllm_serve(work: Workload, log_dir: Path) -> dict[str, Any]:
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", work.model,
-            "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
+            "--dtype", "float32", "--max-model-len", str(work.max_model_len), "--enforce-eager",
             "--max-num-seqs", str(work.max_num_seqs), "--host", "127.0.0.1", "--port", str(port),
             "--disable-uvicorn-access-log", "--stream-interval", str(work.stream_interval)]
     log = log_dir / "vllm-serve.log"
@@ -805,6 +815,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=6, help="measured rounds per level, after one warm-up")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=16, help="engine batch limit, the same for all ways")
+    p.add_argument("--logprobs", type=int, default=0,
+                   help="ask every way for this many top logprobs per token (0: none)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="vLLM engine arg for all ways: stream an output every N tokens (the first at once)")
     p.add_argument("--bridge-interval-ms", type=int, default=0,
@@ -894,7 +906,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = Workload(model=args.model, concurrency=tuple(args.concurrency), rounds=args.rounds,
                     max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs,
                     stream_interval=args.stream_interval, wait_quiet_s=args.wait_quiet,
-                    bridge_interval_ms=args.bridge_interval_ms, reserved_cpus=reserved)
+                    bridge_interval_ms=args.bridge_interval_ms, reserved_cpus=reserved, logprobs=args.logprobs)
     kinds = list(dict.fromkeys(args.kinds))
     encodings = list(dict.fromkeys(args.encodings))
     started = time.monotonic()
