@@ -21,7 +21,7 @@ from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import detail_from_rpc_error
 from bridge_server.wire.protocol import GRPC_OPTIONS, STREAM_PATCH_V1, RuntimeOptions, to_metadata
 from bridge_server.wire.security import channel, read_token, token_metadata
-from bridge_server.wire.streamstate import StreamState
+from bridge_server.wire.streamstate import DecodedStream
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
 
@@ -165,13 +165,15 @@ class BridgeClient:
                timeout: float | None = None, **options: Any) -> Iterator[Any]:
         """Streams the call's items, decoded. Items travel as patches against the item before
         (`stream_encoding="patch-v1"`, the default) or whole (`stream_encoding="full"`); either way
-        each item decodes to the same value."""
+        each item decodes to the same value. Patched items are built from the item before, so
+        what did not change (a prompt's token ids, a generation's earlier logprobs) is the same
+        object in both, as in vLLM's own outputs: change an item's parts only on a copy."""
         req, refs = self.request(target, args, kwargs)
         call = self.stub.Stream(req, timeout=timeout, metadata=self._metadata(refs, self._streaming(options)))
-        state = StreamState()
+        items = DecodedStream(self._decoder)
         try:
             for item in call:
-                yield self._decoder.decode(state.item(item))
+                yield items.item(item)
         except grpc.RpcError as err:
             raise CallError(err) from None
         finally:
@@ -339,7 +341,7 @@ class Multiplexer:
         call_id, q = self._start(target, args, kwargs, True, timeout, self._client._streaming(options), window)
         step, consumed = max(1, window // 2), 0
         ended = False
-        state = StreamState()
+        items = DecodedStream(self._client._decoder)
         try:
             while True:
                 try:
@@ -350,7 +352,7 @@ class Multiplexer:
                 if event.WhichOneof("kind") == "end":
                     ended = True
                     return
-                yield self._client._decoder.decode(state.item(event))
+                yield items.item(event)
                 consumed += 1
                 if window and consumed == step:
                     self._requests.put(pb.MuxRequest(credit=pb.MuxCredit(id=call_id, events=consumed)))

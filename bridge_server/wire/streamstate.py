@@ -1,16 +1,18 @@
 """The receiver's side of stream patches (`STREAM_ENCODING_PATCH_V1`; the sender is `patch.py`):
 each stream's latest item as a Value, replaced by whole items and changed by patches, so that every
-item decodes, as any Value does, to what the full encoding would have given.
+item decodes, as any Value does, to what the full encoding would have given; and, for receivers
+that decode, the latest decoded item changed the same way (`DecodedStream`).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from bridge_server.wire.codec import CodecError
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-__all__ = ["StreamState"]
+__all__ = ["DecodedStream", "StreamState"]
 
 
 class _Misfit(Exception):
@@ -92,3 +94,95 @@ class StreamState:
         if msg.HasField("patch"):
             return self.patch(msg.patch)
         return self.full(msg.value)
+
+
+class _Whole(Exception):
+    """An op that the decoded item cannot follow by itself: decode the whole state instead."""
+
+
+class DecodedStream:
+    """A stream's items as Python objects, for a receiver that decodes them (the Python client).
+
+    Why: decoding each item's whole state costs in proportion to its size, and a CUMULATIVE
+    generation's items grow with it (token ids, text, a logprob dict per token): a long stream
+    would cost its receiver time quadratic in its length. So a patch is applied to the last decoded
+    item as well, copy on write: the containers on each op's path are copied (a record is a dict
+    here, a list a list), and only what the op carries is decoded. An item is therefore a new
+    object whose unchanged parts are the previous item's very objects, as in vLLM's own outputs.
+    What the decoded item cannot follow (a step into anything but a dict or a list, an op that
+    does not fit) is decoded from the whole state, which `StreamState` has checked and applied.
+    """
+
+    __slots__ = ("state", "decoder", "last")
+
+    def __init__(self, decoder: Any) -> None:
+        self.state = StreamState()
+        self.decoder = decoder          # a `wire.decoder.Decoder`
+        self.last: Any = None
+
+    def item(self, msg: Any) -> Any:
+        """The decoded value of a `StreamItem` or `MuxEvent` that holds a stream's next item."""
+        last, self.last = self.last, None      # none to build on if decoding fails
+        if not msg.HasField("patch"):
+            self.last = self.decoder.decode(self.state.full(msg.value))
+            return self.last
+        value = self.state.patch(msg.patch)     # refuses what does not fit, as for any receiver
+        try:
+            self.last = self._apply(last, msg.patch)
+        except _Whole:
+            self.last = self.decoder.decode(value)
+        return self.last
+
+    def _apply(self, root: Any, patch: pb.StreamPatch) -> Any:
+        fresh: set[int] = set()          # the containers copied for this item: written in place
+
+        def own(obj: Any) -> Any:
+            cls = type(obj)
+            if cls is not dict and cls is not list:
+                raise _Whole
+            if id(obj) in fresh:
+                return obj
+            copy = dict(obj) if cls is dict else list(obj)
+            fresh.add(id(copy))
+            return copy
+
+        for op in patch.ops:
+            path = op.path
+            if not path:
+                root = self._op(op, root)
+                continue
+            root = node = own(root)
+            for depth, step in enumerate(path):
+                key = _key(node, step)
+                if depth == len(path) - 1:
+                    node[key] = self._op(op, node[key])
+                else:
+                    node[key] = child = own(node[key])
+                    node = child
+        return root
+
+    def _op(self, op: pb.PatchOp, old: Any) -> Any:
+        """What the place that held `old` holds after the op: new objects, never `old` changed."""
+        which = op.WhichOneof("op")
+        if which == "set":
+            return self.decoder.decode(op.set)
+        if which == "append_str" and type(old) is str:
+            return old + op.append_str
+        if which == "append_ints" and type(old) is list:
+            return old + list(op.append_ints.values)
+        if which == "append_items" and type(old) in (list, tuple):
+            added = self.decoder.decode(pb.Value(list=op.append_items))
+            return old + (added if type(old) is list else tuple(added))
+        raise _Whole
+
+
+def _key(node: Any, step: int) -> Any:
+    """The key of a decoded record's field (by position: a record decodes to a dict of its fields
+    in order) or a list's index."""
+    if type(node) is dict:
+        if step >= len(node):
+            raise _Whole
+        return next(itertools.islice(node, step, None))
+    if step >= len(node):
+        raise _Whole
+    return step

@@ -17,9 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge_server.wire.codec import CodecError, Encoder
+from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.patch import Patcher
 from bridge_server.wire.protocol import STREAM_FULL, STREAM_PATCH_V1, RuntimeOptions, parse_metadata, to_metadata
-from bridge_server.wire.streamstate import StreamState
+from bridge_server.wire.streamstate import DecodedStream, StreamState
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 
@@ -76,17 +77,47 @@ def check_stream(items: Iterator[object], stream_item: type = pb.MuxEvent, **opt
     full, patcher = encoders(**options)
     streamed = Encoder(by_identity, records=RECORDS, memo={}, **options)
     state = StreamState()
-    sent = []
+    decoded = DecodedStream(CLIENT_DECODER)
+    sent, seen = [], []
     for i, item in enumerate(items):
-        expected = full.encode(item).SerializeToString(deterministic=True)
+        value = full.encode(item)
+        expected = value.SerializeToString(deterministic=True)
         assert streamed.encode(item).SerializeToString(deterministic=True) == expected, f"item {i}, whole"
         msg = stream_item()
         patcher.put(item, msg)
         msg = stream_item.FromString(msg.SerializeToString())    # over the wire
         got = state.item(msg).SerializeToString(deterministic=True)
         assert got == expected, f"item {i}: {msg}"
+        seen.append((decoded.item(msg), value))
+        assert_same(seen[-1][0], CLIENT_DECODER.decode(value), f"item {i}, decoded")
         sent.append(msg)
+    for i, (item_decoded, value) in enumerate(seen):    # no later item changed an earlier one
+        assert_same(item_decoded, CLIENT_DECODER.decode(value), f"item {i}, decoded, at the end")
     return sent
+
+
+CLIENT_DECODER = Decoder(resolve_ref=lambda ref: ref, resolve_type=lambda name: None,
+                         unknown_enum=lambda msg: (msg.type_name, msg.name))
+
+
+def assert_same(got: Any, expected: Any, where: str) -> None:
+    """Equal as decoded values: of the same types all the way down, NaNs and tensors included."""
+    assert type(got) is type(expected), f"{where}: {type(got)} vs {type(expected)}"
+    if isinstance(got, torch.Tensor):
+        assert got.dtype == expected.dtype and torch.equal(got, expected), where
+    elif isinstance(got, float):
+        assert got == expected and math.copysign(1, got) == math.copysign(1, expected) or (
+            math.isnan(got) and math.isnan(expected)), f"{where}: {got} vs {expected}"
+    elif isinstance(got, dict):
+        assert list(got) == list(expected), f"{where}: keys {list(got)} vs {list(expected)}"
+        for k in got:
+            assert_same(got[k], expected[k], f"{where}.{k}")
+    elif isinstance(got, (list, tuple)):
+        assert len(got) == len(expected), f"{where}: {len(got)} vs {len(expected)} items"
+        for i, (a, b) in enumerate(zip(got, expected)):
+            assert_same(a, b, f"{where}[{i}]")
+    else:
+        assert got == expected, f"{where}: {got!r} vs {expected!r}"
 
 
 def ops(msg: Any) -> list[tuple[list[int], str]]:
@@ -233,6 +264,9 @@ def grown_stream(n: int, **options: Any) -> tuple[int, list[pb.MuxEvent]]:
     full = Encoder(by_identity, records=records, **options)
     patcher = Patcher(Encoder(by_identity, records=records, **options))
     whole = Encoder(by_identity, records=records, memo={}, **options)     # a stream's, sent whole
+    decoded_records = []     # the records a client's decoder built: one resolve_type each
+    decoded = DecodedStream(Decoder(resolve_ref=lambda ref: ref,
+                                    resolve_type=lambda name: decoded_records.append(name)))
     state, sent, reads = StreamState(), [], {"patch": 0, "whole": 0}
     for item in items():
         expected = full.encode(item).SerializeToString(deterministic=True)
@@ -244,7 +278,9 @@ def grown_stream(n: int, **options: Any) -> tuple[int, list[pb.MuxEvent]]:
         assert whole.encode(item).SerializeToString(deterministic=True) == expected
         reads["whole"] += Counted.reads
         assert state.item(msg).SerializeToString(deterministic=True) == expected
+        decoded.item(msg)
         sent.append(msg)
+    reads["decoded"] = len(decoded_records)
     return reads, sent
 
 
@@ -258,6 +294,7 @@ def test_fields_declared_growing_cost_what_they_grew_by_not_their_length() -> No
     grown, sent = grown_stream(n, growing_fields={Plain: frozenset({"x", "y"})})
     assert grown["patch"] <= 4 * n       # each new item: read to encode it and to shadow it
     assert grown["whole"] <= 4 * n
+    assert grown["decoded"] == n + 1     # a client decodes each new record once, and the first root
     assert all(ops(m) == [([0], "append_items"), ([1], "append_ints")] for m in sent[1:])
 
 
@@ -446,6 +483,14 @@ def test_request_outputs_stream_as_vllm_makes_them(kind: str, declared: bool) ->
         sent = check_stream(request_outputs(kind), growing_fields=growing)
         if kind == "cumulative":    # the growing parts grow by appends
             assert {o for m in sent[1:] for _, o in ops(m)} == {"append_str", "append_ints", "append_items", "set"}
+            # A client's items are built from the item before: what did not change is shared, what
+            # grew is a new list (the earlier item keeps its own).
+            items = DecodedStream(CLIENT_DECODER)
+            out = [items.item(m) for m in sent]
+            for before, after in zip(out, out[1:]):
+                assert after["prompt_token_ids"] is before["prompt_token_ids"]
+                assert after["outputs"][0]["token_ids"] is not before["outputs"][0]["token_ids"]
+                assert len(after["outputs"][0]["token_ids"]) == len(before["outputs"][0]["token_ids"]) + 1
     finally:
         del RECORDS[RequestOutput]
 
