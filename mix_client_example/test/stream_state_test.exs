@@ -53,11 +53,15 @@ defmodule VllmBridge.StreamStateTest do
     }
   end
 
+  # Each item's whole Value; on the way, each item built from the one before and decoded
+  # (`decoded_item/3`) must be that Value decoded.
   defp run(items) do
     {values, _} =
-      Enum.map_reduce(items, StreamState.new(), fn item, state ->
+      Enum.map_reduce(items, {StreamState.new(), StreamState.new()}, fn item, {state, decoding} ->
         {:ok, value, state} = StreamState.item(state, item)
-        {value, state}
+        {:ok, term, decoding} = StreamState.decoded_item(decoding, item, &Codec.decode/1)
+        assert term == Codec.decode(value)
+        {value, {state, decoding}}
       end)
 
     values
@@ -125,23 +129,26 @@ defmodule VllmBridge.StreamStateTest do
     ops =
       for {id, events} <- streams, reduce: MapSet.new() do
         seen ->
-          {seen, _} =
+          {seen, _, _} =
             events
             |> Enum.chunk_every(2)
             |> Enum.with_index()
-            |> Enum.reduce({seen, StreamState.new()}, fn {[sent, %PB.MuxEvent{kind: {:value, whole}}], i},
-                                                         {seen, state} ->
-              assert {:ok, value, state} = StreamState.item(state, sent.kind)
-              assert value == whole, "stream #{id}, item #{i}"
-              assert Codec.decode(value) == Codec.decode(whole), "stream #{id}, item #{i}"
+            |> Enum.reduce({seen, StreamState.new(), StreamState.new()}, fn
+              {[sent, %PB.MuxEvent{kind: {:value, whole}}], i}, {seen, state, decoding} ->
+                assert {:ok, value, state} = StreamState.item(state, sent.kind)
+                assert value == whole, "stream #{id}, item #{i}"
+                assert Codec.decode(value) == Codec.decode(whole), "stream #{id}, item #{i}"
+                # Built from the item before, decoded: the same term as the whole item decoded.
+                assert {:ok, term, decoding} = StreamState.decoded_item(decoding, sent.kind, &Codec.decode/1)
+                assert term == Codec.decode(whole), "stream #{id}, item #{i}, decoded"
 
-              case sent.kind do
-                {:patch, %PB.StreamPatch{ops: ops}} ->
-                  {Enum.into(ops, seen, &{elem(&1.op, 0), length(&1.path) > 1}), state}
+                case sent.kind do
+                  {:patch, %PB.StreamPatch{ops: ops}} ->
+                    {Enum.into(ops, seen, &{elem(&1.op, 0), length(&1.path) > 1}), state, decoding}
 
-                {:value, _} ->
-                  {seen, state}
-              end
+                  {:value, _} ->
+                    {seen, state, decoding}
+                end
             end)
 
           seen

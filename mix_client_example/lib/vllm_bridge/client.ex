@@ -171,12 +171,12 @@ defmodule VllmBridge.Client do
     end
   end
 
-  # The item's whole Value (itself, or the state a patch makes of the one before), decoded as any
-  # value is. A patch that does not fit fails the stream, which is cancelled on the server.
+  # The item's value (itself, or the item before with a patch applied), decoded as any value is.
+  # A patch that does not fit fails the stream, which is cancelled on the server.
   defp rebuild(%Running{} = r, msg) do
-    case StreamState.item(r.state, msg) do
-      {:ok, value, state} ->
-        {[decode(value, r.call)], item(%{r | state: state})}
+    case StreamState.decoded_item(r.state, msg, &decode(&1, r.call)) do
+      {:ok, term, state} ->
+        {[term], item(%{r | state: state})}
 
       {:error, e} ->
         cancel(r.handle)

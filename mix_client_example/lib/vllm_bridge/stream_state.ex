@@ -19,16 +19,21 @@ defmodule VllmBridge.StreamState do
 
   The state is plain data, so values already handed out never change.
 
+  `decoded_item/3` also keeps the last item decoded, and builds each patched item from it: only what
+  an op carries is decoded, and the rest of the term is the item before's (shared, as immutable data
+  is). A CUMULATIVE generation's items grow with it (token ids, text, a logprob map per token), so
+  decoding each whole would cost a long stream time quadratic in its length.
+
   The streams of `VllmBridge` keep one of these per stream; it is public for those who read a
   `Stream` or `Multiplex` RPC themselves.
   """
 
-  alias VllmBridge.Error
+  alias VllmBridge.{Error, Record}
   alias VllmBridge.V1, as: PB
 
-  defstruct value: nil
+  defstruct value: nil, decoded: nil
 
-  @type t :: %__MODULE__{value: PB.Value.t() | nil}
+  @type t :: %__MODULE__{value: PB.Value.t() | nil, decoded: {:ok, term()} | nil}
 
   @doc "A state for a new stream (no item yet)."
   @spec new() :: t()
@@ -50,7 +55,81 @@ defmodule VllmBridge.StreamState do
 
   # A StreamItem with neither field is an empty Value on the wire (it decodes to nil).
   defp full(state, nil), do: full(state, %PB.Value{})
-  defp full(state, %PB.Value{} = value), do: {:ok, value, %{state | value: value}}
+  defp full(state, %PB.Value{} = value), do: {:ok, value, %{state | value: value, decoded: nil}}
+
+  @doc """
+  Takes a stream's next item, as `item/2` does, and decodes it with `decode` (a function of a
+  `Value`, such as `&VllmBridge.Codec.decode(&1, opts)`): `{:ok, term, state}` or
+  `{:error, %VllmBridge.Error{}}`. A patched item is the item before with the patch's ops applied
+  to it, each op's part decoded alone; where a term cannot follow an op, the whole state is decoded.
+  Either way the term is what decoding the item's whole Value gives.
+  """
+  @spec decoded_item(
+          t(),
+          PB.StreamItem.t() | PB.Value.t() | PB.StreamPatch.t() | {:value | :patch, struct()},
+          (PB.Value.t() -> term())
+        ) :: {:ok, term(), t()} | {:error, Error.t()}
+  def decoded_item(state, msg, decode) when is_function(decode, 1) do
+    last = state.decoded
+
+    with {:ok, value, state} <- item(state, msg) do
+      term =
+        with {:patch, %PB.StreamPatch{ops: ops}} <- kind(msg),
+             {:ok, before} <- last,
+             {:ok, term} <- follow(before, ops, decode) do
+          term
+        else
+          _ -> decode.(value)
+        end
+
+      {:ok, term, %{state | decoded: {:ok, term}}}
+    end
+  end
+
+  defp kind(%PB.StreamItem{patch: %PB.StreamPatch{} = patch}), do: {:patch, patch}
+  defp kind(%PB.StreamPatch{} = patch), do: {:patch, patch}
+  defp kind({:patch, %PB.StreamPatch{} = patch}), do: {:patch, patch}
+  defp kind(_), do: :value
+
+  # The ops on the decoded term, in order; :whole where the term cannot follow one. (The state has
+  # taken every op already, so paths and ops fit the Value the term was decoded from.)
+  defp follow(term, [], _decode), do: {:ok, term}
+
+  defp follow(term, [%PB.PatchOp{path: path, op: op} | ops], decode) do
+    with {:ok, term} <- follow_op(term, path, op, decode), do: follow(term, ops, decode)
+  end
+
+  defp follow_op(term, [], op, decode), do: change_term(term, op, decode)
+
+  defp follow_op(%Record{fields: fields} = record, [step | rest], op, decode) when step < length(fields) do
+    {name, value} = Enum.at(fields, step)
+
+    with {:ok, value} <- follow_op(value, rest, op, decode),
+         do: {:ok, %{record | fields: List.replace_at(fields, step, {name, value})}}
+  end
+
+  defp follow_op(list, [step | rest], op, decode) when is_list(list) and step < length(list) do
+    with {:ok, item} <- follow_op(Enum.at(list, step), rest, op, decode),
+         do: {:ok, List.replace_at(list, step, item)}
+  end
+
+  defp follow_op(tuple, [step | rest], op, decode) when is_tuple(tuple) and step < tuple_size(tuple) do
+    with {:ok, item} <- follow_op(elem(tuple, step), rest, op, decode), do: {:ok, put_elem(tuple, step, item)}
+  end
+
+  defp follow_op(_term, _path, _op, _decode), do: :whole
+
+  defp change_term(_old, {:set, value}, decode), do: {:ok, decode.(value || %PB.Value{})}
+  defp change_term(old, {:append_str, more}, _decode) when is_binary(old), do: {:ok, old <> more}
+  defp change_term(old, {:append_ints, more}, _decode) when is_list(old), do: {:ok, old ++ values_of(more)}
+
+  defp change_term(old, {:append_items, more}, decode) when is_list(old),
+    do: {:ok, old ++ Enum.map(items_of(more), decode)}
+
+  defp change_term(old, {:append_items, more}, decode) when is_tuple(old),
+    do: {:ok, List.to_tuple(Tuple.to_list(old) ++ Enum.map(items_of(more), decode))}
+
+  defp change_term(_old, _op, _decode), do: :whole
 
   @doc "Applies a patch: `{:ok, value, state}` or `{:error, %VllmBridge.Error{}}`."
   @spec patch(t(), PB.StreamPatch.t()) :: {:ok, PB.Value.t(), t()} | {:error, Error.t()}
@@ -70,7 +149,7 @@ defmodule VllmBridge.StreamState do
       end
     end)
     |> case do
-      {:ok, value} -> {:ok, value, %{state | value: value}}
+      {:ok, value} -> {:ok, value, %{state | value: value, decoded: nil}}
       {:error, _} = err -> err
     end
   end
