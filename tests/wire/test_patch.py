@@ -431,6 +431,63 @@ def test_any_sequence_of_in_place_changes_patches_to_the_full_encoding(data: st.
     check_stream(items(), max_depth=6)
 
 
+def random_op(data: st.DataObject, state: pb.Value) -> pb.PatchOp:
+    """An op as any server might send it: mostly one that fits (a path into the state, an op for
+    its target's kind), sometimes a path past the end or into what has no parts, or any op."""
+    fits = data.draw(st.integers(0, 9)) > 0
+    path: list[int] = []
+    node = state
+
+    def parts(node: pb.Value) -> Any:
+        kind = node.WhichOneof("kind")
+        return node.record.fields if kind == "record" else getattr(node, kind).items \
+            if kind in ("list", "tuple") else []
+
+    while data.draw(st.integers(0, 3)) > 0 and (parts(node) or not fits):
+        items = parts(node)
+        step = data.draw(st.integers(0, len(items) - 1 if fits else len(items)))
+        path.append(step)
+        if step >= len(items):
+            break
+        node = items[step].value if node.WhichOneof("kind") == "record" else items[step]
+    encode = Encoder(by_identity, records=RECORDS).encode
+    kind = node.WhichOneof("kind")
+    fitting = {"str": "append_str", "ints": "append_ints", "list": "append_items", "tuple": "append_items"}
+    if fits:
+        which = data.draw(st.sampled_from(["set", fitting[kind]] if kind in fitting else ["set"]))
+    else:
+        which = data.draw(st.sampled_from(["set", "append_str", "append_ints", "append_items"]))
+    if which == "set":
+        return pb.PatchOp(path=path, set=encode(data.draw(trees)))
+    if which == "append_str":
+        return pb.PatchOp(path=path, append_str=data.draw(st.text(max_size=3)))
+    if which == "append_ints":
+        return pb.PatchOp(path=path, append_ints=pb.Ints(values=data.draw(st.lists(st.integers(-5, 5), max_size=3))))
+    return pb.PatchOp(path=path, append_items=pb.Items(items=[encode(x) for x in data.draw(st.lists(trees, max_size=2))]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_client_decodes_any_patch_as_it_decodes_the_whole_state(data: st.DataObject) -> None:
+    """Patches a server might send, fitting or not: the item built on the item before is the
+    whole state decoded, and a patch is refused by both ways alike."""
+    first = Encoder(by_identity, records=RECORDS).encode(data.draw(trees))
+    reference, decoded = StreamState(), DecodedStream(CLIENT_DECODER)
+    reference.full(first)
+    decoded.item(pb.MuxEvent(value=first))
+    for i in range(data.draw(st.integers(1, 4))):
+        assert reference.value is not None
+        msg = pb.MuxEvent(patch=pb.StreamPatch(ops=[random_op(data, reference.value)
+                                                   for _ in range(data.draw(st.integers(0, 3)))]))
+        try:
+            expected = CLIENT_DECODER.decode(reference.item(msg))
+        except CodecError:
+            with pytest.raises(CodecError):
+                decoded.item(msg)
+            return
+        assert_same(decoded.item(msg), expected, f"patch {i}")
+
+
 # --- vLLM's own output records, as its output processor changes them ------------------------------
 
 def vllm_records() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
