@@ -310,14 +310,18 @@ class Encoder:
         else:
             holder = getattr(out, kind)
             holder.SetInParent()
-            add = holder.items.add
-            for item in obj:
-                put = scalars.get(type(item))  # the scalar case inlined: most items are scalars
-                if put is not None:
-                    put(item, add())
-                else:
-                    self._fill(item, add(), depth, active)
+            self._fill_items(obj, holder.items.add, depth, active)
         active.discard(id(obj))
+
+    def _fill_items(self, items: Any, add: Callable[[], pb.Value], depth: int, active: set[int]) -> None:
+        """A list's or tuple's items, at their own depth (their container's id in `active`)."""
+        scalars = _SCALARS
+        for item in items:
+            put = scalars.get(type(item))  # the scalar case inlined: most items are scalars
+            if put is not None:
+                put(item, add())
+            else:
+                self._fill(item, add(), depth, active)
 
     def _fill_constant(self, cls: type, name: str, value: Any, out: pb.Value, depth: int, active: set[int]) -> None:
         assert self.memo is not None
@@ -347,14 +351,8 @@ class Encoder:
                 return
             if kind == "list" and depth < self.max_depth and id(value) not in active:
                 out.CopyFrom(last)
-                add = out.list.items.add
                 active.add(id(value))
-                for item in tail:
-                    put = _SCALARS.get(type(item))
-                    if put is not None:
-                        put(item, add())
-                    else:
-                        self._fill(item, add(), depth + 1, active)
+                self._fill_items(tail, out.list.items.add, depth + 1, active)
                 active.discard(id(value))
                 self.memo[key] = (value, out, depth, len(value))
                 return

@@ -7,9 +7,10 @@ that decode, the latest decoded item changed the same way (`DecodedStream`).
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, cast
 
 from bridge_server.wire.codec import CodecError
+from bridge_server.wire.decoder import Decoder
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["DecodedStream", "StreamState"]
@@ -115,9 +116,9 @@ class DecodedStream:
 
     __slots__ = ("state", "decoder", "last")
 
-    def __init__(self, decoder: Any) -> None:
+    def __init__(self, decoder: Decoder) -> None:
         self.state = StreamState()
-        self.decoder = decoder          # a `wire.decoder.Decoder`
+        self.decoder = decoder
         self.last: Any = None
 
     def item(self, msg: Any) -> Any:
@@ -171,7 +172,7 @@ class DecodedStream:
         if which == "append_ints" and type(old) is list:
             return old + list(op.append_ints.values)
         if which == "append_items" and type(old) in (list, tuple):
-            added = self.decoder.decode(pb.Value(list=op.append_items))
+            added = cast(list[Any], self.decoder.decode(pb.Value(list=op.append_items)))
             return old + (added if type(old) is list else tuple(added))
         raise _Whole
 
