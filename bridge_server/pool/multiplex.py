@@ -30,7 +30,7 @@ from bridge_server.pool.router import Route, Router, read_route, time_left
 from bridge_server.wire.errors import BridgeError
 from bridge_server.wire.protocol import (
     MAX_MESSAGE_BYTES,
-    MUX_BATCH_SLICE,
+    in_slices,
     mux_calls_named,
     mux_refusal,
     parse_request,
@@ -239,10 +239,12 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         else:
             queued[client_id] = loop.create_task(wait_and_launch(client_id, start, md, route, plan))
 
-    def handle(request: Any) -> None:
-        """One start, cancel or credit (a batch's requests come here one by one)."""
+    def handle(request: Any, nested: bool = False) -> None:
+        """One start, cancel or credit (a batch's requests come here one by one, `nested`)."""
         kind = request.WhichOneof("kind")
-        if kind == "start":
+        if kind == "batch" and nested:
+            refuse(0, mux_refusal("nested"))
+        elif kind == "start":
             handle_start(request.start)
         elif kind == "cancel":
             run = running.get(request.cancel)
@@ -267,15 +269,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                         refuse(call_id, err)
                 continue
             if request.WhichOneof("kind") == "batch":
-                # A slice at a time, the loop free between slices: one message of many thousand
-                # small starts holds up other calls no more than as many messages would.
-                for i, each in enumerate(request.batch.requests):
-                    if i and i % MUX_BATCH_SLICE == 0:
-                        await asyncio.sleep(0)
-                    if each.WhichOneof("kind") == "batch":
-                        refuse(0, mux_refusal("nested"))
-                    else:
-                        handle(each)
+                await in_slices(request.batch.requests, functools.partial(handle, nested=True))
             else:
                 handle(request)
         await idle.wait()         # half-closed: every call runs to its end

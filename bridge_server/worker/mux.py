@@ -28,8 +28,8 @@ from google.protobuf.message import DecodeError
 from bridge_server.wire.errors import BridgeError, server_error, target_label
 from bridge_server.wire.protocol import (
     MAX_MESSAGE_BYTES,
-    MUX_BATCH_SLICE,
     RuntimeOptions,
+    in_slices,
     mux_calls_named,
     mux_refusal,
     parse_metadata,
@@ -222,15 +222,10 @@ class MuxSession:
         request = self.parse(raw)
         if request is None:
             return
-        if request.WhichOneof("kind") != "batch" or len(request.batch.requests) <= MUX_BATCH_SLICE:
+        if request.WhichOneof("kind") == "batch":
+            await in_slices(request.batch.requests, functools.partial(self.handle, nested=True))
+        else:
             self.handle(request)
-            return
-        each = request.batch.requests
-        for i in range(0, len(each), MUX_BATCH_SLICE):
-            if i:
-                await asyncio.sleep(0)
-            for one in each[i:i + MUX_BATCH_SLICE]:
-                self.handle(one, nested=True)
 
     def parse(self, raw: bytes) -> pb.MuxRequest | None:
         if len(raw) > self.max_request_bytes:
