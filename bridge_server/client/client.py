@@ -251,11 +251,12 @@ def outgoing(requests: queue.SimpleQueue[pb.MuxRequest | None]) -> Iterator[pb.M
                 more = requests.get_nowait()
             except queue.Empty:
                 break
-            if more is None or size + more.ByteSize() > BATCH_BYTES:
+            more_size = 0 if more is None else more.ByteSize()
+            if more is None or size + more_size > BATCH_BYTES:
                 carried = more if more is not None else _END
                 break
             batch.append(more)
-            size += more.ByteSize()
+            size += more_size
         yield first if len(batch) == 1 else pb.MuxRequest(batch=pb.MuxBatch(requests=batch))
         if carried is _END:
             return
