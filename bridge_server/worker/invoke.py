@@ -55,7 +55,7 @@ from bridge_server.worker.binding import (
 from bridge_server.worker.catalog import Catalog, Entry, Kind
 from bridge_server.worker.deadlines import Deadlines, with_deadline
 from bridge_server.worker.refs import RefRegistry
-from bridge_server.worker.streams import PutItem, Tee, item_writer, iterate
+from bridge_server.worker.streams import Pace, PutItem, Tee, item_writer, iterate
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 _PROTOCOL_METHODS = frozenset({"__enter__", "__exit__", "__aenter__", "__aexit__"})   # context managers
@@ -525,13 +525,14 @@ class Invoker:
         self._admit(plan, caller)
         args, kwargs = await self.prepare(plan, *self.decode(request, caller, plan.label), caller)
         source = await self.run_checked(plan, args, kwargs, deadlines.call)
-        put = self.item_writer(caller, plan.exclusive, encoding)
+        pace = Pace()
+        put = pace.timed(self.item_writer(caller, plan.exclusive, encoding))
         lane = self._exclusive_lane if plan.exclusive else self._shared_lane
         items = iterate(source, plan.label, deadlines, lambda step: self._in_thread(lane, step, None, plan.label),
-                        interval_s)
+                        interval_s, pace)
         activity, receiver = self._activity, id(plan.receiver)
         if tee and encoding == STREAM_PATCH_V1:
-            both = Tee(put, self.item_writer(caller, plan.exclusive, None))
+            both = Tee(put, pace.timed(self.item_writer(caller, plan.exclusive, None)))
             async for item in items:
                 activity[receiver] = time.monotonic()
                 yield item, both.first

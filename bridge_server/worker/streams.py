@@ -8,6 +8,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from bridge_server.wire.codec import Encoder
@@ -17,11 +18,56 @@ from bridge_server.wire.protocol import STREAM_PATCH_V1
 from bridge_server.worker.deadlines import Deadlines, Watchdog
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-__all__ = ["PutItem", "Tee", "item_writer", "iterate", "next_deadline"]
+__all__ = ["PACE_FACTOR", "PACE_MIN_S", "Pace", "PutItem", "Tee", "item_writer", "iterate", "next_deadline"]
 
 # Puts a stream item into the message that carries it (`StreamItem` or `MuxEvent`: both have `value`
 # and `patch`).
 PutItem = Callable[[Any, Any], None]
+
+
+# A stream whose items cost the event loop at least PACE_MIN_S each to put is not given its next item
+# before PACE_FACTOR times that cost has passed (see Pace).
+PACE_MIN_S = 0.002
+PACE_FACTOR = 3.0
+
+
+@dataclass
+class Pace:
+    """How long putting a stream's items held the worker's event loop, so that no one stream's items
+    take most of it.
+
+    Why: every stream of a worker is served by one event loop, and an item is put in one go. Most
+    items cost microseconds, but a whole item can cost tens of milliseconds: a CUMULATIVE
+    generation's record holds every token's logprobs so far, so with 20 logprobs a 1,400-token item
+    is ~2.6 MB and ~35 ms to encode, again for every token. Sent as fast as the engine makes them,
+    such items would hold the loop most of the time, and every other stream of the worker would
+    wait behind each of them. So after items that cost at least PACE_MIN_S, the stream waits
+    PACE_FACTOR times as long before it asks for its next one: it then uses at most a quarter of
+    the loop. Nothing is lost meanwhile: vLLM merges a request's outputs while nobody asks (a
+    CUMULATIVE item holds all the ones before it; DELTA outputs are joined), as it does for a slow
+    reader or a coalescing interval; such a stream gets fewer, larger items, and the same tokens.
+
+    The cost is wall time (a CPU clock would cost more than most items), so a put during which the
+    process lost its core looks dear. The lesser of the last two items' costs decides: an item's
+    size changes little from one to the next, and one unlucky put does not hold back a stream."""
+
+    spent: float = 0.0      # seconds spent putting items since the stream last asked for one
+    last: float = 0.0       # what the item before cost
+
+    def timed(self, put: PutItem) -> PutItem:
+        def put_timed(item: Any, msg: Any) -> None:
+            started = time.perf_counter()
+            try:
+                put(item, msg)
+            finally:
+                self.spent += time.perf_counter() - started
+        return put_timed
+
+    def rest_s(self) -> float:
+        """How long the stream waits before asking for its next item (and the count starts again)."""
+        cost = min(self.spent, self.last)
+        self.last, self.spent = self.spent, 0.0
+        return cost * PACE_FACTOR if cost >= PACE_MIN_S else 0.0
 
 
 def item_writer(encoder: Callable[[bool], Encoder], encoding: str | None) -> PutItem:
@@ -38,9 +84,10 @@ def item_writer(encoder: Callable[[bool], Encoder], encoding: str | None) -> Put
 
 
 async def iterate(source: Any, label: str, deadlines: Deadlines, in_thread: Callable[[Callable[[], Any]], Awaitable[Any]],
-                  interval_s: float | None = None) -> AsyncIterator[Any]:
+                  interval_s: float | None = None, pace: Pace | None = None) -> AsyncIterator[Any]:
     """The items of what a streaming call returned (an async generator, or an iterator stepped in a
-    thread by `in_thread`), within the stream's deadlines, coalesced to one per `interval_s`."""
+    thread by `in_thread`), within the stream's deadlines, coalesced to one per `interval_s`, and
+    paced by what putting them costs (`pace`, filled by the stream's put)."""
     if hasattr(source, "__anext__") or hasattr(source, "__aiter__"):
         agen = source.__aiter__()
         step: Callable[[], Any] = agen.__anext__
@@ -79,11 +126,14 @@ async def iterate(source: Any, label: str, deadlines: Deadlines, in_thread: Call
             first = False
             sent = time.monotonic()
             yield item
-            if interval_s:
+            rest = pace.rest_s() if pace is not None else 0.0
+            if (interval_s or rest) and getattr(item, "finished", None) is not True:
+                # (An item that says it finished its stream, as vLLM's outputs do, is its last: the
+                # stream ends now rather than an interval later, and frees its slot.)
                 # Coalescing: not asking for the next item yet lets vLLM merge the outputs that
                 # arrive meanwhile into one (its per-request collector), so fewer messages carry
                 # the same tokens. The first item is never held back.
-                await asyncio.sleep(max(0.0, sent + interval_s - time.monotonic()))
+                await asyncio.sleep(max(rest, sent + (interval_s or 0.0) - time.monotonic()))
     finally:
         watchdog.close()
         if close is not None:

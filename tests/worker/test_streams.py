@@ -1,0 +1,104 @@
+"""How the worker steps a stream (bridge_server/worker/streams.py): pacing by what its items cost."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from bridge_server.worker.deadlines import Deadlines
+from bridge_server.worker.streams import PACE_FACTOR, PACE_MIN_S, Pace, iterate
+
+NO_DEADLINES = Deadlines(call=None, total=None, stream_idle_s=None)
+
+
+async def _in_thread(step: Any) -> Any:
+    raise AssertionError("an async source is never stepped in a thread")
+
+
+def _busy(seconds: float) -> None:
+    """Holds the event loop, as encoding a large item does."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
+async def _stream_beside_a_ticker(cost_s: float, items: int) -> tuple[list[float], list[float]]:
+    """Puts every item of a stream, each costing `cost_s` of the loop, while another task of the same
+    loop notes each turn it gets. Returns (when each put started, the ticker's turns)."""
+    async def source() -> AsyncIterator[int]:
+        for i in range(items):
+            yield i
+
+    pace = Pace()
+    put = pace.timed(lambda item, msg: _busy(cost_s))
+    turns: list[float] = []
+
+    async def ticker() -> None:
+        while True:
+            turns.append(time.perf_counter())
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    puts: list[float] = []
+    async for item in iterate(source(), "test.stream", NO_DEADLINES, _in_thread, None, pace):
+        puts.append(time.perf_counter())
+        put(item, None)
+    other.cancel()
+    return puts, turns
+
+
+def test_a_stream_whose_items_hold_the_loop_waits_in_proportion_and_the_loop_serves_others_meanwhile() -> None:
+    cost = 4 * PACE_MIN_S
+    puts, turns = asyncio.run(_stream_beside_a_ticker(cost, 6))
+    assert len(puts) == 6
+    for a, b in zip(puts[1:], puts[2:]):      # from the second dear item on
+        # the next item is asked for only after PACE_FACTOR times the put's cost...
+        assert b - a >= cost * (1 + PACE_FACTOR) * 0.95, (a, b)
+        # ...and meanwhile the other task had the loop
+        assert any(a + cost < t < b for t in turns)
+
+
+def test_a_stream_whose_items_are_cheap_is_not_held_back() -> None:
+    puts, turns = asyncio.run(_stream_beside_a_ticker(0.0, 200))
+    assert len(puts) == 200
+    # the source never waits, so a stream that is not paced never gives up the loop between items
+    assert not any(puts[0] < t < puts[-1] for t in turns)
+
+
+def test_pace_counts_every_put_of_an_item_and_the_lesser_of_two_items_decides() -> None:
+    pace = Pace()
+    put = pace.timed(lambda item, msg: _busy(PACE_MIN_S * 0.6))
+    for _ in range(2):
+        put(1, None)
+        put(1, None)      # a tee puts each item twice: both count (each alone is under the bound)
+        rest = pace.rest_s()
+    assert rest >= PACE_MIN_S * 1.2 * PACE_FACTOR
+    assert pace.rest_s() == 0.0     # nothing put since
+
+
+def test_one_dear_item_among_cheap_ones_holds_nothing_back() -> None:
+    pace = Pace()
+    rests = []
+    for spent in (0.0, 10 * PACE_MIN_S, PACE_MIN_S / 8, 10 * PACE_MIN_S, 10 * PACE_MIN_S):
+        pace.spent = spent
+        rests.append(pace.rest_s())
+    assert rests == [0.0, 0.0, 0.0, 0.0, 10 * PACE_MIN_S * PACE_FACTOR]
+
+
+def test_a_put_that_fails_still_counts() -> None:
+    pace = Pace()
+
+    def put(item: Any, msg: Any) -> None:
+        _busy(PACE_MIN_S * 1.5)
+        raise ValueError("cannot encode")
+
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            pace.timed(put)(1, None)
+        rest = pace.rest_s()
+    assert rest >= PACE_MIN_S * 1.5 * PACE_FACTOR
