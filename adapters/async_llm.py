@@ -165,6 +165,15 @@ async def _warmup(engine: Any) -> None:
         pass
 
 
+def _started(engine: Any) -> None:
+    """vLLM reads some environment variables again at every use unless told to cache them, which its
+    own engine processes do once started. Its front-end in the worker reads one per request per engine
+    step (`VLLM_COMPUTE_NANS_IN_LOGITS`, in its stats): 1.6 % of the worker's samples while it streams.
+    Nothing changes the environment of a worker once it runs, so it is cached from here on."""
+    from vllm.envs import enable_envs_cache
+    enable_envs_cache()
+
+
 # ------------------------------------------------------------------------------------------ prompts
 _tokenizing: weakref.WeakKeyDictionary[Any, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
 _token_chars: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -217,6 +226,39 @@ def _check_prompt(engine: Any, method: str, prompt: Any, params: Any, tokenizati
             f"{label}: parameter prompt: a prompt of {len(text):,} characters cannot fit this engine's "
             f"max_model_len of {max_len:,} tokens (each token stands for at most {per_token} characters); "
             f"shorten it, or ask for truncation (truncate_prompt_tokens)", target=label, parameter="prompt")
+
+
+def _check_token_ids(engine: Any, label: str, prompt: Any, where: str = "prompt") -> None:
+    """Token ids in a prompt are indexes into the model's embedding: one outside it kills the engine
+    core (IndexError in its forward pass), and with it every request of every client. vLLM checks
+    only the largest id against the larger of the tokenizer's and the model's vocabulary, and never
+    a negative one. So each id must be an int from 0 to the model's vocabulary size - 1 (for a
+    multimodal model, whose placeholders may lie past it, vLLM's own bound)."""
+    if not isinstance(prompt, Mapping):
+        return
+    for key in ("encoder_prompt", "decoder_prompt"):
+        if key in prompt:
+            _check_token_ids(engine, label, prompt[key], f"{where}.{key}")
+    ids = prompt.get("prompt_token_ids")
+    if ids is None:
+        return
+    name = f"{where}.prompt_token_ids"
+    if not isinstance(ids, (list, tuple)) or set(map(type, ids)) - {int}:
+        bad = next((x for x in ids if type(x) is not int), ids) if isinstance(ids, (list, tuple)) else ids
+        raise BridgeError.validation(f"{label}: parameter {name}: expected a list of ints (token ids), got "
+                                     f"{'an item of type ' if bad is not ids else ''}{type(bad).__name__}",
+                                     target=label, parameter=name)
+    if not ids:
+        return
+    config = engine.model_config
+    bound = config.get_vocab_size()
+    tokenizer = getattr(engine, "tokenizer", None)
+    if getattr(config, "is_multimodal_model", False) and tokenizer is not None:
+        bound = max(bound, getattr(tokenizer, "max_token_id", bound - 1) + 1)
+    if min(ids) < 0 or max(ids) >= bound:
+        i, bad = next((i, x) for i, x in enumerate(ids) if not 0 <= x < bound)
+        raise BridgeError.validation(f"{label}: parameter {name}[{i}]: token id {bad} is outside this model's "
+                                     f"vocabulary (0 to {bound - 1})", target=label, parameter=f"{name}[{i}]")
 
 
 async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwargs: dict[str, Any]) -> Any:
@@ -274,7 +316,13 @@ def _request_guard(method: str, params_name: str) -> Any:
         _alive(engine, args)
         await _serving(engine, method)
         params = args.get(params_name)
+        label = f"{PREFIX}.{method}"
         _check_prompt(engine, method, args.get("prompt"), params, args.get("tokenization_kwargs"), ctx.policy)
+        _check_token_ids(engine, label, args.get("prompt"))
+        priority = args.get("priority")
+        if type(priority) is int and not I64_MIN <= priority <= I64_MAX:
+            raise BridgeError.validation(f"{label}: parameter priority: {_clip_int(priority)} does not fit in 64 bits",
+                                         target=label, parameter="priority")
         if params is not None and type(params).__name__ == "PoolingParams":
             await _check_task(engine, method, params_name, params)
         _own(engine, args.get("request_id"), ctx.identity)
@@ -444,6 +492,15 @@ def _lora_rule(fields: Mapping[str, Any], policy: Policy) -> None:
 # other request too (the OpenAI API allows 4 stop strings).
 MAX_STOP_STRINGS = 256
 MAX_BAD_WORDS = 4096
+# Completions of one prompt (SamplingParams.n). vLLM fans a request out into n requests on the event
+# loop, ~50 us each, with no bound: n=1,000,000 blocks a worker's loop for about a minute.
+MAX_N = 256
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+
+
+def _clip_int(value: int) -> str:
+    text = str(value) if value.bit_length() < 200 else f"an int of {value.bit_length():,} bits"
+    return text[:80]
 
 
 def _sampling_rule(fields: Mapping[str, Any], policy: Policy) -> None:
@@ -458,6 +515,17 @@ def _sampling_rule(fields: Mapping[str, Any], policy: Policy) -> None:
             raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
                               f"{label}: field {key}: {len(value):,} strings is over this server's limit of {limit:,}",
                               target=label, parameter=key, reason=f"too many {key}")
+    n = fields.get("n")
+    if type(n) is int and n > MAX_N:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"{label}: field n: {_clip_int(n)} completions of one prompt is over this server's limit "
+                          f"of {MAX_N}", target=label, parameter="n", reason="too many completions")
+    # vLLM sends the request to its engine core as msgpack, which has no ints past 64 bits: a bigger
+    # one fails there, as an error that names nothing.
+    for key, value in fields.items():
+        if type(value) is int and not I64_MIN <= value <= I64_MAX:
+            raise BridgeError.validation(f"{label}: field {key}: {_clip_int(value)} does not fit in 64 bits",
+                                         target=label, parameter=key)
 
 
 def _new(vllm_config: Any, executor_class: Any = None, log_stats: bool = False, **kwargs: Any) -> Any:
@@ -515,7 +583,7 @@ ASYNC_LLM = AdapterSpec(
                           "get_supported_tasks", "get_tokenizer", "is_paused", "is_sleeping", "is_tracing_enabled",
                           "from_engine_args", "from_vllm_config"}),
     finalizer=_shutdown,
-    lifecycle=Lifecycle(dead=_dead, answers=_answers, kill=_kill, warmup=_warmup),
+    lifecycle=Lifecycle(dead=_dead, answers=_answers, kill=_kill, warmup=_warmup, started=_started),
     record_rules=(
         RecordRule("vllm", "AsyncEngineArgs", check=_engine_args_rule),
         RecordRule("vllm.lora.request", "LoRARequest", check=_lora_rule),

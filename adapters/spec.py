@@ -122,6 +122,9 @@ class Lifecycle:
     kill: Callable[[Any, str], None]
     # A short first use, so that no client's call pays what a first use costs (kernel compilation).
     warmup: Callable[[Any], Awaitable[None]] | None = None
+    # Called once an instance exists in a worker (before any warm-up): what the library itself does
+    # once its own server has started, for the process's sake (it runs whether or not warm-ups do).
+    started: Callable[[Any], None] | None = None
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from bridge_server.pool.lane import ITEMS, STREAM_WINDOW, LaneClosed
 from bridge_server.pool.metrics import Metrics
 from bridge_server.pool.multiplex import forward_multiplex
 from bridge_server.pool.poolstate import Backend, Flight, pool_error
-from bridge_server.pool.router import Router, read_route, session_key, time_left
+from bridge_server.pool.router import Router, client_of, read_route, session_key, time_left
 from bridge_server.wire.errors import STATUS_DETAILS_KEY, BridgeError, mux_error_status, status_code
 from bridge_server.wire.protocol import MD_IDENTITY, MD_WORKER_REFS, ROUTER_ONLY_KEYS, parse_request
 from bridge_server.wire.security import MD_AUTHORIZATION, ServerSecurity
@@ -161,7 +161,7 @@ class Forwarder:
                                identity)
             plan = self.router.plan(route)
             pool = plan.pool
-            backend = pool.take(plan) or await pool.wait(plan, route.deadline)
+            backend = pool.take(plan) or await pool.wait(plan, route.deadline, client_of(identity, context))
             self.router.placed(plan, backend)
             out.pool = pool.name
             flight = Flight()
@@ -233,7 +233,7 @@ class Forwarder:
         md = context.invocation_metadata()
         identity = self.security.identity(context)
         route = read_route(md, context.time_remaining(), parse_request(pb.CallRequest, request, "Stream", self.limit),
-                           identity)
+                           identity, client_of(identity, context))
         pool, backend = await self.router.acquire(route)
         out.pool = pool.name
         flight = Flight()

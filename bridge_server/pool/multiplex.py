@@ -26,7 +26,7 @@ import grpc
 
 from bridge_server.pool.lane import STREAM_WINDOW, LaneCall, LaneClosed
 from bridge_server.pool.poolstate import Backend, Flight, Plan, PoolRouter
-from bridge_server.pool.router import Route, Router, read_route, time_left
+from bridge_server.pool.router import Route, Router, client_of, read_route, time_left
 from bridge_server.wire.errors import BridgeError
 from bridge_server.wire.protocol import (
     MAX_MESSAGE_BYTES,
@@ -94,6 +94,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     `failure` says what a call whose worker's lane closed must report, as for plain calls."""
     loop = asyncio.get_running_loop()
     defaults = tuple((k, v) for k, v in context.invocation_metadata() or () if k.startswith("x-bridge-"))
+    client = client_of(identity, context)       # every call of the stream is this one client's
     # `identity` is the caller's: what the client names in its own options is not (the lane drops it).
     out: asyncio.Queue[tuple[bytes, list[tuple[_Running, int]]] | None] = asyncio.Queue()
     batch = pb.MuxReplyView()
@@ -198,7 +199,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                 idle.set()
 
         try:
-            backend = await plan.pool.wait(plan, route.deadline)
+            backend = await plan.pool.wait(plan, route.deadline, route.client)
         except BridgeError as err:
             refuse(client_id, err)
             unqueue()
@@ -218,16 +219,16 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                 "Multiplex: call id 0 is reserved (for errors about requests that name no call); ids start at 1",
                 parameter="start.id"))
             return
-        if client_id in running or client_id in queued:
-            refuse(client_id, BridgeError.validation(
-                f"Multiplex: call id {client_id} is still running; ids must be unique among running calls",
-                parameter="start.id"))
+        if client_id in running or client_id in queued:   # under id 0: under its id it would end the running call
+            refuse(0, BridgeError.validation(
+                f"Multiplex: call id {client_id} is still running; ids must be unique among running calls "
+                f"(this start was refused, the running call goes on)", parameter="start.id"))
             return
         md = (*defaults, *start.metadata.items())     # the RPC's options, overlaid with the call's
         try:
             call = parse_request(pb.CallRequest, start.call, f"Multiplex: call {client_id}", limit)
             limits = [t for t in (context.time_remaining(), time_left_s(start.time_left_ms)) if t is not None]
-            route = read_route(md, min(limits) if limits else None, call, identity)
+            route = read_route(md, min(limits) if limits else None, call, identity, client)
             plan = router.plan(route)
             backend = plan.pool.take(plan)
         except BridgeError as err:

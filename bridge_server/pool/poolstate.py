@@ -1,15 +1,22 @@
-"""One pool's live state: its workers' slots, its FIFO queue of waiting calls, its session pins.
+"""One pool's live state: its workers' slots, its queue of waiting calls, its session pins.
 
 The router (`router.py`) decides *where* a call may run and hands that decision over as a `Plan`;
 this module reserves the slot, or queues the call until one frees up, counting the wait against
 the call's deadline. Everything here runs on the server's one event loop, so it takes no locks.
+
+The queue is fair between clients (an identity, or a connection where the server has no
+authentication): a freed slot goes to the waiting client served least recently, each client's calls
+in their order of arrival, and no client may take the last quarter of the queue (`client_share`).
+A client that queues a thousand calls at once then neither fills the queue for everyone else nor puts
+them behind all of its own calls: another client's call waits for the next free slot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +36,12 @@ SESSION_CAP = 100_000          # pinned sessions remembered per pool (least rece
 # still has to travel back: 5 ms was too little on a loaded 2-vCPU machine (the caller's own bare
 # DEADLINE_EXCEEDED won, once in a full test run), so 20 ms, a small share of any deadline worth setting.
 DEADLINE_MARGIN_S = 0.020
+
+
+def client_share(queue_size: int) -> int:
+    """The most calls one client may have waiting in a queue of `queue_size`: all but the last quarter,
+    kept for other clients."""
+    return queue_size - queue_size // 4
 
 
 def pool_error(code: grpc.StatusCode, message: str, reason: str, category: str = "pool") -> BridgeError:
@@ -84,6 +97,7 @@ class Waiter:
     required: Backend | None          # must run there (a ref's worker, a strict session's worker)
     preferred: Backend | None         # rather there, else anywhere (hint)
     future: asyncio.Future[Backend]
+    client: str = ""                  # whose call it is (see the module docstring)
     since: float = field(default_factory=time.monotonic)
 
 
@@ -110,6 +124,9 @@ class PoolRouter:
         self.name = config.name
         self.backends: list[Backend] = []
         self.queue: deque[Waiter] = deque()
+        self.queued: Counter[str] = Counter()     # waiters per client
+        self.served: dict[str, int] = {}          # client -> when it was last given a slot from the queue
+        self._grants = itertools.count()
         self.sessions: OrderedDict[str, Backend] = OrderedDict()
         self.unavailable = ""        # set by the supervisor when no worker will come (degraded, stopping)
         # Distributed pools: collectives run one at a time on all ranks, in the order they arrive,
@@ -132,7 +149,7 @@ class PoolRouter:
         backend.fail_flights(reason)
         backend.died.set()
         for w in [w for w in self.queue if w.required is backend]:
-            self.queue.remove(w)
+            self._unqueue(w)
             if not w.future.done():
                 w.future.set_exception(self._lost(f"the worker {backend.id} it was waiting for died", backend))
         self.check_available()
@@ -146,7 +163,8 @@ class PoolRouter:
         """With no worker left and none coming, waiting is pointless: fail the queue."""
         if self.unavailable and not any(b.state == READY for b in self.backends):
             while self.queue:
-                w = self.queue.popleft()
+                w = self.queue[0]
+                self._unqueue(w)
                 if not w.future.done():
                     w.future.set_exception(self.unavailable_error())
 
@@ -223,22 +241,43 @@ class PoolRouter:
         return self._free_backend(w.preferred)
 
     def dispatch(self) -> None:
-        """Hands free slots to waiters in arrival order (a waiter that cannot use them is skipped)."""
-        if not self.queue:
-            return
-        for w in list(self.queue):
-            if w.future.done():
-                self.queue.remove(w)
-                continue
-            b = self._pick(w)
-            if b is None:
-                continue
-            self.queue.remove(w)
+        """Hands free slots to waiters: first to the client served least recently, and within a
+        client in arrival order (a waiter that cannot use a free slot is skipped)."""
+        while self.queue:
+            best: tuple[int, Waiter, Backend] | None = None
+            looked: set[str] = set()
+            for w in self.queue:
+                if w.client in looked or w.future.done():
+                    continue
+                b = self._pick(w)
+                if b is None:
+                    continue
+                looked.add(w.client)
+                rank = self.served.get(w.client, -1)
+                if best is None or rank < best[0]:
+                    best = (rank, w, b)
+                    if rank < 0:       # a client not served from the queue yet: the first such goes first
+                        break
+            if best is None:
+                return
+            _, w, b = best
+            self._unqueue(w)
+            if len(self.served) > 4 * self.config.queue_size + 1024:   # clients long gone
+                self.served = {c: self.served[c] for c in self.queued if c in self.served}
+            self.served[w.client] = next(self._grants)
             b.in_flight += 1
             self.observe_wait(time.monotonic() - w.since)
             w.future.set_result(b)
             if not any(x.has_slot() for x in self.backends):
-                break
+                return
+
+    def _unqueue(self, w: Waiter) -> None:
+        self.queue.remove(w)
+        left = self.queued[w.client] - 1
+        if left > 0:
+            self.queued[w.client] = left
+        else:
+            del self.queued[w.client]
 
     def release(self, backend: Backend) -> None:
         backend.in_flight -= 1
@@ -266,22 +305,32 @@ class PoolRouter:
             raise self.unavailable_error()
         return None
 
-    async def wait(self, plan: Plan, deadline: float | None) -> Backend:
-        """Queues the call until `take` would succeed; `deadline` (monotonic) bounds the wait."""
-        return await self._wait(deadline, plan.required, plan.preferred)
+    async def wait(self, plan: Plan, deadline: float | None, client: str = "") -> Backend:
+        """Queues `client`'s call until `take` would succeed; `deadline` (monotonic) bounds the wait."""
+        return await self._wait(deadline, plan.required, plan.preferred, client)
 
-    async def _wait(self, deadline: float | None, required: Backend | None, preferred: Backend | None) -> Backend:
-        if len(self.queue) >= self.config.queue_size:
+    async def _wait(self, deadline: float | None, required: Backend | None, preferred: Backend | None,
+                    client: str) -> Backend:
+        size = self.config.queue_size
+        if len(self.queue) >= size:
             raise pool_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"queue full: pool {self.name!r} has {len(self.queue)} calls waiting "
-                             f"(queue_size {self.config.queue_size}) and every slot busy", "queue full")
+                             f"(queue_size {size}) and every slot busy", "queue full")
+        share = client_share(size)
+        if self.queued[client] >= share:
+            raise pool_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"queue full for this client: {self.queued[client]} of its calls wait in pool "
+                             f"{self.name!r}'s queue, the most one client may have ({share} of queue_size "
+                             f"{size}: the last quarter is kept for other clients), and every slot is busy",
+                             "client queue full")
         loop = asyncio.get_running_loop()
-        waiter = Waiter(required, preferred, loop.create_future())
+        waiter = Waiter(required, preferred, loop.create_future(), client)
         timer = None
         if deadline is not None:
             delay = max(0.0, deadline - time.monotonic() - DEADLINE_MARGIN_S)
             timer = loop.call_later(delay, self._expire, waiter)
         self.queue.append(waiter)
+        self.queued[client] += 1
         try:
             return await waiter.future
         except asyncio.CancelledError:
@@ -293,13 +342,13 @@ class PoolRouter:
             if timer is not None:
                 timer.cancel()
             if waiter in self.queue:
-                self.queue.remove(waiter)
+                self._unqueue(waiter)
 
     def _expire(self, waiter: Waiter) -> None:
         if waiter.future.done():
             return
         if waiter in self.queue:
-            self.queue.remove(waiter)
+            self._unqueue(waiter)
         waited = time.monotonic() - waiter.since
         err = BridgeError.timeout(f"deadline exceeded after {waited:.3f} s waiting in pool {self.name!r}'s queue "
                                   f"for a free worker slot")

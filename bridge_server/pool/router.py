@@ -12,8 +12,8 @@ and the live state of the workers; the payload is never decoded. The rules:
   "worker busy"; if that worker died, `hint` re-pins the session and the strict modes fail with
   "worker lost" (until the session is released);
 - `x-bridge-rank: N` (a ref-free call) runs on the worker in slot N of the pool;
-- each worker runs at most `max_concurrent` calls; the rest wait in a bounded per-pool FIFO queue,
-  and waiting counts against the call's deadline (that part lives in `poolstate.py`).
+- each worker runs at most `max_concurrent` calls; the rest wait in a bounded per-pool queue, fair
+  between clients, and waiting counts against the call's deadline (that part lives in `poolstate.py`).
 
 The router runs on one asyncio loop and is never touched from another thread, so it takes no locks.
 Forwarding the bytes is `forward.py`'s job; starting and stopping processes is the supervisor's.
@@ -53,6 +53,13 @@ class Route:
     deadline: float | None            # absolute monotonic; counts the queue wait
     explicit_deadline: bool           # from the caller (gRPC deadline or timeout-ms): forwarded upstream
     refs: tuple[str, ...] = ()        # every ref the call uses: x-bridge-refs and the request's own
+    client: str = ""                  # whose call it is, for the queue's fairness (`client_of`)
+
+
+def client_of(identity: str, context: grpc.aio.ServicerContext) -> str:
+    """Who a call is for, as the queue tells clients apart: its identity where the server
+    authenticates, else its connection (a peer address: one client's Multiplex stream is one)."""
+    return identity or context.peer() or ""
 
 
 def session_key(identity: str, session: str) -> str:
@@ -62,7 +69,7 @@ def session_key(identity: str, session: str) -> str:
 
 
 def read_route(metadata: Iterable[tuple[str, str | bytes]] | None, grpc_remaining_s: float | None,
-               request: pb.CallRequest | None = None, identity: str = "") -> Route:
+               request: pb.CallRequest | None = None, identity: str = "", client: str = "") -> Route:
     opts = parse_metadata(metadata)
     session = session_key(identity, opts.session_id) if opts.session_sent else None
     refs = opts.refs
@@ -73,10 +80,10 @@ def read_route(metadata: Iterable[tuple[str, str | bytes]] | None, grpc_remainin
     now = time.monotonic()
     explicit = grpc_remaining_s if grpc_remaining_s is not None else opts.timeout_s
     if explicit is not None:
-        return Route(opts, session, now + explicit, True, refs)
+        return Route(opts, session, now + explicit, True, refs, client or identity)
     profile = PROFILES[opts.timeout_profile] if opts.timeout_profile else None
     deadline = now + profile.call_s if profile is not None and profile.call_s is not None else None
-    return Route(opts, session, deadline, False, refs)
+    return Route(opts, session, deadline, False, refs, client or identity)
 
 
 _CONTAINERS = ("list", "tuple", "set", "frozenset")
@@ -215,7 +222,7 @@ class Router:
     async def acquire(self, route: Route) -> tuple[PoolRouter, Backend]:
         """plan + take, waiting in the queue if needed (callers on the hot path inline this)."""
         plan = self.plan(route)
-        backend = plan.pool.take(plan) or await plan.pool.wait(plan, route.deadline)
+        backend = plan.pool.take(plan) or await plan.pool.wait(plan, route.deadline, route.client)
         self.placed(plan, backend)
         return plan.pool, backend
 

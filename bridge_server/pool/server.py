@@ -16,7 +16,7 @@ import signal
 import time
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from bridge_server.pool.config import ServerConfig
@@ -25,10 +25,9 @@ from bridge_server.pool.metrics import Metrics, PoolSnapshot
 from bridge_server.pool.router import Router
 from bridge_server.pool.supervisor import Supervisor
 from bridge_server.wire import eventloop
-from bridge_server.wire.protocol import server_options
+from bridge_server.wire.protocol import health_and_status, server_options
 from bridge_server.wire.security import ServerSecurity, check_exposure
 from vllm_bridge.v1 import pool_pb2 as ppb
-from vllm_bridge.v1 import pool_pb2_grpc as ppb_grpc
 
 log = logging.getLogger("vllm_bridge.server")
 
@@ -42,7 +41,7 @@ def pool_health_service(pool: str) -> str:
     return f"pool/{pool}"
 
 
-class _StatusService(ppb_grpc.PoolServicer):
+class _StatusService:
     def __init__(self, server: PoolServer) -> None:
         self._server = server
 
@@ -75,8 +74,7 @@ class PoolServer:
                                       interceptors=security.interceptors())
         self.server.add_generic_rpc_handlers([Forwarder(self.router, self.metrics, security,
                                                         config.max_request_bytes).handler()])
-        ppb_grpc.add_PoolServicer_to_server(_StatusService(self), self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.server.add_generic_rpc_handlers(health_and_status(self.health, _StatusService(self).Status))
         reflection.enable_server_reflection(
             (SERVICE, POOL_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)

@@ -64,6 +64,7 @@ _PY_STATUS: dict[str, grpc.StatusCode] = {
     "TimeoutError": grpc.StatusCode.DEADLINE_EXCEEDED,
     "EngineDeadError": grpc.StatusCode.UNAVAILABLE,
     "MemoryError": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "ArithmeticError": grpc.StatusCode.INVALID_ARGUMENT,     # division by zero, overflow: of the arguments given
 }
 
 
@@ -106,12 +107,19 @@ class BridgeError(Exception):
             return exc
         py_type = type(exc).__name__
         text = str(exc)
+        code = _py_status(exc)
+        cause = exc.__cause__
+        if not text and cause is not None and not isinstance(cause, BridgeError):
+            # A wrapper with nothing to say (vLLM's EngineGenerateError raised `from` what failed):
+            # what failed is the message, and its kind the status, unless the wrapper has its own.
+            text = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+            if code is grpc.StatusCode.UNKNOWN:
+                code = _py_status(cause)
         if not text:
             # vLLM raises bare AssertionErrors; say which call failed and which check it tripped.
             frames = tb.extract_tb(exc.__traceback__)
             where = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
             text = f"{py_type} with no message{where}"
-        code = next((c for t in type(exc).__mro__ if (c := _PY_STATUS.get(t.__name__))), grpc.StatusCode.UNKNOWN)
         dead = py_type == "EngineDeadError"    # the engine, not the call, failed: say so the same way every time
         return cls(code, "engine" if dead else "python_error", f"{target}: {py_type}: {text}", target=target,
                    python_type=py_type, traceback="".join(tb.format_exception(exc)),
@@ -140,6 +148,10 @@ class BridgeError(Exception):
         detail.Pack(self.detail())
         return rpc_status.to_status(status_pb2.Status(code=self.code.value[0],
                                                       message=clip(self.message, MAX_MESSAGE_CHARS), details=[detail]))
+
+
+def _py_status(exc: BaseException) -> grpc.StatusCode:
+    return next((c for t in type(exc).__mro__ if (c := _PY_STATUS.get(t.__name__))), grpc.StatusCode.UNKNOWN)
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -99,6 +99,50 @@ def parse_request(cls: type[M], data: bytes, rpc: str, limit: int | None = None)
         raise BridgeError.validation(
             f"{rpc}: the request is not a valid {cls.DESCRIPTOR.full_name} ({len(data)} bytes): {exc}",
             parameter="request") from None
+
+
+# How a unary-request RPC is served: (the servicer's method, the request's message type, whether
+# the method streams its replies by writing on its context).
+UnaryMethod = tuple[Callable[..., Awaitable[object]], type[Message], bool]
+
+
+def parsed_service(service: str, methods: Mapping[str, UnaryMethod]) -> grpc.GenericRpcHandler:
+    """A service whose requests are read as bytes and parsed by `parse_request`, for servicers that
+    would otherwise be registered with protobuf's own deserializer (the standard health service, our
+    Pool service). Bytes that are not the request then get INVALID_ARGUMENT naming the RPC, as on
+    every other RPC of ours, instead of gRPC's UNKNOWN "Unexpected DecodeError"."""
+    def serve(behavior: Callable[..., Awaitable[object]], request_cls: type[Message], rpc: str) -> Callable[..., Awaitable[object]]:
+        async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> object:
+            try:
+                request = parse_request(request_cls, raw, rpc)
+            except BridgeError as exc:
+                await context.abort_with_status(exc.to_status())
+            return await behavior(request, context)
+        return handle
+
+    handlers = {}
+    for name, (behavior, request_cls, streams) in methods.items():
+        make = grpc.unary_stream_rpc_method_handler if streams else grpc.unary_unary_rpc_method_handler
+        handlers[name] = make(serve(behavior, request_cls, f"{service}/{name}"),
+                              response_serializer=_serialize)
+    return grpc.method_handlers_generic_handler(service, handlers)
+
+
+def _serialize(message: Message) -> bytes:
+    return message.SerializeToString()
+
+
+def health_and_status(health: Any, status: Callable[..., Awaitable[object]]) -> list[grpc.GenericRpcHandler]:
+    """The standard health service (`health`: grpcio-health-checking's aio servicer) and our
+    `Pool/Status`, as both servers register them."""
+    from grpc_health.v1 import health_pb2
+
+    from vllm_bridge.v1 import pool_pb2
+    request = health_pb2.HealthCheckRequest
+    return [parsed_service(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                           {"Check": (health.Check, request, False), "Watch": (health.Watch, request, True)}),
+            parsed_service(pool_pb2.DESCRIPTOR.services_by_name["Pool"].full_name,
+                           {"Status": (status, pool_pb2.StatusRequest, False)})]
 
 
 def mux_refusal(what: str) -> BridgeError:
@@ -196,6 +240,9 @@ def _ms(key: str, raw: str) -> float | None:
     return None if math.isinf(ms) else ms / 1000.0
 
 
+# The longest coalescing interval a stream may ask for: an interval holds the stream's slot while
+# it waits, and a stream's last item waits out the interval before it (10 s: far past any use).
+MAX_STREAM_INTERVAL_MS = 10_000
 MAX_METADATA_BYTES = 16 * 1024     # a call's options, keys and values together (gRPC's header limit)
 CACHED_METADATA_BYTES = 1024       # larger option sets are parsed each time, never remembered
 MAX_SESSION_ID_CHARS = 256
@@ -258,12 +305,16 @@ def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
         raise BridgeError.validation(f"metadata {MD_SESSION}: a session id of {len(session):,} characters; at most "
                                      f"{MAX_SESSION_ID_CHARS}", parameter=MD_SESSION)
     encodings = get(MD_STREAM_ENCODING)
+    interval_s = _ms(MD_STREAM_INTERVAL_MS, stream_interval) if stream_interval is not None else None
+    if stream_interval is not None and (interval_s is None or interval_s * 1000 > MAX_STREAM_INTERVAL_MS):
+        raise BridgeError.validation(f"metadata {MD_STREAM_INTERVAL_MS}: {quote(stream_interval)} ms is over the "
+                                     f"limit of {MAX_STREAM_INTERVAL_MS:,} ms", parameter=MD_STREAM_INTERVAL_MS)
     return RuntimeOptions(
         session_id=session or DEFAULT_SESSION,
         timeout_profile=profile,
         timeout_s=_ms(MD_TIMEOUT_MS, timeout) if timeout is not None else None,
         stream_timeout_s=_ms(MD_STREAM_TIMEOUT_MS, stream_timeout) if stream_timeout is not None else None,
-        stream_interval_s=_ms(MD_STREAM_INTERVAL_MS, stream_interval) if stream_interval is not None else None,
+        stream_interval_s=interval_s or None,
         pool=get(MD_POOL),
         affinity=affinity,
         refs=tuple(r for r in (refs or "").split(",") if r),

@@ -57,6 +57,7 @@ class Liveness:
     on_health: Callable[[], Awaitable[None]]      # called when `detail` changes
     interval_s: float = 5.0
     probe_timeout_s: float = 10.0
+    dead_check_s: float = 0.5     # how often a lifecycle is asked whether its object died (see run)
     warmup: bool = True
     max_tries: int = 4
     detail: str = ""              # why the worker is not serving, when it is not
@@ -79,6 +80,8 @@ class Liveness:
 
     async def _warm(self, obj: object, what: str) -> None:
         lifecycle = self.invoker.catalog.lifecycle(obj)
+        if lifecycle is not None and lifecycle.started is not None:
+            lifecycle.started(obj)
         if self.warmup and lifecycle is not None and lifecycle.warmup is not None:
             started = asyncio.get_running_loop().time()
             await lifecycle.warmup(obj)
@@ -96,12 +99,30 @@ class Liveness:
 
     # --------------------------------------------------------------------------------- watching
     async def run(self) -> None:
+        """A full check every `interval_s`, and at once when an object's lifecycle says it died: that
+        costs an attribute read, so it is asked every `dead_check_s`, and health stops saying
+        SERVING within that of an engine core's exit, not a probe interval later."""
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(min(self.dead_check_s, self.interval_s))
             try:
-                await self.check()
+                if time.monotonic() - last >= self.interval_s or self._any_dead():
+                    last = time.monotonic()
+                    await self.check()
             except Exception:   # the watch itself must never stop
                 log.exception("liveness check failed")
+
+    def _any_dead(self) -> bool:
+        catalog = self.invoker.catalog
+        watched = [obj for name, obj in self.invoker.objects.items() if name not in self._replacing]
+        for obj in [*watched, *list(self._adopted)]:
+            lifecycle = catalog.lifecycle(obj)
+            try:
+                if lifecycle is not None and lifecycle.dead(obj) is not None:
+                    return True
+            except Exception:   # noqa: BLE001 - a failing look is for the full check to report
+                return True
+        return False
 
     async def check(self) -> None:
         catalog = self.invoker.catalog

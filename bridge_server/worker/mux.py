@@ -258,10 +258,10 @@ class MuxSession:
                     "Multiplex: call id 0 is reserved (for errors about requests that name no call); ids start at 1",
                     parameter="start.id"))
                 return
-            if start.id in self.running:
-                self._refuse(start.id, BridgeError.validation(
-                    f"Multiplex: call id {start.id} is still running; ids must be unique among running calls",
-                    parameter="start.id"))
+            if start.id in self.running:   # reported under id 0: an error under its id would end the running call
+                self._refuse(0, BridgeError.validation(
+                    f"Multiplex: call id {start.id} is still running; ids must be unique among running calls "
+                    f"(this start was refused, the running call goes on)", parameter="start.id"))
                 return
             if self.refusing:
                 self._refuse(start.id, BridgeError(grpc.StatusCode.UNAVAILABLE, "worker", self.refusing,

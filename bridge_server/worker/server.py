@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from adapters.spec import Policy
@@ -36,6 +36,7 @@ from bridge_server.wire.protocol import (
     MIN_PING_INTERVAL_S,
     M,
     RuntimeOptions,
+    health_and_status,
     parse_metadata,
     parse_request,
     server_options,
@@ -50,7 +51,6 @@ from bridge_server.worker.mux import multiplex
 from bridge_server.worker.refs import RefRegistry
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import pool_pb2 as ppb
-from vllm_bridge.v1 import pool_pb2_grpc as ppb_grpc
 
 log = logging.getLogger("vllm_bridge.worker")
 
@@ -243,7 +243,7 @@ def default_catalog() -> Catalog:
     return build_catalog(SPECS)
 
 
-class _StatusService(ppb_grpc.PoolServicer):
+class _StatusService:
     """`Pool/Status` of a lone worker: one pool, "worker", of one worker, this one."""
 
     def __init__(self, worker: Worker) -> None:
@@ -353,7 +353,6 @@ def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
     trusted = config.lane is not None and security.tokens is None
     server.add_generic_rpc_handlers([BridgeService(invoker, security, trusted, config.max_request_bytes).handler()])
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, POOL_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
@@ -368,7 +367,7 @@ def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
     invoker.adopt = liveness.adopt
     worker = Worker(config, server, invoker, health_servicer, port, liveness)
     holder.append(worker)
-    ppb_grpc.add_PoolServicer_to_server(_StatusService(worker), server)
+    server.add_generic_rpc_handlers(health_and_status(health_servicer, _StatusService(worker).Status))
     return worker
 
 

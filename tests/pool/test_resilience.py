@@ -125,6 +125,27 @@ def test_a_malformed_request_fails_alone_on_every_rpc(server: PoolServer, client
     assert_untouched(server, client)
 
 
+STANDARD_RPCS = {"/grpc.health.v1.Health/Check": ("grpc.health.v1.HealthCheckRequest", False),
+                 "/grpc.health.v1.Health/Watch": ("grpc.health.v1.HealthCheckRequest", True),
+                 "/vllm_bridge.v1.Pool/Status": ("vllm_bridge.v1.StatusRequest", False)}
+
+
+@pytest.mark.parametrize("payload", [b"\x0a\x01", b"\x0a\x03\xff\xfe\xfd"], ids=["truncated", "invalid UTF-8"])
+@pytest.mark.parametrize("method", list(STANDARD_RPCS))
+def test_a_malformed_request_to_health_or_status_is_refused_by_name_too(server: PoolServer, client: BridgeClient,
+                                                                      method: str, payload: bytes) -> None:
+    message, streams = STANDARD_RPCS[method]
+    with grpc.insecure_channel(server.address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            if streams:
+                list(ch.unary_stream(method)(payload, timeout=10))
+            else:
+                ch.unary_unary(method)(payload, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value   # type: ignore[attr-defined]
+    assert f"not a valid {message}" in err.value.details(), err.value        # type: ignore[attr-defined]
+    assert_untouched(server, client)
+
+
 def test_a_malformed_multiplex_request_fails_only_its_call(server: PoolServer, client: BridgeClient) -> None:
     good = pb.MuxRequest(start=pb.MuxStart(id=3, call=pb.CallRequest(
         target=pb.Target(kind=pb.Target.FUNCTION, name=f"{D}.divide"), args=[pb.Value(int=6), pb.Value(int=3)])))

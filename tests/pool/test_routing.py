@@ -79,7 +79,7 @@ def test_calls_are_routed_by_pool_name_and_an_unknown_pool_lists_the_pools(serve
         # The worker's own errors come back unchanged: status, details and the rich ErrorDetail.
         with pytest.raises(CallError) as err:
             c.call(DIVIDE, 1, 0, pool="b")
-        assert err.value.code == grpc.StatusCode.UNKNOWN and err.value.detail is not None
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.detail is not None
         assert err.value.detail.python_type == "ZeroDivisionError" and err.value.category == "python_error"
         # Streams are forwarded item by item, and the catalog comes from a worker.
         assert list(c.stream("vllm.distributed.get_pp_indices", 64, 1, 4, pool="b")) == [16, 32]
@@ -331,6 +331,40 @@ def test_multiplex_through_the_pool_keeps_a_calls_own_time_left(server: PoolServ
     (event,) = [e for r in replies for e in r.events]
     assert event.id == 7 and event.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], event
     assert took < 5, took
+    idle(server, "b")
+
+
+def test_multiplex_through_the_pool_refuses_a_start_with_a_running_calls_id_under_id_0(server: PoolServer) -> None:
+    """Under its own id the refusal would end the running call for the client; under id 0 it does not."""
+    import queue
+    gate = Gate()
+    with server.client(pool="b") as c:
+        request, _ = c.request(gate.args()[0], gate.args()[1:])
+        other, _ = c.request(DIVIDE, (9, 3))
+    outgoing: queue.Queue[object] = queue.Queue()
+    outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=3, call=request, metadata={"x-bridge-pool": "b"})))
+    outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=3, call=other, metadata={"x-bridge-pool": "b"})))
+    events: list[pb.MuxEvent] = []
+    opened = False
+    with grpc.insecure_channel(server.address) as ch:
+        mux = ch.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
+                               pb.MuxReply.FromString)
+        try:
+            for reply in mux(iter(outgoing.get, None), timeout=60):
+                events.extend(reply.events)
+                if not opened and any(e.id == 0 for e in events):    # refused: now let call 3 finish
+                    wait_until(gate.running, what="the gated call running in a worker")
+                    open_gates([gate])
+                    opened = True
+                if any(e.id == 3 for e in events):
+                    outgoing.put(None)
+        finally:
+            if not opened:
+                open_gates([gate])
+    (refused,) = [e for e in events if e.id == 0]
+    assert "call id 3 is still running" in refused.error.message
+    (result,) = [e for e in events if e.id == 3]
+    assert result.WhichOneof("kind") == "value", result
     idle(server, "b")
 
 

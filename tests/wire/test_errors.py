@@ -66,3 +66,29 @@ def test_a_call_error_keeps_the_servers_detail_whether_or_not_the_status_line_ma
     assert err.details == "Deadline Exceeded"
     assert err.detail is not None
     assert (err.detail.category, err.detail.target) == (DETAIL.category, DETAIL.target)
+
+
+class EngineGenerateError(Exception):
+    """As vLLM raises it: no message of its own, `from` what failed."""
+
+
+def _raised(exc: BaseException, cause: BaseException | None = None) -> BaseException:
+    try:
+        raise exc from cause
+    except BaseException as caught:   # noqa: BLE001 - with its traceback, as a handler gets it
+        return caught
+
+
+def test_a_wrapper_with_no_message_is_reported_by_what_it_wraps() -> None:
+    from bridge_server.wire.errors import BridgeError
+    err = BridgeError.from_exception(_raised(EngineGenerateError(), OverflowError("int too big to convert")),
+                                     "vllm.AsyncLLMEngine.generate")
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.message == "vllm.AsyncLLMEngine.generate: EngineGenerateError: OverflowError: int too big to convert"
+    assert err.python_type == "EngineGenerateError" and "OverflowError" in err.traceback
+    # one with a message of its own keeps it, and its own status
+    own = BridgeError.from_exception(_raised(RuntimeError("engine busy"), ValueError("x")), "t")
+    assert (own.code, own.message) == (grpc.StatusCode.UNKNOWN, "t: RuntimeError: engine busy")
+    # an arithmetic failure comes of the arguments given
+    assert BridgeError.from_exception(_raised(ZeroDivisionError("division by zero")), "t").code == \
+        grpc.StatusCode.INVALID_ARGUMENT

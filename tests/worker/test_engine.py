@@ -452,6 +452,93 @@ def test_a_client_that_does_not_ask_for_patches_gets_whole_values(engine_worker:
     assert isinstance(items[0], pb.StreamItem)
 
 
+BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words the message must hold)
+    ("negative token id", {"prompt_token_ids": [5, -1]}, greedy(2), {}, grpc.StatusCode.INVALID_ARGUMENT,
+     "prompt.prompt_token_ids[1]: token id -1 is outside this model's vocabulary (0 to 1023)"),
+    ("token id past the model's vocabulary", {"prompt_token_ids": [1024]}, greedy(2), {},
+     grpc.StatusCode.INVALID_ARGUMENT, "prompt.prompt_token_ids[0]: token id 1024 is outside"),
+    ("token ids that are not ints", {"prompt_token_ids": [1, "2"]}, greedy(2), {}, grpc.StatusCode.INVALID_ARGUMENT,
+     "at TokensPrompt.prompt_token_ids[1]: Input should be a valid integer"),
+    ("completions in the millions", "hi", {**greedy(2), "n": 1_000_000}, {}, grpc.StatusCode.RESOURCE_EXHAUSTED,
+     "field n: 1000000 completions of one prompt is over this server's limit of 256"),
+    ("an int past 64 bits", "hi", greedy(2, seed=2**70), {}, grpc.StatusCode.INVALID_ARGUMENT,
+     "field seed: 1180591620717411303424 does not fit in 64 bits"),
+    ("a priority past 64 bits", "hi", greedy(2), {"priority": 2**100}, grpc.StatusCode.INVALID_ARGUMENT,
+     "parameter priority"),
+    ("a tokenizer option of the wrong type", "hi", greedy(2), {"tokenization_kwargs": {"add_special_tokens": "yes"}},
+     grpc.StatusCode.INVALID_ARGUMENT, "EngineGenerateError: TypeError"),
+]
+
+
+@pytest.mark.parametrize("what,prompt,params,extra,code,needle", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_a_request_that_would_harm_the_engine_is_refused_by_name_and_the_engine_serves_on(
+        bridge: BridgeClient, what: str, prompt: Any, params: dict[str, Any], extra: dict[str, Any],
+        code: grpc.StatusCode, needle: str) -> None:
+    with pytest.raises(CallError) as err:
+        list(bridge.stream(GENERATE, prompt, params, f"harm-{what}", kwargs=extra, timeout=60))
+    assert err.value.code == code and needle in err.value.details, err.value.details
+    assert bridge.call(Target.method("engine", "check_health")) is None
+    good = list(bridge.stream(GENERATE, {"prompt_token_ids": [1, 2, 1023]}, greedy(3), f"harm-after-{what}"))
+    assert good[-1]["finished"] is True and len(good[-1]["outputs"][0]["token_ids"]) == 3
+
+
+def test_a_start_with_a_running_calls_id_is_refused_under_id_0_and_the_running_call_goes_on(
+        engine_worker: WorkerProcess) -> None:
+    import queue
+
+    from vllm_bridge.v1 import bridge_pb2 as pb
+    from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
+
+    with BridgeClient(engine_worker.address) as client:
+        request, _ = client.request(GENERATE, ("duplicate ids", greedy(200), "dup-first"))
+        again, _ = client.request(GENERATE, ("duplicate ids", greedy(4), "dup-second"))
+        outgoing: queue.Queue[Any] = queue.Queue()
+        outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=1, stream=True, call=request)))
+        events = []
+        for reply in pb_grpc.BridgeStub(client.channel).Multiplex(iter(outgoing.get, None), timeout=120):
+            for event in reply.events:
+                events.append(event)
+                if len(events) == 1:            # call 1 runs: start another call 1
+                    outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=1, stream=True, call=again)))
+                if event.id == 1 and event.WhichOneof("kind") in ("end", "error"):
+                    outgoing.put(None)
+    refused = [e for e in events if e.id == 0]
+    assert len(refused) == 1 and "call id 1 is still running" in refused[0].error.message
+    first = [e.WhichOneof("kind") for e in events if e.id == 1]
+    assert first[-1] == "end" and "error" not in first and len(first) > 4
+
+
+def test_a_coalesced_stream_ends_with_its_finished_item_not_an_interval_later(bridge: BridgeClient) -> None:
+    started = time.monotonic()
+    items = list(bridge.stream(GENERATE, "short", greedy(3), "interval-end", stream_interval_s=2.0))
+    took = time.monotonic() - started
+    assert items[-1]["finished"] is True and len(items[-1]["outputs"][0]["token_ids"]) == 3
+    # the first item at once, the finished one an interval later (merged meanwhile), then the end
+    # at once: two intervals would be 4 s
+    assert 1.9 <= took < 3.5, took
+
+
+def test_streams_of_dear_whole_items_are_paced_and_lose_nothing(bridge: BridgeClient) -> None:
+    """Whole CUMULATIVE items with 20 logprobs grow by ~2 KB a token (milliseconds to encode, for
+    every token, from ~100 tokens on): such a stream waits in proportion before its next item
+    (bridge_server/worker/streams.py, Pace) while vLLM merges its outputs. Its last item still holds
+    every token and every token's logprobs, and a DELTA stream's items still add up to every token,
+    as the same request patched."""
+    from vllm.sampling_params import RequestOutputKind as K
+    n, prompt = 400, "Paced streams keep every token"
+    patched = list(bridge.stream(GENERATE, prompt, greedy(n, logprobs=20), "paced-patched"))
+    whole = list(bridge.stream(GENERATE, prompt, greedy(n, logprobs=20), "paced-whole", stream_encoding="full"))
+    delta = list(bridge.stream(GENERATE, prompt, greedy(n, logprobs=20, output_kind=K.DELTA), "paced-delta",
+                               stream_encoding="full"))
+    tokens = patched[-1]["outputs"][0]["token_ids"]
+    assert len(tokens) == n
+    last = whole[-1]["outputs"][0]
+    assert last["token_ids"] == tokens and whole[-1]["finished"] is True
+    assert len(last["logprobs"]) == n and all(t in lp for t, lp in zip(tokens, last["logprobs"]))
+    assert [t for item in delta for t in item["outputs"][0]["token_ids"]] == tokens
+    assert len([lp for item in delta for lp in item["outputs"][0]["logprobs"]]) == n
+
+
 def test_a_request_vllm_refuses_fails_alike_over_every_transport_and_encoding(bridge: BridgeClient) -> None:
     """A request that vLLM's add_request refuses (inside generate's first step) fails with the same
     status over Stream and Multiplex, patched, whole and coalesced."""

@@ -161,6 +161,10 @@ BAD_CALLS = [
      "takes no arguments"),
     ("bad affinity", lambda c: c.call(f"{D}.divide", 6, 3, affinity="sometimes"), grpc.StatusCode.INVALID_ARGUMENT,
      "unknown affinity"),
+    ("division by zero", lambda c: c.call(f"{D}.divide", 6, 0), grpc.StatusCode.INVALID_ARGUMENT,
+     "ZeroDivisionError"),
+    ("interval past its limit", lambda c: list(c.stream(f"{D}.divide", 6, 3, stream_interval_s=3600)),
+     grpc.StatusCode.INVALID_ARGUMENT, "x-bridge-stream-interval-ms: '3600000' ms is over the limit of 10,000 ms"),
 ]
 
 
@@ -173,6 +177,16 @@ def test_bad_input_gets_a_clear_error_and_the_worker_keeps_its_state(client: Bri
     assert err.value.code == code, err.value.details
     assert needle in err.value.details, err.value.details
     assert client.call(Target.get(kept, "data_parallel_size")) == 3
+
+
+def test_a_coalescing_interval_is_bounded() -> None:
+    key = "x-bridge-stream-interval-ms"
+    assert parse_metadata(((key, "10000"),)).stream_interval_s == 10.0
+    assert parse_metadata(((key, "0"),)).stream_interval_s is None       # 0: every output, as without it
+    for raw in ("10001", "1e12", "inf"):
+        with pytest.raises(BridgeError) as err:
+            parse_metadata(((key, raw),))
+        assert err.value.parameter == key and "over the limit of 10,000 ms" in err.value.message
 
 
 def test_parsed_options_are_remembered_but_a_refusal_is_given_every_time() -> None:

@@ -1,0 +1,77 @@
+"""A pool's queue is fair between clients (bridge_server/pool/poolstate.py): one client's flood of
+calls neither fills the queue for everyone nor puts another client's call behind all of its own."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from bridge_server.pool.config import PoolConfig
+from bridge_server.pool.poolstate import Backend, Plan, PoolRouter, client_share
+from bridge_server.wire.errors import BridgeError
+
+
+def _pool(slots: int, queue_size: int) -> tuple[PoolRouter, Backend]:
+    pool = PoolRouter(PoolConfig("p", max_concurrent=slots, queue_size=queue_size))
+    backend = Backend("p-0", "p", "unix:/nowhere", slots)
+    pool.add(backend)
+    return pool, backend
+
+
+def _anywhere(pool: PoolRouter) -> Plan:
+    return Plan(pool, None, None, False, "", None)
+
+
+def test_a_freed_slot_goes_to_the_client_served_least_recently_each_clients_calls_in_order() -> None:
+    async def main() -> list[str]:
+        pool, backend = _pool(slots=1, queue_size=100)
+        assert pool.take(_anywhere(pool)) is backend            # the one slot is busy
+        order: list[str] = []
+
+        async def call(client: str, n: int) -> None:
+            await pool.wait(_anywhere(pool), None, client)
+            order.append(f"{client}{n}")
+            await asyncio.sleep(0)
+            pool.release(backend)
+
+        tasks = [asyncio.create_task(call("flood", i)) for i in range(5)]
+        await asyncio.sleep(0)
+        tasks += [asyncio.create_task(call("other", i)) for i in range(2)]
+        tasks.append(asyncio.create_task(call("third", 0)))
+        await asyncio.sleep(0)
+        pool.release(backend)                                   # the busy slot frees: the queue drains
+        await asyncio.gather(*tasks)
+        return order
+
+    # the flood came first, so it is served first; then each client in turn, each in its own order
+    assert asyncio.run(main()) == ["flood0", "other0", "third0", "flood1", "other1", "flood2", "flood3", "flood4"]
+
+
+def test_one_client_may_not_fill_the_queue_and_others_still_queue() -> None:
+    async def main() -> None:
+        pool, backend = _pool(slots=1, queue_size=8)
+        pool.take(_anywhere(pool))
+        share = client_share(8)
+        assert share == 6 and client_share(2) == 2 and client_share(1024) == 768
+        waiting = [asyncio.create_task(pool.wait(_anywhere(pool), None, "flood")) for _ in range(share)]
+        await asyncio.sleep(0)
+        with pytest.raises(BridgeError) as err:
+            await pool.wait(_anywhere(pool), None, "flood")
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "client queue full"
+        assert "queue full for this client: 6 of its calls wait" in err.value.message
+        other = asyncio.create_task(pool.wait(_anywhere(pool), None, "other"))
+        await asyncio.sleep(0)
+        pool.release(backend)                                   # to the flood's first: it came first
+        await asyncio.sleep(0)
+        assert waiting[0].done() and not other.done()
+        pool.release(backend)
+        assert await asyncio.wait_for(other, 5) is backend      # then the other client, ahead of five more
+        assert not any(t.done() for t in waiting[1:])
+        for t in waiting:
+            t.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        assert not pool.queue and not pool.queued               # nothing left behind, counts included
+
+    asyncio.run(main())
