@@ -94,7 +94,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     `failure` says what a call whose worker's lane closed must report, as for plain calls."""
     loop = asyncio.get_running_loop()
     defaults = tuple((k, v) for k, v in context.invocation_metadata() or () if k.startswith("x-bridge-"))
-    client = client_of(identity, context)       # every call of the stream is this one client's
+    client = client_of(identity, context, multiplex=True)      # every call of the stream is this client's
     # `identity` is the caller's: what the client names in its own options is not (the lane drops it).
     out: asyncio.Queue[tuple[bytes, list[tuple[_Running, int]]] | None] = asyncio.Queue()
     batch = pb.MuxReplyView()

@@ -21,6 +21,7 @@ Forwarding the bytes is `forward.py`'s job; starting and stopping processes is t
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -56,10 +57,18 @@ class Route:
     client: str = ""                  # whose call it is, for the queue's fairness (`client_of`)
 
 
-def client_of(identity: str, context: grpc.aio.ServicerContext) -> str:
+_streams = itertools.count(1)
+
+
+def client_of(identity: str, context: grpc.aio.ServicerContext, multiplex: bool = False) -> str:
     """Who a call is for, as the queue tells clients apart: its identity where the server
-    authenticates, else its connection (a peer address: one client's Multiplex stream is one)."""
-    return identity or context.peer() or ""
+    authenticates; else its connection (a peer address), and for calls over Multiplex, the
+    Multiplex stream (the channels of one process share a connection, and a client that starts many
+    calls at once starts them over one stream)."""
+    if identity:
+        return identity
+    peer = context.peer() or ""
+    return f"{peer} multiplex {next(_streams)}" if multiplex else peer
 
 
 def session_key(identity: str, session: str) -> str:

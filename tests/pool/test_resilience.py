@@ -267,6 +267,49 @@ def test_a_caller_that_stops_reading_frees_its_slots_and_its_engine_requests(ser
             assert err.value.reason == "reader stalled" and "reader_stall_s" in err.value.details, (rid, err.value)
 
 
+def test_a_flood_of_stalled_streams_leaves_room_and_turns_for_another_client(server: PoolServer,
+                                                                             client: BridgeClient) -> None:
+    """One Multiplex stream starts 900 generations that it never reads past their first item: 64 hold
+    every slot until reader_stall_s (3 s here) ends them, the rest queue. It may not take the last
+    quarter of the queue, so another client still queues; and that client's call is served at the
+    next freed slot, not behind the flood's 768 waiting calls (about 36 s of stalls, first in first out)."""
+    import queue
+    import threading
+    request, _ = client.request(GENERATE, ("flood", greedy(64), "flood"))
+    starts = [pb.MuxRequest(start=pb.MuxStart(id=i, stream=True, window=1, call=request,
+                                              metadata={"x-bridge-pool": "e"})) for i in range(1, 901)]
+    outgoing: queue.Queue[Any] = queue.Queue()
+    outgoing.put(pb.MuxRequest(batch=pb.MuxBatch(requests=starts)))
+    refused: list[str] = []
+    with grpc.insecure_channel(server.address) as ch:
+        flood = ch.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
+                                 pb.MuxReply.FromString)(iter(outgoing.get, None), timeout=120)
+
+        def read() -> None:
+            try:
+                for reply in flood:
+                    refused.extend(e.error.detail.reason for e in reply.events if e.WhichOneof("kind") == "error")
+            except grpc.RpcError:
+                pass
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            wait_until(lambda: server.pool("e").queue_length == 768, timeout=30, what="the flood queued")
+            wait_until(lambda: refused.count("client queue full") == 900 - 64 - 768, timeout=10,
+                       what="the flood's calls past its share refused")
+            started = time.monotonic()
+            assert len(tokens(client, "beside-the-flood", n=4, timeout=60)) == 4
+            took = time.monotonic() - started
+            assert took < 15, took       # one stall (3 s) here; first in first out, 48 s
+        finally:
+            flood.cancel()
+            outgoing.put(None)
+            reader.join(10)
+    wait_until(lambda: (p := server.pool("e")).in_flight == 0 and p.queue_length == 0, timeout=60,
+               what="the flood's calls gone")
+    assert_untouched(server, client)
+
+
 def test_quiet_calls_outlive_client_pings_at_the_documented_interval(server: PoolServer) -> None:
     """Compressed time: this server accepts pings every >= 2 s (min_ping_interval_s = 2; the default
     is 10, `test_the_documented_ping_interval`). A call that receives nothing for 7 s, from a client
