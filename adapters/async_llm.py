@@ -3,9 +3,10 @@
 Engine methods are coroutines and async generators, so they run on the worker's event loop and many
 requests share one engine, which is what lets vLLM batch them. What this adapter adds is what a
 remote caller cannot do for itself:
-- refuse calls that would kill the engine core (a pooling task the model lacks), and prompts that
-  cannot fit the model, before they reach it; tokenize long prompts off the event loop, so one
-  call's prompt never stalls the others;
+- refuse calls that would kill the engine core (a pooling task the model lacks, token ids outside
+  the model's vocabulary) or block the worker (completions by the million), and prompts that cannot
+  fit the model, before they reach it; tokenize long prompts off the event loop, so one call's
+  prompt never stalls the others;
 - know when an engine can no longer serve (its core process exited, or it stops answering: its input
   thread dies on a request it cannot decode, its output path dies), and then fail its calls at once
   with the cause (`lifecycle`: the worker probes every engine and replaces a published one);
