@@ -233,8 +233,11 @@ class Forwarder:
         md = context.invocation_metadata()
         identity = self.security.identity(context)
         route = read_route(md, context.time_remaining(), parse_request(pb.CallRequest, request, "Stream", self.limit),
-                           identity, client_of(identity, context))
-        pool, backend = await self.router.acquire(route)
+                           identity)
+        plan = self.router.plan(route)
+        pool = plan.pool
+        backend = pool.take(plan) or await pool.wait(plan, route.deadline, client_of(identity, context))
+        self.router.placed(plan, backend)
         out.pool = pool.name
         flight = Flight()
         backend.flights.add(flight)

@@ -228,13 +228,6 @@ class Router:
         if plan.pin is not None and plan.pool.pinned(plan.pin) is None:
             plan.pool.pin(plan.pin, backend)
 
-    async def acquire(self, route: Route) -> tuple[PoolRouter, Backend]:
-        """plan + take, waiting in the queue if needed (callers on the hot path inline this)."""
-        plan = self.plan(route)
-        backend = plan.pool.take(plan) or await plan.pool.wait(plan, route.deadline, route.client)
-        self.placed(plan, backend)
-        return plan.pool, backend
-
     def any_backend(self, pool_name: str | None) -> Backend:
         """A live worker for calls that need no slot (Describe)."""
         pool = self.pool(pool_name)
