@@ -5,10 +5,11 @@ this module reserves the slot, or queues the call until one frees up, counting t
 the call's deadline. Everything here runs on the server's one event loop, so it takes no locks.
 
 The queue is fair between clients (`router.client_of`: an identity, or where the server has no
-authentication a connection, and each Multiplex stream on it): a freed slot goes to the waiting client served least recently, each client's calls
-in their order of arrival, and no client may take the last quarter of the queue (`client_share`).
-A client that queues a thousand calls at once then neither fills the queue for everyone else nor puts
-them behind all of its own calls: another client's call waits for the next free slot.
+authentication a connection, and each Multiplex stream on it): a freed slot goes to the waiting
+client served least recently, each client's calls in their order of arrival, and no client may take
+the last quarter of the queue (`client_share`). A client that queues a thousand calls at once then
+neither fills the queue for everyone else nor puts them behind all of its own calls: another
+client's call waits for the next free slot.
 """
 
 from __future__ import annotations

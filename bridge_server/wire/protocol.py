@@ -111,7 +111,8 @@ def parsed_service(service: str, methods: Mapping[str, UnaryMethod]) -> grpc.Gen
     would otherwise be registered with protobuf's own deserializer (the standard health service, our
     Pool service). Bytes that are not the request then get INVALID_ARGUMENT naming the RPC, as on
     every other RPC of ours, instead of gRPC's UNKNOWN "Unexpected DecodeError"."""
-    def serve(behavior: Callable[..., Awaitable[object]], request_cls: type[Message], rpc: str) -> Callable[..., Awaitable[object]]:
+    def serve(behavior: Callable[..., Awaitable[object]], request_cls: type[Message],
+              rpc: str) -> Callable[..., Awaitable[object]]:
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> object:
             try:
                 request = parse_request(request_cls, raw, rpc)
