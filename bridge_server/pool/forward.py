@@ -18,6 +18,7 @@ into UNAVAILABLE "worker crashed".
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -244,11 +245,13 @@ class Forwarder:
         lane = backend.lane
         lc = None
         stall_s = pool.config.reader_stall_s
+        stalled: list[BridgeError] = []     # set when the pool ends the stream for its stalled caller
         try:
             try:
                 lc = lane.start(request, md, stream=True, window=STREAM_WINDOW, timeout_s=time_left(route),
                                 identity=identity)
                 flight.call = lc
+                lc.on_stalled = functools.partial(_end_stalled, stalled, asyncio.current_task())
                 index = taken = 0
                 while (kind := (event := await lc.next()).WhichOneof("kind")) in ITEMS:
                     # gRPC's flow control holds the write back while the caller does not read; that is
@@ -267,6 +270,9 @@ class Forwarder:
             except asyncio.CancelledError:
                 if flight.failed:
                     raise crashed(backend, flight.failed) from None
+                if stalled:
+                    asyncio.current_task().uncancel()   # type: ignore[union-attr]  # a handler's task
+                    raise stalled[0] from None
                 raise
             except LaneClosed as exc:
                 raise await _lane_failure(backend, flight, str(exc)) from None
@@ -376,6 +382,14 @@ class Forwarder:
             raise
         finally:
             self.metrics.observe_call(out.pool, "Describe", out.code, time.perf_counter() - t0)
+
+
+def _end_stalled(stalled: list[BridgeError], task: asyncio.Task[Any] | None, err: BridgeError) -> None:
+    """A Stream's end when the pool finds its caller stalled (`LaneCall.stall`): its handler's task
+    is cancelled and raises `err` instead."""
+    stalled.append(err)
+    if task is not None:
+        task.cancel()
 
 
 async def _lane_failure(backend: Backend, flight: Flight, reason: str) -> BridgeError:

@@ -3,6 +3,10 @@ plain unix socket, one connection for every call the router sends that worker.
 
 Closing the connection ends every call on it: the router's calls raise `LaneClosed` (the forwarder
 turns that into "worker crashed" when the worker died).
+
+Each windowed stream's items are counted against the credit the router gave back, so the pool can
+tell which streams wait on their caller (`Lane.stalled`): a worker holding a whole window of items
+that nobody credited is idle for the caller's sake, and its slot is what a queued call waits for.
 """
 
 from __future__ import annotations
@@ -10,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from bridge_server.wire.errors import BridgeError
 from bridge_server.wire.framing import Framed, LaneClosed
 from bridge_server.wire.protocol import CACHED_METADATA_BYTES, MD_IDENTITY, ROUTER_ONLY_KEYS, metadata_bytes
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -51,12 +57,15 @@ class LaneCall:
     """One call on a lane: the router awaits its events in order (`next`), or has them handed to
     `on_event` as they arrive (and the connection's end to `on_lost`)."""
 
-    __slots__ = ("id", "stream", "_lane", "_events", "_waiter", "_ended", "_cancelled", "_lost", "on_event",
-                 "on_lost")
+    __slots__ = ("id", "stream", "window", "unacked", "blocked_at", "_lane", "_events", "_waiter", "_ended",
+                 "_cancelled", "_lost", "on_event", "on_lost", "on_stalled")
 
-    def __init__(self, lane: Lane, call_id: int, stream: bool) -> None:
+    def __init__(self, lane: Lane, call_id: int, stream: bool, window: int = 0) -> None:
         self.id = call_id
         self.stream = stream
+        self.window = window if stream else 0   # items the worker may send uncredited (0: no limit)
+        self.unacked = 0                        # items received and not credited back
+        self.blocked_at = 0.0                   # since when `unacked` fills the window (0: it does not)
         self._lane = lane
         self._events: deque[Any] = deque()      # pb.MuxEventView
         self._waiter: asyncio.Future[None] | None = None
@@ -65,6 +74,7 @@ class LaneCall:
         self._lost = ""
         self.on_event: Callable[[Any], None] | None = None
         self.on_lost: Callable[[str], None] | None = None
+        self.on_stalled: Callable[[BridgeError], None] | None = None   # how its forwarder ends it (`stall`)
 
     def _push(self, event: Any) -> None:
         if self.on_event is not None:
@@ -101,6 +111,9 @@ class LaneCall:
 
     def credit(self, events: int) -> None:
         """The consumer took `events` items of a windowed stream: the worker may send that many more."""
+        self.unacked -= events
+        if self.unacked < self.window:
+            self.blocked_at = 0.0
         if not self._ended and not self._lost:
             with contextlib.suppress(LaneClosed):
                 self._lane.send(pb.MuxRequestView(credit=pb.MuxCredit(id=self.id, events=events)))
@@ -114,6 +127,12 @@ class LaneCall:
         self._lane.forget(self)
         self._send_cancel()
         self._wake(cancel=True)
+
+    def stall(self, err: BridgeError) -> None:
+        """Ends the call for its stalled caller, the way its forwarder ends calls (once)."""
+        hook, self.on_stalled = self.on_stalled, None
+        if hook is not None and not self._ended:
+            hook(err)
 
     def ask_to_cancel(self) -> None:
         """Asks the worker to cancel the call, and goes on listening: its last event (normally a
@@ -148,7 +167,7 @@ class Lane:
         """Starts a call (a serialized CallRequest) with Call's or Stream's semantics. `metadata` is
         the caller's (only its x-bridge-* options go on); `timeout_s` the time the call has left."""
         self._next_id += 1
-        lc = LaneCall(self, self._next_id, stream)
+        lc = LaneCall(self, self._next_id, stream, window)
         lc.on_event, lc.on_lost = on_event, on_lost
         head = pb.MuxRequestView(start=pb.MuxStartView(id=lc.id, call=call, stream=stream, window=window,
                                                        time_left_ms=0 if timeout_s is None else timeout_s * 1000))
@@ -162,6 +181,10 @@ class Lane:
 
     async def drain(self) -> None:
         await self.framed.drain()
+
+    def stalled(self, before: float) -> list[LaneCall]:
+        """The streams whose window has been full, uncredited, since before `before` (monotonic)."""
+        return [lc for lc in self.calls.values() if 0.0 < lc.blocked_at <= before and lc.on_stalled is not None]
 
     def forget(self, lc: LaneCall) -> None:
         if self.calls.get(lc.id) is lc:
@@ -182,6 +205,10 @@ class Lane:
             if not lc.stream or event.WhichOneof("kind") not in ITEMS:
                 del calls[event.id]
                 lc._ended = True
+            elif lc.window:
+                lc.unacked += 1
+                if lc.unacked >= lc.window and not lc.blocked_at:
+                    lc.blocked_at = time.monotonic()
             lc._push(event)
 
     def _on_lost(self, reason: str) -> None:

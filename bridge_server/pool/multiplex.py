@@ -168,6 +168,15 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
+    def stalled(run: _Running, err: BridgeError) -> None:
+        """The pool ends the stream: its window has been unread for too long while others wait."""
+        if run.ended:
+            return
+        if run.lc is not None:
+            run.lc.cancel()               # the worker cancels it: vLLM aborts the request
+        refuse(run.client_id, err)
+        end(run)
+
     async def report_lost(run: _Running, reason: str) -> None:
         err = await failure(run.backend, run.flight, reason)
         if not run.ended:
@@ -186,6 +195,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                                         timeout_s=time_left(route), identity=identity,
                                         on_event=functools.partial(on_event, run),
                                         on_lost=functools.partial(on_lost, run))
+            run.lc.on_stalled = functools.partial(stalled, run)
         except BridgeError as err:       # its deadline passed while it waited for a slot
             refuse(client_id, err)
             end(run)

@@ -10,6 +10,11 @@ client served least recently, each client's calls in their order of arrival, and
 the last quarter of the queue (`client_share`). A client that queues a thousand calls at once then
 neither fills the queue for everyone else nor puts them behind all of its own calls: another
 client's call waits for the next free slot.
+
+A slot may be held by a stream whose caller reads nothing: the worker has a whole window of items
+out that nobody credits back. That is bounded by `reader_stall_s` (60 s) everywhere; while calls
+wait in the queue, the pool ends such streams after `contended_stall_s` (5 s) instead, so a caller
+that stops reading a pool's worth of streams delays others by seconds, not minutes.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import grpc
 
 from bridge_server.pool.config import PoolConfig
 from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.stall import contended_stall
 
 READY, DRAINING, DEAD = "ready", "draining", "dead"
 # A live worker that takes no new calls for now: it says it cannot serve (health NOT_SERVING), or its
@@ -135,6 +141,7 @@ class PoolRouter:
         self.collective_lock = asyncio.Lock()
         self.restart_group: Callable[[str], None] = lambda reason: None
         self.observe_wait: Callable[[float], None] = lambda seconds: None   # metrics hook
+        self._stall_sweeper: asyncio.Task[None] | None = None   # runs while calls wait (`_sweep_stalls`)
 
     # ------------------------------------------------------------------------------- membership
     def add(self, backend: Backend) -> None:
@@ -332,6 +339,8 @@ class PoolRouter:
             timer = loop.call_later(delay, self._expire, waiter)
         self.queue.append(waiter)
         self.queued[client] += 1
+        if self._stall_sweeper is None and self.config.contended_stall_s > 0:
+            self._stall_sweeper = loop.create_task(self._sweep_stalls())
         try:
             return await waiter.future
         except asyncio.CancelledError:
@@ -344,6 +353,33 @@ class PoolRouter:
                 timer.cancel()
             if waiter in self.queue:
                 self._unqueue(waiter)
+
+    async def _sweep_stalls(self) -> None:
+        """While calls wait, ends the streams that have waited on their caller for contended_stall_s
+        on a worker a waiting call could use (within a quarter of the bound late)."""
+        bound = self.config.contended_stall_s
+        try:
+            while self.queue:
+                await asyncio.sleep(min(1.0, bound / 4))
+                self.end_stalled(time.monotonic() - bound)
+        finally:
+            self._stall_sweeper = None
+
+    def end_stalled(self, before: float) -> int:
+        """Ends the streams on workers the queue waits for whose window has been full since before
+        `before` (monotonic); returns how many."""
+        if any(w.required is None for w in self.queue):
+            wanted: list[Backend] = list(self.backends)
+        else:
+            wanted = list({id(w.required): w.required for w in self.queue if w.required is not None}.values())
+        ended = 0
+        for b in wanted:
+            if b.lane is None:
+                continue
+            for lc in b.lane.stalled(before):
+                lc.stall(contended_stall(self.name, self.config.contended_stall_s))
+                ended += 1
+        return ended
 
     def _expire(self, waiter: Waiter) -> None:
         if waiter.future.done():

@@ -23,9 +23,10 @@ import grpc
 
 from bridge_server.wire.errors import BridgeError
 
-__all__ = ["READER_STALL_S", "StallGuard", "reader_stalled"]
+__all__ = ["CONTENDED_STALL_S", "READER_STALL_S", "StallGuard", "contended_stall", "reader_stalled"]
 
 READER_STALL_S = 60.0      # the default bound on a caller that reads nothing while items wait
+CONTENDED_STALL_S = 5.0    # the same while other calls wait for the slot (the pool's queue; poolstate.py)
 
 T = TypeVar("T")
 
@@ -35,6 +36,13 @@ def reader_stalled(label: str, stall_s: float) -> BridgeError:
                        f"{label}: the caller read nothing for {stall_s:g} s while items waited for it "
                        f"(reader_stall_s); the stream was ended to free its worker slot",
                        target=label, reason="reader stalled")
+
+
+def contended_stall(pool: str, stall_s: float) -> BridgeError:
+    return BridgeError(grpc.StatusCode.DEADLINE_EXCEEDED, "timeout",
+                       f"the caller left a whole window of this stream's items unread for {stall_s:g} s while "
+                       f"other calls waited for a worker slot in pool {pool!r} (contended_stall_s); the stream "
+                       f"was ended to free its slot", reason="reader stalled")
 
 
 class StallGuard:

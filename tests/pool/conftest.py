@@ -15,7 +15,7 @@ from tests.worker.test_engine import engine_args
 @pytest.fixture(scope="session")
 def stranger_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolServer]:
     """Pool `e`: one worker publishing an engine, probed every second, whose streams end when their
-    caller reads nothing for 3 s. Pool `p`: one worker, no
+    caller reads nothing for 6 s, or for 1 s while calls wait for a slot. Pool `p`: one worker, no
     engine. Clients may ping every 2 s (compressed time for the keepalive test)."""
     tmp = tmp_path_factory.mktemp("strangers")
     kwargs = toml_inline({"engine_args": engine_args(ensure_tiny_model())})
@@ -27,7 +27,8 @@ workers = 1
 log_dir = "{tmp / 'logs'}"
 probe_interval_s = 1
 probe_timeout_s = 4
-reader_stall_s = 3
+reader_stall_s = 6
+contended_stall_s = 1
 [[pools.objects]]
 name = "engine"
 target = "vllm.AsyncLLMEngine.from_engine_args"

@@ -239,7 +239,7 @@ def test_a_caller_that_stops_reading_frees_its_slots_and_its_engine_requests(ser
                                                                              client: BridgeClient) -> None:
     """Each way a caller can hold a worker slot by reading nothing of a stream (a Stream through the
     router, a Multiplex stream that never gives credit, a Stream straight to the worker) ends after
-    the pool's reader_stall_s (3 s here): the slot is free for others, vLLM aborts the request, and
+    the pool's reader_stall_s (6 s here; nobody waits for a slot meanwhile): the slot is free for others, vLLM aborts the request, and
     the caller, once it reads again, learns why."""
     worker = server.pool("e").workers[0]
     log = Path(server.log.parent) / "logs" / f"{worker.id}.log"
@@ -269,38 +269,58 @@ def test_a_caller_that_stops_reading_frees_its_slots_and_its_engine_requests(ser
 
 def test_a_flood_of_stalled_streams_leaves_room_and_turns_for_another_client(server: PoolServer,
                                                                              client: BridgeClient) -> None:
-    """One Multiplex stream starts 900 generations that it never reads past their first item: 64 hold
-    every slot until reader_stall_s (3 s here) ends them, the rest queue. It may not take the last
-    quarter of the queue, so another client still queues; and that client's call is served at the
-    next freed slot, not behind the flood's 768 waiting calls (about 36 s of stalls, first in first out)."""
+    """A Stream through the router that its caller stops reading, then one Multiplex stream that starts
+    900 generations and never reads past their first item: together they hold all 64 slots, and the
+    rest queue. The flood may not take the last quarter of the queue, so another client still queues.
+    While calls wait, a stream whose caller leaves its window unread ends after contended_stall_s (1 s
+    here), not reader_stall_s (6 s), on either path: the other client's call is served within a few
+    seconds, at the next freed slot, not behind the flood's 768 waiting calls (first in first out,
+    minutes of stalls)."""
     import queue
     import threading
     request, _ = client.request(GENERATE, ("flood", greedy(64), "flood"))
     starts = [pb.MuxRequest(start=pb.MuxStart(id=i, stream=True, window=1, call=request,
                                               metadata={"x-bridge-pool": "e"})) for i in range(1, 901)]
     outgoing: queue.Queue[Any] = queue.Queue()
-    outgoing.put(pb.MuxRequest(batch=pb.MuxBatch(requests=starts)))
     refused: list[str] = []
-    with grpc.insecure_channel(server.address) as ch:
+    stalled: list[pb.MuxError] = []
+    quiet = [("grpc.http2.bdp_probe", 0)]    # a fixed 64 KiB window, filled after a few whole items
+    with grpc.insecure_channel(server.address) as ch, BridgeClient(server.address, channel_options=quiet) as other:
+        stream = other.stream(GENERATE, "stop reading", greedy(1500), "stalled-stream", stream_encoding="full",
+                              pool="e")
+        assert next(stream)["finished"] is False
+        outgoing.put(pb.MuxRequest(batch=pb.MuxBatch(requests=starts)))
         flood = ch.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
                                  pb.MuxReply.FromString)(iter(outgoing.get, None), timeout=120)
 
         def read() -> None:
             try:
                 for reply in flood:
-                    refused.extend(e.error.detail.reason for e in reply.events if e.WhichOneof("kind") == "error")
+                    for e in reply.events:
+                        if e.WhichOneof("kind") == "error":
+                            refused.append(e.error.detail.reason)
+                            if e.error.detail.reason == "reader stalled":
+                                stalled.append(e.error)
             except grpc.RpcError:
                 pass
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         try:
-            wait_until(lambda: server.pool("e").queue_length == 768, timeout=30, what="the flood queued")
-            wait_until(lambda: refused.count("client queue full") == 900 - 64 - 768, timeout=10,
-                       what="the flood's calls past its share refused")
+            wait_until(lambda: "client queue full" in refused, timeout=30, what="the flood's calls past its share refused")
+            assert server.pool("e").queue_length <= 768      # its share: the last quarter of 1,024 kept
             started = time.monotonic()
             assert len(tokens(client, "beside-the-flood", n=4, timeout=60)) == 4
             took = time.monotonic() - started
-            assert took < 15, took       # one stall (3 s) here; first in first out, 48 s
+            assert took < 5, took       # under reader_stall_s (6 s): the shorter bound freed the slots
+            wait_until(lambda: len(stalled) >= 63, timeout=30, what="the flood's first streams ended")
+            for err in stalled:
+                assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], err
+                assert "contended_stall_s" in err.detail.message and "pool 'e'" in err.detail.message, err
+            with pytest.raises(CallError) as ended:
+                for _ in stream:
+                    pass
+            assert ended.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, ended.value
+            assert ended.value.reason == "reader stalled" and "contended_stall_s" in ended.value.details, ended.value
         finally:
             flood.cancel()
             outgoing.put(None)
