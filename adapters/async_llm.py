@@ -256,10 +256,30 @@ def _check_token_ids(engine: Any, label: str, prompt: Any, where: str = "prompt"
     tokenizer = getattr(engine, "tokenizer", None)
     if getattr(config, "is_multimodal_model", False) and tokenizer is not None:
         bound = max(bound, getattr(tokenizer, "max_token_id", bound - 1) + 1)
-    if min(ids) < 0 or max(ids) >= bound:
+    _within_vocabulary(label, name, ids, bound)
+
+
+def _within_vocabulary(label: str, name: str, ids: Any, bound: int) -> None:
+    if ids and (min(ids) < 0 or max(ids) >= bound):
         i, bad = next((i, x) for i, x in enumerate(ids) if not 0 <= x < bound)
         raise BridgeError.validation(f"{label}: parameter {name}[{i}]: token id {bad} is outside this model's "
                                      f"vocabulary (0 to {bound - 1})", target=label, parameter=f"{name}[{i}]")
+
+
+def _check_sampling_ids(engine: Any, label: str, name: str, params: Any) -> None:
+    """Token ids in sampling params index the logits in the engine core: a stop token id past the
+    vocabulary, with `min_tokens`, kills it (vLLM checks none of them, and `allowed_token_ids` only
+    against the tokenizer's length). Each must be from 0 to the model's vocabulary size - 1."""
+    if type(params).__name__ != "SamplingParams":
+        return
+    bound = engine.model_config.get_vocab_size()
+    for field in ("stop_token_ids", "allowed_token_ids"):
+        ids = getattr(params, field, None)
+        if ids:
+            _within_vocabulary(label, f"{name}.{field}", list(ids), bound)
+    bias = getattr(params, "logit_bias", None)
+    if bias:
+        _within_vocabulary(label, f"{name}.logit_bias", list(bias), bound)
 
 
 async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwargs: dict[str, Any]) -> Any:
@@ -320,6 +340,7 @@ def _request_guard(method: str, params_name: str) -> Any:
         label = f"{PREFIX}.{method}"
         _check_prompt(engine, method, args.get("prompt"), params, args.get("tokenization_kwargs"), ctx.policy)
         _check_token_ids(engine, label, args.get("prompt"))
+        _check_sampling_ids(engine, label, params_name, params)
         priority = args.get("priority")
         if type(priority) is int and not I64_MIN <= priority <= I64_MAX:
             raise BridgeError.validation(f"{label}: parameter priority: {_clip_int(priority)} does not fit in 64 bits",

@@ -30,7 +30,8 @@ File layout (every key optional except a pool's `name`)::
     contended_stall_s = 5        # ... and only this long while other calls wait for a slot
     model_dirs = ["/models"]     # what clients may do and make: model_dirs, lora_dirs, rendezvous_hosts,
     max_engines_per_client = 2   # collective_rpc_methods, engine_args_allowed, max_engines_per_client,
-                                 # max_sessions, max_refs_per_client, max_prompt_chars, operators
+                                 # max_sessions, max_refs_per_client, max_ref_bytes_per_client,
+                                 # max_prompt_chars, operators
                                  # (README, Security)
     [pools.env]
     VLLM_CPU_KVCACHE_SPACE = "2"
@@ -150,6 +151,7 @@ class PoolConfig:
     max_engines_per_client: int = 2      # engines one client may make per worker (published ones aside)
     max_sessions: int = 10_000           # sessions per worker
     max_refs_per_client: int = 100_000   # refs one client may hold per worker
+    max_ref_bytes_per_client: int = 1 << 30   # bytes of tensors one client's refs may hold per worker (0: any)
     max_prompt_chars: int = 1_000_000    # the longest prompt
 
 
@@ -306,7 +308,8 @@ def validate(cfg: ServerConfig) -> ServerConfig:
         for key, value in vars(p).items():
             if key.endswith("_s") and isinstance(value, (int, float)) and value < 0:
                 raise ConfigError(f"pool {p.name!r}: {key} must be >= 0, got {value:g}")
-        for key in ("max_engines_per_client", "max_sessions", "max_refs_per_client", "max_prompt_chars"):
+        for key in ("max_engines_per_client", "max_sessions", "max_refs_per_client", "max_ref_bytes_per_client",
+                    "max_prompt_chars"):
             if getattr(p, key) < 0:
                 raise ConfigError(f"pool {p.name!r}: {key} must be >= 0")
         if p.probe_interval_s <= 0 or p.probe_timeout_s <= 0:

@@ -29,7 +29,7 @@ import re
 import sys
 import types as pytypes
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import grpc
@@ -77,12 +77,14 @@ def bind_arguments(label: str, signature: inspect.Signature, args: list[Any], kw
     """The arguments as the callee will receive them; INVALID_ARGUMENT naming the parameter if not.
     For a constructor of a record class (`constructs`), its `RecordRule` applies to the arguments as
     it would to a map's fields."""
+    _no_private(label, "", constructs, kwargs)
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
         m = _TYPEERROR_PARAM.search(str(exc))
         raise BridgeError.validation(f"{label}{_short_sig(signature)}: {exc}", target=label,
                                      parameter=m.group(1) if m else "") from None
+    _no_private(label, "", constructs, bound.arguments)     # a private parameter given by position
     rule = building.rule(constructs) if constructs is not None else None
     if rule is not None and constructs is not None:
         _allowed_fields(label, "", constructs, bound.arguments, rule)
@@ -307,6 +309,7 @@ def check_record(label: str, where: str, cls: type, fields: dict[str, Any], buil
             raise BridgeError.validation(f"{what}: {exc}", target=label, parameter=where) from None
         except ValueError:
             pass   # no introspectable signature: let the class judge
+    _no_private(label, where, cls, fields)
     rule = building.rule(cls)
     if rule is not None:
         _allowed_fields(label, where, cls, fields, rule)
@@ -321,6 +324,20 @@ def check_record(label: str, where: str, cls: type, fields: dict[str, Any], buil
     if rule is not None and rule.check is not None:
         rule.check(fields, building.policy)
     return fields
+
+
+def _no_private(label: str, where: str, cls: type | None, names: Iterable[str]) -> None:
+    """A name with a leading underscore is the callee's own bookkeeping, which it derives from what
+    its callers give and then trusts (SamplingParams' `_bad_words_token_ids` and `_all_stop_token_ids`
+    reach the engine core unchecked: an id outside the vocabulary there kills it). No caller sets one."""
+    for key in names:
+        if isinstance(key, str) and key.startswith("_"):
+            owner = f" on {cls.__name__}" if cls is not None else ""
+            kind = "field" if cls is not None else "argument"
+            raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                              f"{label}: {f'parameter {where}: ' if where else ''}{kind} {key}{owner} is private "
+                              f"(a leading underscore): no client may set it", target=label,
+                              parameter=f"{where}.{key}" if where else key, reason="not allowed")
 
 
 def _allowed_fields(label: str, where: str, cls: type, fields: Mapping[str, Any], rule: RecordRule) -> None:

@@ -75,6 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-sessions", type=int, default=10_000, metavar="N", help="sessions (default %(default)s)")
     s.add_argument("--max-refs-per-client", type=int, default=100_000, metavar="N",
                    help="refs one client may hold (default %(default)s)")
+    s.add_argument("--max-ref-bytes-per-client", type=int, default=1 << 30, metavar="N",
+                   help="bytes of tensors one client's refs may hold (default %(default)s; 0: no limit)")
     s.add_argument("--max-request-bytes", type=int, default=64 * 1024 * 1024, metavar="N",
                    help="the largest request (default %(default)s)")
     s.add_argument("--max-prompt-chars", type=int, default=1_000_000, metavar="N",
@@ -111,7 +113,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     from adapters.spec import Policy
     from bridge_server.worker.invoke import Limits
     from bridge_server.worker.server import DistributedRank, WorkerConfig
-    for name in ("max_engines_per_client", "max_sessions", "max_refs_per_client", "max_request_bytes",
+    for name in ("max_engines_per_client", "max_sessions", "max_refs_per_client", "max_ref_bytes_per_client",
+                 "max_request_bytes",
                  "max_prompt_chars", "reader_stall"):
         if getattr(args, name) < 0:
             raise SystemExit(f"vllm-bridge worker: --{name.replace('_', '-')} must be >= 0")
@@ -134,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
                         limits=Limits(max_engines_per_client=args.max_engines_per_client,
                                       reader_stall_s=args.reader_stall or None),
                         max_sessions=args.max_sessions, max_refs_per_client=args.max_refs_per_client,
+                        max_ref_bytes_per_client=args.max_ref_bytes_per_client,
                         max_request_bytes=args.max_request_bytes,
                         probe_interval_s=args.probe_interval, probe_timeout_s=args.probe_timeout,
                         min_ping_interval_s=args.min_ping_interval)

@@ -7,7 +7,9 @@ identity that presents the id may use it, so refs can pass between Elixir proces
 unguessable and start with the worker id, so whoever holds an id can tell which worker holds the
 object. When a ref goes away its id leaves a tombstone, so a late user is told why it is gone rather
 than "unknown". Limits bound what clients make a worker hold: refs per session (the oldest go),
-sessions per worker and refs per identity (refused: RESOURCE_EXHAUSTED, naming the limit).
+sessions per worker and refs per identity (refused: RESOURCE_EXHAUSTED, naming the limit), and the
+memory of the tensors an identity's refs hold: a ref to an object built from a 64 MiB tensor costs
+one ref of 100,000 but 64 MiB of the worker's memory, and the worker is every client's.
 
 The registry is touched only from the worker's event loop thread, so it needs no locks.
 """
@@ -15,7 +17,9 @@ The registry is touched only from the worker's event loop thread, so it needs no
 from __future__ import annotations
 
 import secrets
+import sys
 import time
+import types
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +48,64 @@ class RefGone(BridgeError):
     pass
 
 
+def held_bytes(obj: object, limit: int = 10_000) -> int:
+    """The bytes of the tensors (and arrays) obj holds, its own or its parts' a few levels down:
+    what a ref to it keeps in memory, within what counting `limit` objects finds. A view counts its
+    whole storage (it keeps it alive), and a storage counts once. Only instance dicts, slots and
+    containers are looked into: no attribute lookup that could run an object's code."""
+    torch = sys.modules.get("torch")
+    numpy = sys.modules.get("numpy")
+    total = 0
+    storages: set[int] = set()
+    seen: set[int] = set()
+    todo: list[tuple[object, int]] = [(obj, 0)]
+    while todo and len(seen) < limit:
+        x, depth = todo.pop()
+        if id(x) in seen or isinstance(x, _ATOMS):
+            continue
+        seen.add(id(x))
+        if torch is not None and isinstance(x, torch.Tensor):
+            try:
+                st = x.untyped_storage()
+                if st.data_ptr() not in storages:
+                    storages.add(st.data_ptr())
+                    total += st.nbytes()
+            except Exception:   # a meta or sparse tensor: no storage of its own
+                pass
+            continue
+        if numpy is not None and isinstance(x, numpy.ndarray):
+            total += x.nbytes
+            continue
+        if depth >= 4:
+            continue
+        if type(x) in (dict, list, tuple, set, frozenset):
+            parts = list(x.values()) if type(x) is dict else list(x)   # type: ignore[attr-defined, call-overload]
+        else:
+            parts = list(object.__getattribute__(x, "__dict__").values()) if _has_dict(x) else []
+            for klass in type(x).__mro__:
+                slots = klass.__dict__.get("__slots__", ())
+                for name in (slots,) if isinstance(slots, str) else slots:
+                    member = klass.__dict__.get(name)
+                    if isinstance(member, types.MemberDescriptorType):
+                        try:
+                            parts.append(member.__get__(x, klass))
+                        except AttributeError:   # an empty slot
+                            pass
+        todo.extend((v, depth + 1) for v in parts[:limit])
+    return total
+
+
+_ATOMS = (type(None), str, bytes, bytearray, int, float, complex, bool, type, types.ModuleType,
+          types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+
+
+def _has_dict(x: object) -> bool:
+    try:
+        return isinstance(object.__getattribute__(x, "__dict__"), dict)
+    except (AttributeError, TypeError):
+        return False
+
+
 def _type_name(obj: object) -> str:
     t = type(obj)
     return f"{t.__module__}.{t.__qualname__}"
@@ -54,12 +116,15 @@ class RefRegistry:
 
     def __init__(self, worker_id: str, *, session_cap: int = 10_000, idle_ttl_s: float | None = None,
                  finalize: Finalizer | None = None, tombstones: int = 100_000, max_sessions: int = 10_000,
-                 max_refs_per_client: int = 100_000) -> None:
+                 max_refs_per_client: int = 100_000, max_ref_bytes_per_client: int = 1 << 30) -> None:
         self.worker_id = worker_id
         self.session_cap = session_cap
         self.idle_ttl_s = idle_ttl_s
         self.max_sessions = max_sessions
         self.max_refs_per_client = max_refs_per_client
+        self.max_ref_bytes_per_client = max_ref_bytes_per_client
+        self._bytes_per_owner: dict[str, int] = {}
+        self._charged: dict[int, tuple[str, int]] = {}   # id(obj) -> who pays for its tensors, how much
         self._finalize = finalize
         self._refs: dict[str, RefEntry] = {}
         self._sessions: dict[tuple[str, str], OrderedDict[str, None]] = {}
@@ -86,6 +151,19 @@ class RefRegistry:
             raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
                               f"worker {self.worker_id} holds {self.max_refs_per_client:,} refs of this client, its "
                               f"limit (max_refs_per_client): release some first", reason="max_refs_per_client")
+        nbytes = 0
+        if not pinned and id(obj) not in self._holders and self.max_ref_bytes_per_client:
+            nbytes = held_bytes(obj)
+            held = self._bytes_per_owner.get(owner, 0)
+            if nbytes and held + nbytes > self.max_ref_bytes_per_client:
+                raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
+                                  f"worker {self.worker_id} holds {held:,} bytes of tensors in this client's refs; "
+                                  f"a ref to this {_type_name(obj)} ({nbytes:,} bytes) would pass its limit of "
+                                  f"{self.max_ref_bytes_per_client:,} (max_ref_bytes_per_client): release some "
+                                  f"first", reason="max_ref_bytes_per_client")
+            if nbytes:
+                self._bytes_per_owner[owner] = held + nbytes
+                self._charged[id(obj)] = (owner, nbytes)
         entry = RefEntry(ref_id or f"{self.worker_id}.{secrets.token_urlsafe(18)}", obj, owner, session_id,
                          _type_name(obj), exclusive, pinned=pinned)
         self._refs[entry.id] = entry
@@ -153,9 +231,20 @@ class RefRegistry:
         left = self._holders.pop(id(entry.obj)) - 1
         if left:
             self._holders[id(entry.obj)] = left
-        elif self._finalize is not None:
-            self._finalize(entry.obj)   # the last ref to this object is gone
+        else:
+            charged = self._charged.pop(id(entry.obj), None)
+            if charged is not None:     # refs never pass between identities: its first owner pays
+                owner, nbytes = charged
+                remaining = self._bytes_per_owner.pop(owner, 0) - nbytes
+                if remaining > 0:
+                    self._bytes_per_owner[owner] = remaining
+            if self._finalize is not None:
+                self._finalize(entry.obj)   # the last ref to this object is gone
         return True
+
+    def held_bytes(self, owner: str) -> int:
+        """Tensor bytes charged to an identity's refs."""
+        return self._bytes_per_owner.get(owner, 0)
 
     def _foreign(self, ref_id: str) -> BridgeError:
         return BridgeError(grpc.StatusCode.PERMISSION_DENIED, "ref",

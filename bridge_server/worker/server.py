@@ -79,6 +79,7 @@ class WorkerConfig:
     limits: Limits = field(default_factory=Limits)
     max_sessions: int = 10_000
     max_refs_per_client: int = 100_000
+    max_ref_bytes_per_client: int = 1 << 30   # tensors held in one client's refs (0: no limit)
     max_request_bytes: int = 64 * 1024 * 1024
     warmup: bool = True                    # published (and client-made) engines run once before they serve
     probe_interval_s: float = 5.0          # how often engines are probed (liveness.py)
@@ -339,7 +340,8 @@ def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
     catalog = catalog or default_catalog()
     refs = RefRegistry(worker_id, session_cap=config.session_cap, idle_ttl_s=config.idle_ttl_s,
                        finalize=catalog.finalize, max_sessions=config.max_sessions,
-                       max_refs_per_client=config.max_refs_per_client)
+                       max_refs_per_client=config.max_refs_per_client,
+                       max_ref_bytes_per_client=config.max_ref_bytes_per_client)
     invoker = Invoker(catalog, refs, objects=dict(objects or {}), tensor_max_bytes=config.tensor_max_bytes,
                       shared_threads=config.shared_threads, distributed=config.distributed is not None,
                       policy=config.policy, limits=config.limits)

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -366,6 +367,7 @@ name = "p"
 workers = 1
 max_sessions = 3
 max_refs_per_client = 5
+max_ref_bytes_per_client = 40000
 
 [[pools]]
 name = "g"
@@ -496,6 +498,16 @@ def test_each_limit_is_refused_with_its_name(secured: PoolServer, pki: dict[str,
             bob.call("vllm.config.ParallelConfig", session_id="limits-0")
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_refs_per_client" in err.value.details
         bob.release(*refs)
+        # One ref of five, but 24,000 bytes of the 40,000 its tensors may hold: the next such is refused,
+        # and taken once the first is released.
+        dp = "vllm.forward_context.DPMetadata"
+        big = bob.call(dp, torch.tensor(7), torch.zeros(3000, dtype=torch.int64), session_id="bytes")
+        with pytest.raises(CallError) as err:
+            bob.call(dp, torch.tensor(7), torch.zeros(3000, dtype=torch.int64), session_id="bytes")
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_ref_bytes_per_client" in err.value.details
+        assert "(24,008 bytes)" in err.value.details and "DPMetadata" in err.value.details, err.value.details
+        bob.release(big)
+        bob.release(bob.call(dp, torch.tensor(7), torch.zeros(3000, dtype=torch.int64), session_id="bytes"))
     with client_as(secured, pki, "alice") as alice:
         kept = [alice.call("vllm.config.ParallelConfig", session_id=f"cap-{i}") for i in range(3)]
         with pytest.raises(CallError) as err:

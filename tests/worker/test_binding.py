@@ -146,6 +146,28 @@ def test_a_value_vllm_would_refuse_later_is_refused_now(catalog: Catalog,
     assert err.value.message.startswith(name)
 
 
+PRIVATE = [   # a record's or a callee's own bookkeeping, by each way a client can name it
+    ("vllm.AsyncLLMEngine.generate", ("Hi", {"_bad_words_token_ids": [[5000]]}, "r"), {},
+     "sampling_params._bad_words_token_ids"),
+    ("vllm.AsyncEngineArgs", (), {"model": "/m", "_api_process_count": 4}, "_api_process_count"),
+    ("vllm.config.ParallelConfig", (), {"_data_parallel_master_port_list": [1]}, "_data_parallel_master_port_list"),
+    ("vllm.SamplingParams", (), {"_all_stop_token_ids": {5000}}, "_all_stop_token_ids"),
+    ("vllm.SamplingParams", (), {"max_tokens": 2, "_bad_words_token_ids": [[]]}, "_bad_words_token_ids"),
+]
+
+
+@pytest.mark.parametrize("case", PRIVATE, ids=lambda c: f"{c[0].rpartition('.')[2]}:{c[3]}")
+def test_no_client_sets_a_private_field_or_argument(catalog: Catalog,
+                                                    case: tuple[str, tuple[Any, ...], dict[str, Any], str]) -> None:
+    """SamplingParams derives `_bad_words_token_ids` and `_all_stop_token_ids` from its public fields,
+    checked, and the engine core trusts them: given directly, an id past the vocabulary killed it."""
+    name, args, kwargs, parameter = case
+    with pytest.raises(BridgeError) as err:
+        bind(catalog, name, *args, **kwargs)
+    assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and err.value.parameter == parameter, err.value
+    assert "is private" in err.value.message and err.value.message.startswith(name), err.value.message
+
+
 def test_values_vllm_takes_are_passed_on_as_given(catalog: Catalog) -> None:
     args, kwargs = bind(catalog, "vllm.AsyncLLMEngine.generate", {"prompt_token_ids": [1, 2, 3]},
                         {"max_tokens": 3, "output_kind": 1, "stop": ["x"], "structured_outputs": {"json": {}}},

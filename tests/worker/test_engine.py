@@ -467,6 +467,18 @@ BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words
      "parameter priority"),
     ("a tokenizer option of the wrong type", "hi", greedy(2), {"tokenization_kwargs": {"add_special_tokens": "yes"}},
      grpc.StatusCode.INVALID_ARGUMENT, "EngineGenerateError: TypeError"),
+    # Sampling params' token ids index the logits in the engine core (a stop id past the vocabulary
+    # with min_tokens killed it), and their private fields reach it unchecked.
+    ("a stop token id past the vocabulary", "hi", {**greedy(4), "min_tokens": 2, "stop_token_ids": [5000]}, {},
+     grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.stop_token_ids[0]: token id 5000 is outside"),
+    ("a negative allowed token id", "hi", {**greedy(2), "allowed_token_ids": [3, -2]}, {},
+     grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.allowed_token_ids[1]: token id -2 is outside"),
+    ("a logit bias past the vocabulary", "hi", {**greedy(2), "logit_bias": {2**40: 1.0}}, {},
+     grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.logit_bias[0]: token id 1099511627776 is outside"),
+    ("a private field of SamplingParams", "hi", {**greedy(2), "_bad_words_token_ids": [[5000]]}, {},
+     grpc.StatusCode.PERMISSION_DENIED, "field _bad_words_token_ids on SamplingParams is private"),
+    ("another private field of SamplingParams", "hi", {**greedy(4), "min_tokens": 2, "_all_stop_token_ids": {5000}},
+     {}, grpc.StatusCode.PERMISSION_DENIED, "field _all_stop_token_ids on SamplingParams is private"),
 ]
 
 
