@@ -5,8 +5,8 @@ requests share one engine, which is what lets vLLM batch them. What this adapter
 remote caller cannot do for itself:
 - refuse calls that would kill the engine core (a pooling task the model lacks, token ids outside
   the model's vocabulary) or block the worker (completions by the million), and prompts that cannot
-  fit the model, before they reach it; tokenize long prompts off the event loop, so one call's
-  prompt never stalls the others;
+  fit the model, before they reach it (`engine_requests.py`); tokenize long prompts off the event
+  loop, so one call's prompt never stalls the others;
 - know when an engine can no longer serve (its core process exited, or it stops answering: its input
   thread dies on a request it cannot decode, its output path dies), and then fail its calls at once
   with the cause (`lifecycle`: the worker probes every engine and replaces a published one);
@@ -28,13 +28,14 @@ from typing import Any
 import grpc
 import psutil
 
+from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check_prompt, check_sampling_params,
+                                     check_token_ids, clip_int, sampling_rule, text_of)
 from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Growing, Lifecycle, Policy, RecordRule,
                            RecordType)
 from bridge_server.wire.errors import BridgeError, quote
 
 log = logging.getLogger("vllm_bridge.engine")
 PREFIX = "vllm.AsyncLLMEngine"
-LONG_PROMPT_CHARS = 16_384      # longer prompts are tokenized off the event loop
 _causes: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()   # engine -> why it is dead
 _warmups = itertools.count(1)
 
@@ -177,116 +178,13 @@ def _started(engine: Any) -> None:
 
 # ------------------------------------------------------------------------------------------ prompts
 _tokenizing: weakref.WeakKeyDictionary[Any, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
-_token_chars: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-
-
-def _prompt_text(prompt: Any) -> str | None:
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str):
-        return str(prompt["prompt"])
-    return None
-
-
-def _max_token_chars(engine: Any) -> int | None:
-    """The most characters one token of the engine's vocabulary stands for (None: no tokenizer).
-    A prompt longer than max_model_len times this cannot fit, whatever it says."""
-    if engine in _token_chars:
-        return _token_chars[engine]
-    tokenizer = getattr(engine, "tokenizer", None)
-    if tokenizer is None:
-        return None
-    try:
-        longest = max(len(t) for t in tokenizer.get_vocab())
-    except Exception:
-        return None
-    _token_chars[engine] = longest
-    return longest
-
-
-def _check_prompt(engine: Any, method: str, prompt: Any, params: Any, tokenization: Mapping[str, Any] | None,
-                  policy: Policy) -> None:
-    """A prompt over the operator's limit, or one that cannot fit the model whatever it says, is
-    refused here, at once, before anything tokenizes it."""
-    text = _prompt_text(prompt)
-    if text is None:
-        return
-    label = f"{PREFIX}.{method}"
-    if len(text) > policy.max_prompt_chars:
-        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
-                          f"{label}: parameter prompt: {len(text):,} characters is over this server's limit of "
-                          f"{policy.max_prompt_chars:,} (max_prompt_chars)", target=label, parameter="prompt",
-                          reason="max_prompt_chars")
-    if len(text) <= LONG_PROMPT_CHARS // 8:
-        return
-    truncating = getattr(params, "truncate_prompt_tokens", None) is not None or (tokenization or {}).get("truncation")
-    max_len = engine.model_config.max_model_len
-    per_token = _max_token_chars(engine)
-    if not truncating and per_token is not None and len(text) > max_len * per_token:
-        raise BridgeError.validation(
-            f"{label}: parameter prompt: a prompt of {len(text):,} characters cannot fit this engine's "
-            f"max_model_len of {max_len:,} tokens (each token stands for at most {per_token} characters); "
-            f"shorten it, or ask for truncation (truncate_prompt_tokens)", target=label, parameter="prompt")
-
-
-def _check_token_ids(engine: Any, label: str, prompt: Any, where: str = "prompt") -> None:
-    """Token ids in a prompt are indexes into the model's embedding: one outside it kills the engine
-    core (IndexError in its forward pass), and with it every request of every client. vLLM checks
-    only the largest id against the larger of the tokenizer's and the model's vocabulary, and never
-    a negative one. So each id must be an int from 0 to the model's vocabulary size - 1 (for a
-    multimodal model, whose placeholders may lie past it, vLLM's own bound)."""
-    if not isinstance(prompt, Mapping):
-        return
-    for key in ("encoder_prompt", "decoder_prompt"):
-        if key in prompt:
-            _check_token_ids(engine, label, prompt[key], f"{where}.{key}")
-    ids = prompt.get("prompt_token_ids")
-    if ids is None:
-        return
-    name = f"{where}.prompt_token_ids"
-    if not isinstance(ids, (list, tuple)) or set(map(type, ids)) - {int}:
-        bad = next((x for x in ids if type(x) is not int), ids) if isinstance(ids, (list, tuple)) else ids
-        raise BridgeError.validation(f"{label}: parameter {name}: expected a list of ints (token ids), got "
-                                     f"{'an item of type ' if bad is not ids else ''}{type(bad).__name__}",
-                                     target=label, parameter=name)
-    if not ids:
-        return
-    config = engine.model_config
-    bound = config.get_vocab_size()
-    tokenizer = getattr(engine, "tokenizer", None)
-    if getattr(config, "is_multimodal_model", False) and tokenizer is not None:
-        bound = max(bound, getattr(tokenizer, "max_token_id", bound - 1) + 1)
-    _within_vocabulary(label, name, ids, bound)
-
-
-def _within_vocabulary(label: str, name: str, ids: Any, bound: int) -> None:
-    if ids and (min(ids) < 0 or max(ids) >= bound):
-        i, bad = next((i, x) for i, x in enumerate(ids) if not 0 <= x < bound)
-        raise BridgeError.validation(f"{label}: parameter {name}[{i}]: token id {bad} is outside this model's "
-                                     f"vocabulary (0 to {bound - 1})", target=label, parameter=f"{name}[{i}]")
-
-
-def _check_sampling_ids(engine: Any, label: str, name: str, params: Any) -> None:
-    """Token ids in sampling params index the logits in the engine core: a stop token id past the
-    vocabulary, with `min_tokens`, kills it (vLLM checks none of them, and `allowed_token_ids` only
-    against the tokenizer's length). Each must be from 0 to the model's vocabulary size - 1."""
-    if type(params).__name__ != "SamplingParams":
-        return
-    bound = engine.model_config.get_vocab_size()
-    for field in ("stop_token_ids", "allowed_token_ids"):
-        ids = getattr(params, field, None)
-        if ids:
-            _within_vocabulary(label, f"{name}.{field}", list(ids), bound)
-    bias = getattr(params, "logit_bias", None)
-    if bias:
-        _within_vocabulary(label, f"{name}.logit_bias", list(bias), bound)
 
 
 async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwargs: dict[str, Any]) -> Any:
     """The prompt to hand to vLLM: as given, or, where building the request costs tokenizer work
     (a long prompt, bad words, structured outputs), the request vLLM builds from it, built off the
     event loop (one thread per engine: its tokenizer is never used by two of ours at once)."""
-    text = _prompt_text(prompt)
+    text = text_of(prompt)
     if not (text is not None and len(text) > LONG_PROMPT_CHARS or getattr(params, "bad_words", None)
             or getattr(params, "structured_outputs", None) is not None):
         return prompt
@@ -338,12 +236,12 @@ def _request_guard(method: str, params_name: str) -> Any:
         await _serving(engine, method)
         params = args.get(params_name)
         label = f"{PREFIX}.{method}"
-        _check_prompt(engine, method, args.get("prompt"), params, args.get("tokenization_kwargs"), ctx.policy)
-        _check_token_ids(engine, label, args.get("prompt"))
-        _check_sampling_ids(engine, label, params_name, params)
+        check_prompt(engine, label, args.get("prompt"), params, args.get("tokenization_kwargs"), ctx.policy)
+        check_token_ids(engine, label, args.get("prompt"))
+        check_sampling_params(engine, label, params_name, params)
         priority = args.get("priority")
         if type(priority) is int and not I64_MIN <= priority <= I64_MAX:
-            raise BridgeError.validation(f"{label}: parameter priority: {_clip_int(priority)} does not fit in 64 bits",
+            raise BridgeError.validation(f"{label}: parameter priority: {clip_int(priority)} does not fit in 64 bits",
                                          target=label, parameter="priority")
         if params is not None and type(params).__name__ == "PoolingParams":
             await _check_task(engine, method, params_name, params)
@@ -387,7 +285,7 @@ async def _generate(engine: Any, prompt: Any, sampling_params: Any, request_id: 
     generator (awaited once, then iterated as is: nothing of ours runs per token)."""
     prepared = await _prepared(engine, prompt, sampling_params, request_id, kwargs)
     if prepared is not prompt:
-        kwargs = {"prompt_text": _prompt_text(prompt), "data_parallel_rank": kwargs.get("data_parallel_rank")}
+        kwargs = {"prompt_text": text_of(prompt), "data_parallel_rank": kwargs.get("data_parallel_rank")}
     result: AsyncGenerator[Any, None] = engine.generate(prepared, sampling_params, request_id, **kwargs)
     return result
 
@@ -414,7 +312,7 @@ async def _add_request(engine: Any, request_id: str, prompt: Any, params: Any, a
     prepared = await _prepared(engine, prompt, params, request_id, options)
     if prepared is not prompt:
         return await engine.add_request(request_id, prepared, params, data_parallel_rank=data_parallel_rank,
-                                        prompt_text=_prompt_text(prompt))
+                                        prompt_text=text_of(prompt))
     return await engine.add_request(request_id, prompt, params, prompt_text=prompt_text, **options)
 
 
@@ -509,47 +407,6 @@ def _lora_rule(fields: Mapping[str, Any], policy: Policy) -> None:
         _path_rule(label, "lora_path", policy.lora_dirs + policy.model_dirs, "lora_dirs", fields["lora_path"])
 
 
-# The most stop strings and bad words one request may carry: vLLM tokenizes each bad word before the
-# request starts, and looks for each stop string after every token, in the process that serves every
-# other request too (the OpenAI API allows 4 stop strings).
-MAX_STOP_STRINGS = 256
-MAX_BAD_WORDS = 4096
-# Completions of one prompt (SamplingParams.n). vLLM fans a request out into n requests on the event
-# loop, ~50 us each, with no bound: n=1,000,000 blocks a worker's loop for about a minute.
-MAX_N = 256
-I64_MIN, I64_MAX = -(2**63), 2**63 - 1
-
-
-def _clip_int(value: int) -> str:
-    text = str(value) if value.bit_length() < 200 else f"an int of {value.bit_length():,} bits"
-    return text[:80]
-
-
-def _sampling_rule(fields: Mapping[str, Any], policy: Policy) -> None:
-    label = "vllm.SamplingParams"
-    if fields.get("logits_processors"):
-        raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
-                          f"{label}: field logits_processors: not settable by a client (it names code to run)",
-                          target=label, parameter="logits_processors", reason="not allowed")
-    for key, limit in (("stop", MAX_STOP_STRINGS), ("bad_words", MAX_BAD_WORDS)):
-        value = fields.get(key)
-        if isinstance(value, (list, tuple)) and len(value) > limit:
-            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
-                              f"{label}: field {key}: {len(value):,} strings is over this server's limit of {limit:,}",
-                              target=label, parameter=key, reason=f"too many {key}")
-    n = fields.get("n")
-    if type(n) is int and n > MAX_N:
-        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
-                          f"{label}: field n: {_clip_int(n)} completions of one prompt is over this server's limit "
-                          f"of {MAX_N}", target=label, parameter="n", reason="too many completions")
-    # vLLM sends the request to its engine core as msgpack, which has no ints past 64 bits: a bigger
-    # one fails there, as an error that names nothing.
-    for key, value in fields.items():
-        if type(value) is int and not I64_MIN <= value <= I64_MAX:
-            raise BridgeError.validation(f"{label}: field {key}: {_clip_int(value)} does not fit in 64 bits",
-                                         target=label, parameter=key)
-
-
 def _new(vllm_config: Any, executor_class: Any = None, log_stats: bool = False, **kwargs: Any) -> Any:
     """AsyncLLM(...) for a remote caller, who cannot pass a Python class: the executor defaults to
     the one vLLM would pick for the config."""
@@ -609,7 +466,7 @@ ASYNC_LLM = AdapterSpec(
     record_rules=(
         RecordRule("vllm", "AsyncEngineArgs", check=_engine_args_rule),
         RecordRule("vllm.lora.request", "LoRARequest", check=_lora_rule),
-        RecordRule("vllm", "SamplingParams", check=_sampling_rule),
+        RecordRule("vllm", "SamplingParams", check=sampling_rule),
     ),
     exposures=(
         Exposure("transformers.tokenization_utils_base", "PreTrainedTokenizerBase", methods=frozenset({"encode", "decode"}),

@@ -1,0 +1,215 @@
+"""What a request to an `AsyncLLM` engine must pass before vLLM sees it.
+
+vLLM checks a request's arguments for its own users, who run it in their own process: a value it
+lets through may still kill the engine core (a token id outside the model's vocabulary, in a prompt
+or in sampling params, indexes past the logits or the embedding), block the worker's event loop
+(completions by the million), or cost far more than its size (a schema nested hundreds deep). Here
+the engine is every client's, so each such value is refused at once, by name, before it reaches
+vLLM. The adapter (`async_llm.py`) runs these from its request guards and its SamplingParams rule.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import grpc
+
+from adapters.spec import Policy
+from bridge_server.wire.errors import BridgeError
+
+__all__ = ["I64_MAX", "I64_MIN", "LONG_PROMPT_CHARS", "MAX_BAD_WORDS", "MAX_N", "MAX_SCHEMA_DEPTH", "MAX_STOP_STRINGS",
+           "check_prompt", "check_sampling_params", "check_token_ids", "clip_int", "sampling_rule", "text_of"]
+
+LONG_PROMPT_CHARS = 16_384      # longer prompts are tokenized off the event loop
+_token_chars: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def text_of(prompt: Any) -> str | None:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str):
+        return str(prompt["prompt"])
+    return None
+
+
+def _max_token_chars(engine: Any) -> int | None:
+    """The most characters one token of the engine's vocabulary stands for (None: no tokenizer).
+    A prompt longer than max_model_len times this cannot fit, whatever it says."""
+    if engine in _token_chars:
+        return _token_chars[engine]
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None:
+        return None
+    try:
+        longest = max(len(t) for t in tokenizer.get_vocab())
+    except Exception:
+        return None
+    _token_chars[engine] = longest
+    return longest
+
+
+def check_prompt(engine: Any, label: str, prompt: Any, params: Any, tokenization: Mapping[str, Any] | None,
+                 policy: Policy) -> None:
+    """A prompt over the operator's limit, or one that cannot fit the model whatever it says, is
+    refused here, at once, before anything tokenizes it."""
+    text = text_of(prompt)
+    if text is None:
+        return
+    if len(text) > policy.max_prompt_chars:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"{label}: parameter prompt: {len(text):,} characters is over this server's limit of "
+                          f"{policy.max_prompt_chars:,} (max_prompt_chars)", target=label, parameter="prompt",
+                          reason="max_prompt_chars")
+    if len(text) <= LONG_PROMPT_CHARS // 8:
+        return
+    truncating = getattr(params, "truncate_prompt_tokens", None) is not None or (tokenization or {}).get("truncation")
+    max_len = engine.model_config.max_model_len
+    per_token = _max_token_chars(engine)
+    if not truncating and per_token is not None and len(text) > max_len * per_token:
+        raise BridgeError.validation(
+            f"{label}: parameter prompt: a prompt of {len(text):,} characters cannot fit this engine's "
+            f"max_model_len of {max_len:,} tokens (each token stands for at most {per_token} characters); "
+            f"shorten it, or ask for truncation (truncate_prompt_tokens)", target=label, parameter="prompt")
+
+
+def check_token_ids(engine: Any, label: str, prompt: Any, where: str = "prompt") -> None:
+    """Token ids in a prompt are indexes into the model's embedding: one outside it kills the engine
+    core (IndexError in its forward pass), and with it every request of every client. vLLM checks
+    only the largest id against the larger of the tokenizer's and the model's vocabulary, and never
+    a negative one. So each id must be an int from 0 to the model's vocabulary size - 1 (for a
+    multimodal model, whose placeholders may lie past it, vLLM's own bound)."""
+    if not isinstance(prompt, Mapping):
+        return
+    for key in ("encoder_prompt", "decoder_prompt"):
+        if key in prompt:
+            check_token_ids(engine, label, prompt[key], f"{where}.{key}")
+    ids = prompt.get("prompt_token_ids")
+    if ids is None:
+        return
+    name = f"{where}.prompt_token_ids"
+    if not isinstance(ids, (list, tuple)) or set(map(type, ids)) - {int}:
+        bad = next((x for x in ids if type(x) is not int), ids) if isinstance(ids, (list, tuple)) else ids
+        raise BridgeError.validation(f"{label}: parameter {name}: expected a list of ints (token ids), got "
+                                     f"{'an item of type ' if bad is not ids else ''}{type(bad).__name__}",
+                                     target=label, parameter=name)
+    if not ids:
+        return
+    config = engine.model_config
+    bound = config.get_vocab_size()
+    tokenizer = getattr(engine, "tokenizer", None)
+    if getattr(config, "is_multimodal_model", False) and tokenizer is not None:
+        bound = max(bound, getattr(tokenizer, "max_token_id", bound - 1) + 1)
+    _within_vocabulary(label, name, ids, bound)
+
+
+def _within_vocabulary(label: str, name: str, ids: Any, bound: int) -> None:
+    if ids and (min(ids) < 0 or max(ids) >= bound):
+        i, bad = next((i, x) for i, x in enumerate(ids) if not 0 <= x < bound)
+        raise BridgeError.validation(f"{label}: parameter {name}[{i}]: token id {bad} is outside this model's "
+                                     f"vocabulary (0 to {bound - 1})", target=label, parameter=f"{name}[{i}]")
+
+
+def _json_depth(value: Any) -> int:
+    """How deeply a JSON document (or its text) nests, counted without recursion (text nested past
+    Python's own limit counts as too deep)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except RecursionError:
+            return sys.maxsize
+        except ValueError:
+            return 0       # not JSON: vLLM says so
+    depth, level = 0, [(value, 1)]
+    while level:
+        x, d = level.pop()
+        if isinstance(x, (dict, list)) and d > depth:
+            depth = d
+        if isinstance(x, dict):
+            level.extend((v, d + 1) for v in x.values())
+        elif isinstance(x, list):
+            level.extend((v, d + 1) for v in x)
+    return depth
+
+
+def _check_structured_outputs(label: str, name: str, params: Any) -> None:
+    """A JSON schema's conversion to a grammar (xgrammar's, in vLLM's input checks, on the thread that
+    prepares every client's structured requests) takes time cubic in how deeply it nests: 200 nested
+    objects take 1.6 s, 400 take 14 s, and nothing can stop it once started. Real schemas nest a few
+    levels; MAX_SCHEMA_DEPTH levels of JSON take milliseconds."""
+    so = getattr(params, "structured_outputs", None)
+    if so is None:
+        return
+    for field in ("json", "structural_tag"):
+        value = getattr(so, field, None)
+        if value is not None and (depth := _json_depth(value)) > MAX_SCHEMA_DEPTH:
+            shown = "deeper than Python's JSON parser goes" if depth == sys.maxsize else f"{depth} levels deep"
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                              f"{label}: parameter {name}.structured_outputs.{field}: it nests {shown}, over this "
+                              f"server's limit of {MAX_SCHEMA_DEPTH} levels (a schema's cost grows with the cube of "
+                              f"its depth)", target=label, parameter=f"{name}.structured_outputs.{field}",
+                              reason="schema too deep")
+
+
+def check_sampling_params(engine: Any, label: str, name: str, params: Any) -> None:
+    """What vLLM lets through of sampling params and then pays for. Token ids index the logits in the
+    engine core: a stop token id past the vocabulary, with `min_tokens`, kills it (vLLM checks none
+    of them, and `allowed_token_ids` only against the tokenizer's length), so each must be from 0 to
+    the model's vocabulary size - 1. And a structured output's schema is bounded in depth."""
+    if type(params).__name__ != "SamplingParams":
+        return
+    _check_structured_outputs(label, name, params)
+    bound = engine.model_config.get_vocab_size()
+    for field in ("stop_token_ids", "allowed_token_ids"):
+        ids = getattr(params, field, None)
+        if ids:
+            _within_vocabulary(label, f"{name}.{field}", list(ids), bound)
+    bias = getattr(params, "logit_bias", None)
+    if bias:
+        _within_vocabulary(label, f"{name}.logit_bias", list(bias), bound)
+
+
+# The most stop strings and bad words one request may carry: vLLM tokenizes each bad word before the
+# request starts, and looks for each stop string after every token, in the process that serves every
+# other request too (the OpenAI API allows 4 stop strings).
+MAX_STOP_STRINGS = 256
+MAX_BAD_WORDS = 4096
+# How deeply a structured output's JSON schema may nest (JSON levels: an object property is two).
+MAX_SCHEMA_DEPTH = 64
+# Completions of one prompt (SamplingParams.n). vLLM fans a request out into n requests on the event
+# loop, ~50 us each, with no bound: n=1,000,000 blocks a worker's loop for about a minute.
+MAX_N = 256
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+
+
+def clip_int(value: int) -> str:
+    text = str(value) if value.bit_length() < 200 else f"an int of {value.bit_length():,} bits"
+    return text[:80]
+
+
+def sampling_rule(fields: Mapping[str, Any], policy: Policy) -> None:
+    label = "vllm.SamplingParams"
+    if fields.get("logits_processors"):
+        raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                          f"{label}: field logits_processors: not settable by a client (it names code to run)",
+                          target=label, parameter="logits_processors", reason="not allowed")
+    for key, limit in (("stop", MAX_STOP_STRINGS), ("bad_words", MAX_BAD_WORDS)):
+        value = fields.get(key)
+        if isinstance(value, (list, tuple)) and len(value) > limit:
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                              f"{label}: field {key}: {len(value):,} strings is over this server's limit of {limit:,}",
+                              target=label, parameter=key, reason=f"too many {key}")
+    n = fields.get("n")
+    if type(n) is int and n > MAX_N:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"{label}: field n: {clip_int(n)} completions of one prompt is over this server's limit "
+                          f"of {MAX_N}", target=label, parameter="n", reason="too many completions")
+    # vLLM sends the request to its engine core as msgpack, which has no ints past 64 bits: a bigger
+    # one fails there, as an error that names nothing.
+    for key, value in fields.items():
+        if type(value) is int and not I64_MIN <= value <= I64_MAX:
+            raise BridgeError.validation(f"{label}: field {key}: {clip_int(value)} does not fit in 64 bits",
+                                         target=label, parameter=key)
