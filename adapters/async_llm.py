@@ -29,7 +29,7 @@ import grpc
 import psutil
 
 from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check_prompt, check_sampling_params,
-                                     check_token_ids, clip_int, sampling_rule, text_of)
+                                     check_token_ids, clip_int, pooling_rule, sampling_rule, text_of)
 from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Growing, Lifecycle, Policy, RecordRule,
                            RecordType)
 from bridge_server.wire.errors import BridgeError, quote
@@ -334,6 +334,19 @@ def _collective_rpc_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext
                           target=label, parameter="method", reason="not allowed")
 
 
+def _lora_guard(method: str) -> Any:
+    """LoRA methods on an engine made without LoRA fail inside its core with a bare `Exception`
+    ("Call to add_lora method failed"), which says neither that the call can never work here nor why."""
+    def guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
+        _alive(engine, args)
+        if getattr(getattr(engine, "vllm_config", None), "lora_config", ...) is None:
+            label = f"{PREFIX}.{method}"
+            raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "engine",
+                              f"{label}: LoRA is not enabled on this engine (it was made without the engine "
+                              f"argument enable_lora)", target=label, reason="lora disabled")
+    return guard
+
+
 def _shutdown_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
     """A published engine belongs to the server and serves every client: no client stops it."""
     if ctx.published:
@@ -452,7 +465,8 @@ ASYNC_LLM = AdapterSpec(
     guards={"*": _alive, "generate": _request_guard("generate", "sampling_params"),
             "encode": _request_guard("encode", "pooling_params"), "add_request": _request_guard("add_request", "params"),
             "abort": _abort_guard, "collective_rpc": _collective_rpc_guard, "shutdown": _shutdown_guard,
-            "new": _creation_guard, "from_engine_args": _creation_guard, "from_vllm_config": _creation_guard},
+            "new": _creation_guard, "from_engine_args": _creation_guard, "from_vllm_config": _creation_guard,
+            **{m: _lora_guard(m) for m in ("add_lora", "list_loras", "pin_lora", "remove_lora")}},
     overrides={"new": _new, "generate": _generate, "encode": _encode, "add_request": _add_request, "sleep": _sleep,
                "wake_up": _wake_up},
     # Requests of the caller's own, and reads. Not here (operators only, on a published engine):
@@ -467,6 +481,7 @@ ASYNC_LLM = AdapterSpec(
         RecordRule("vllm", "AsyncEngineArgs", check=_engine_args_rule),
         RecordRule("vllm.lora.request", "LoRARequest", check=_lora_rule),
         RecordRule("vllm", "SamplingParams", check=sampling_rule),
+        RecordRule("vllm", "PoolingParams", check=pooling_rule),
     ),
     exposures=(
         Exposure("transformers.tokenization_utils_base", "PreTrainedTokenizerBase", methods=frozenset({"encode", "decode"}),

@@ -22,7 +22,7 @@ from adapters.spec import Policy
 from bridge_server.wire.errors import BridgeError
 
 __all__ = ["I64_MAX", "I64_MIN", "LONG_PROMPT_CHARS", "MAX_BAD_WORDS", "MAX_N", "MAX_SCHEMA_DEPTH", "MAX_STOP_STRINGS",
-           "check_prompt", "check_sampling_params", "check_token_ids", "clip_int", "sampling_rule", "text_of"]
+           "check_prompt", "check_sampling_params", "check_token_ids", "clip_int", "pooling_rule", "sampling_rule", "text_of"]
 
 LONG_PROMPT_CHARS = 16_384      # longer prompts are tokenized off the event loop
 _token_chars: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -159,6 +159,15 @@ def check_sampling_params(engine: Any, label: str, name: str, params: Any) -> No
     engine core: a stop token id past the vocabulary, with `min_tokens`, kills it (vLLM checks none
     of them, and `allowed_token_ids` only against the tokenizer's length), so each must be from 0 to
     the model's vocabulary size - 1. And a structured output's schema is bounded in depth."""
+    if type(params).__name__ == "PoolingParams":
+        bound = engine.model_config.get_vocab_size()
+        ids = getattr(params, "returned_token_ids", None)
+        if ids:
+            _within_vocabulary(label, f"{name}.returned_token_ids", list(ids), bound)
+        step = getattr(params, "step_tag_id", None)
+        if type(step) is int:
+            _within_vocabulary(label, f"{name}.step_tag_id", [step], bound)
+        return
     if type(params).__name__ != "SamplingParams":
         return
     _check_structured_outputs(label, name, params)
@@ -207,9 +216,43 @@ def sampling_rule(fields: Mapping[str, Any], policy: Policy) -> None:
         raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
                           f"{label}: field n: {clip_int(n)} completions of one prompt is over this server's limit "
                           f"of {MAX_N}", target=label, parameter="n", reason="too many completions")
-    # vLLM sends the request to its engine core as msgpack, which has no ints past 64 bits: a bigger
-    # one fails there, as an error that names nothing.
+    _sendable(label, fields, "extra_args")
+
+
+def pooling_rule(fields: Mapping[str, Any], policy: Policy) -> None:
+    _sendable("vllm.PoolingParams", fields, "extra_kwargs")
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes, list, tuple, dict)
+_CONTAINERS = frozenset({list, tuple, dict, set, frozenset})
+
+
+def _sendable(label: str, fields: Mapping[str, Any], free_field: str) -> None:
+    """vLLM sends a request's params to its engine core as msgpack after registering the request in
+    the worker, and a value msgpack cannot carry fails it only then: the request's state stays in
+    the worker for good, and the error names nothing. msgpack has no ints past 64 bits, anywhere in
+    a field, and the one field typed `Any` (options for the engine's own plug-ins) takes plain data
+    only, not a client's ref to some object."""
     for key, value in fields.items():
-        if type(value) is int and not I64_MIN <= value <= I64_MAX:
-            raise BridgeError.validation(f"{label}: field {key}: {clip_int(value)} does not fit in 64 bits",
-                                         target=label, parameter=key)
+        if type(value) not in _CONTAINERS and key != free_field:     # the usual field: one int check
+            if type(value) is int and not I64_MIN <= value <= I64_MAX:
+                raise BridgeError.validation(f"{label}: field {key}: {clip_int(value)} does not fit in 64 bits",
+                                             target=label, parameter=key)
+            continue
+        todo: list[tuple[Any, str]] = [(value, key)]
+        seen = 0
+        while todo and seen < 100_000:
+            x, where = todo.pop()
+            seen += 1
+            if type(x) is int and not I64_MIN <= x <= I64_MAX:
+                raise BridgeError.validation(f"{label}: field {where}: {clip_int(x)} does not fit in 64 bits",
+                                             target=label, parameter=where)
+            if key == free_field and type(x) not in _PLAIN:
+                raise BridgeError.validation(f"{label}: field {where}: expected plain data (None, bool, int, float, "
+                                             f"str, bytes, lists and maps of them), got {type(x).__name__}",
+                                             target=label, parameter=where)
+            if isinstance(x, dict):
+                todo.extend((k, f"{where} key") for k in x)
+                todo.extend((v, f"{where}[{k!r:.40}]") for k, v in x.items())
+            elif isinstance(x, (list, tuple, set, frozenset)):
+                todo.extend((v, f"{where}[{i}]") for i, v in enumerate(x))

@@ -339,7 +339,11 @@ class PoolRouter:
             timer = loop.call_later(delay, self._expire, waiter)
         self.queue.append(waiter)
         self.queued[client] += 1
-        if self._stall_sweeper is None and self.config.contended_stall_s > 0:
+        if any(b.has_slot() for b in self.backends):
+            # Slots freed since the caller found none (a Multiplex start queues from a task of its own):
+            # every release dispatched to an empty queue then, so nothing else would wake this waiter.
+            self.dispatch()
+        if self.queue and self._stall_sweeper is None and self.config.contended_stall_s > 0:
             self._stall_sweeper = loop.create_task(self._sweep_stalls())
         try:
             return await waiter.future

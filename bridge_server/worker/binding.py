@@ -407,6 +407,8 @@ def _field_types_error(cls: type, fields: dict[str, Any]) -> str | None:
     names the field and the expected and given types, where the class's error may name neither."""
     if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
         return None
+    if getattr(getattr(cls, "__struct_config__", None), "array_like", False):
+        return None       # converted from a list only: a map is "the wrong type" whatever its fields
     try:
         msgspec.convert(fields, cls)
     except msgspec.ValidationError as exc:   # "Expected `int`, got `str` - at `$.max_tokens`"

@@ -75,3 +75,19 @@ def test_one_client_may_not_fill_the_queue_and_others_still_queue() -> None:
         assert not pool.queue and not pool.queued               # nothing left behind, counts included
 
     asyncio.run(main())
+
+
+def test_a_call_that_queues_after_every_slot_freed_is_served_at_once() -> None:
+    """A Multiplex start that finds every slot busy queues from a task of its own: by the time that
+    task runs, every running call may have ended, each release finding the queue empty. The waiter
+    must not sit in the queue of an idle worker (it hung until some other call ended)."""
+    async def main() -> None:
+        pool, backend = _pool(slots=2, queue_size=10)
+        plan = _anywhere(pool)
+        assert pool.take(plan) is backend and pool.take(plan) is backend and pool.take(plan) is None
+        pool.release(backend)
+        pool.release(backend)                      # both end before the third call joins the queue
+        assert await asyncio.wait_for(pool.wait(plan, None, "late"), 5) is backend
+        assert backend.in_flight == 1 and not pool.queue
+
+    asyncio.run(main())

@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bridge_server.client.client import BridgeClient, CallError, Target
 from bridge_server.pool.workerproc import lane_path
+from bridge_server.tools.tiny_model import ensure_tiny_model
 from tests.pool.harness import Gate, PoolServer, in_thread, open_gates, others_calling, wait_until
 from tests.worker.test_engine import greedy
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -201,6 +202,19 @@ def test_call_on_a_streaming_target_says_to_use_stream(server: PoolServer, clien
         client.call(GENERATE, "Hi", greedy(2), "unary-generate", timeout=10)
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "Stream" in err.value.details
     assert err.value.reason == "use Stream"
+
+
+def test_a_lora_method_on_an_engine_without_lora_says_why(server: PoolServer, client: BridgeClient) -> None:
+    """vLLM's own failure there is a bare Exception from inside its core ("Call to add_lora method
+    failed: LoRA is not enabled"), reported as UNKNOWN: a status that says neither that the call can
+    never work on this engine nor why."""
+    lora = {"lora_name": "a", "lora_int_id": 1, "lora_path": str(ensure_tiny_model() / "lora")}
+    for method, args in (("list_loras", ()), ("add_lora", (lora,))):
+        with pytest.raises(CallError) as err:
+            client.call(Target.method("engine", method), *args, timeout=10)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, (method, err.value)
+        assert err.value.reason == "lora disabled" and "enable_lora" in err.value.details, (method, err.value)
+    assert client.call(Target.method("engine", "check_health"), timeout=10) is None
 
 
 def test_a_prompt_that_cannot_fit_is_refused_at_once_and_blocks_nobody(server: PoolServer,

@@ -481,6 +481,8 @@ BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words
     ("a structural tag nested past Python's limit", "hi",
      {**greedy(2), "structured_outputs": {"structural_tag": "[" * 100_000 + "]" * 100_000}},
      {}, grpc.StatusCode.RESOURCE_EXHAUSTED, "structural_tag: it nests deeper than Python's JSON parser goes, over"),
+    ("an int past 64 bits inside a field", "hi", {**greedy(2), "extra_args": {"k": [1, 2**70]}}, {},
+     grpc.StatusCode.INVALID_ARGUMENT, "field extra_args['k'][1]: 1180591620717411303424 does not fit in 64 bits"),
     ("a private field of SamplingParams", "hi", {**greedy(2), "_bad_words_token_ids": [[5000]]}, {},
      grpc.StatusCode.PERMISSION_DENIED, "field _bad_words_token_ids on SamplingParams is private"),
     ("another private field of SamplingParams", "hi", {**greedy(4), "min_tokens": 2, "_all_stop_token_ids": {5000}},
@@ -498,6 +500,20 @@ def test_a_request_that_would_harm_the_engine_is_refused_by_name_and_the_engine_
     assert bridge.call(Target.method("engine", "check_health")) is None
     good = list(bridge.stream(GENERATE, {"prompt_token_ids": [1, 2, 1023]}, greedy(3), f"harm-after-{what}"))
     assert good[-1]["finished"] is True and len(good[-1]["outputs"][0]["token_ids"]) == 3
+
+
+def test_a_ref_in_the_plug_in_options_is_refused_and_leaves_no_request_behind(bridge: BridgeClient) -> None:
+    """vLLM registers a request in the worker before it sends it to its engine core as msgpack: an
+    object there that msgpack cannot carry failed it only then, and the request's state stayed."""
+    config = bridge.call("vllm.config.ParallelConfig")
+    with pytest.raises(CallError) as err:
+        list(bridge.stream(GENERATE, "hi", {**greedy(2), "extra_args": {"options": [config]}}, "plain-data-only"))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert "field extra_args['options'][0]: expected plain data" in err.value.details, err.value.details
+    assert "got ParallelConfig" in err.value.details
+    bridge.release(config)
+    good = list(bridge.stream(GENERATE, "hi", greedy(2), "plain-data-only"))     # the same id: nothing left of it
+    assert good[-1]["finished"] is True
 
 
 def test_a_start_with_a_running_calls_id_is_refused_under_id_0_and_the_running_call_goes_on(
