@@ -383,14 +383,17 @@ def _path_rule(label: str, key: str, dirs: tuple[str, ...], config_key: str, pat
 # runs code (trust_remote_code, worker_cls, logits_processors, plugins, hf_overrides), reads files or
 # the network the operator did not choose (download_dir, load_format, generation_config, media
 # paths, tracing endpoints), or spawns processes elsewhere (executor backends, addresses, ports).
+# Not here, besides what runs code, reads files or reaches the network: what sizes an engine's KV
+# cache past the operator's budget (VLLM_CPU_KVCACHE_SPACE, gpu_memory_utilization) -- a
+# num_gpu_blocks_override of 100,000 took 21 GB and the kernel's OOM killer chose a process.
 SAFE_ENGINE_ARGS = frozenset({
     "model", "served_model_name", "tokenizer", "runner", "convert", "skip_tokenizer_init", "tokenizer_mode",
     "dtype", "kv_cache_dtype", "seed", "max_model_len", "block_size", "enable_prefix_caching",
-    "prefix_caching_hash_algo", "disable_sliding_window", "disable_cascade_attn", "swap_space", "cpu_offload_gb",
-    "gpu_memory_utilization", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_partial_prefills",
+    "prefix_caching_hash_algo", "disable_sliding_window", "disable_cascade_attn", "cpu_offload_gb",
+    "gpu_memory_utilization", "max_num_batched_tokens", "max_num_partial_prefills",
     "max_long_partial_prefills", "long_prefill_token_threshold", "max_num_seqs", "max_logprobs", "logprobs_mode",
     "disable_log_stats", "enforce_eager", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype",
-    "fully_sharded_loras", "num_gpu_blocks_override", "enable_chunked_prefill", "scheduling_policy",
+    "fully_sharded_loras", "enable_chunked_prefill", "scheduling_policy",
     "override_generation_config", "enable_log_requests", "async_scheduling", "stream_interval", "quantization",
     "enable_prompt_embeds", "enable_sleep_mode", "calculate_kv_scales", "tokens_only", "aggregate_engine_logging",
 })
@@ -402,8 +405,9 @@ def _engine_args_rule(fields: Mapping[str, Any], policy: Policy) -> None:
     for key in fields:
         if key not in allowed:
             raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
-                              f"{label}: field {key}: not settable by a client (it can run code, read files or reach "
-                              f"the network); an operator may allow it with the pool config key engine_args_allowed",
+                              f"{label}: field {key}: not settable by a client (it can run code, read files, reach "
+                              f"the network or size memory past the operator's budget); an operator may allow it "
+                              f"with the pool config key engine_args_allowed",
                               target=label, parameter=key, reason="not allowed")
     for key in ("model", "tokenizer"):
         if key in fields and fields[key] is not None:

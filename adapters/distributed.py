@@ -25,6 +25,29 @@ def _catalog_names_only(receiver: object, args: Mapping[str, object], ctx: CallC
                           parameter="qualname", reason="not allowed")
 
 
+MAX_LOGGER_NAME = 200        # characters of a logger's name a client may give
+MAX_LOGGERS = 10_000         # loggers in the worker's process, past which no client adds one
+
+
+def _bounded_logger(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+    """init_logger registers a logger under the given name in the process's logging manager, which
+    keeps every one for the process's life, and a dotted name makes one placeholder per prefix: a
+    name of k parts costs O(k^2) memory and time under logging's lock. So a name is short, and a
+    client adds loggers only while the process holds fewer than MAX_LOGGERS (existing ones it may
+    always get)."""
+    import logging
+    name = args.get("name")
+    label = "vllm.distributed.init_logger"
+    if isinstance(name, str) and len(name) > MAX_LOGGER_NAME:
+        raise BridgeError.validation(f"{label}: parameter name: {len(name):,} characters is over the limit of "
+                                     f"{MAX_LOGGER_NAME}", target=label, parameter="name")
+    known = logging.Logger.manager.loggerDict
+    if isinstance(name, str) and name not in known and len(known) >= MAX_LOGGERS:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"{label}: this worker holds {len(known):,} loggers, which it keeps for good; no new one "
+                          f"is made past {MAX_LOGGERS:,}", target=label, parameter="name", reason="too many loggers")
+
+
 def _rendezvous_hosts(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
     """A process group meets peers on the network and takes pickled objects from them: only at
     hosts the operator allows (loopback by default). An init method is read as torch reads it
@@ -71,7 +94,8 @@ DISTRIBUTED = AdapterSpec(
         "stateless_init_torch_distributed_process_group", "stateless_destroy_torch_distributed_process_group",
     }),
     inline=frozenset({"divide", "ensure_divisibility", "get_pp_indices", "is_torch_equal_or_newer"}),
-    guards={"resolve_obj_by_qualname": _catalog_names_only, "init_distributed_environment": _rendezvous_hosts,
+    guards={"resolve_obj_by_qualname": _catalog_names_only, "init_logger": _bounded_logger,
+            "init_distributed_environment": _rendezvous_hosts,
             "stateless_init_torch_distributed_process_group": _rendezvous_hosts},
     # Everything that talks to the other ranks of the group (or sets the group up or down, which is
     # a rendezvous): called on one rank of a distributed pool it would block there, waiting for peers

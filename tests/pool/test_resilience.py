@@ -217,6 +217,17 @@ def test_a_lora_method_on_an_engine_without_lora_says_why(server: PoolServer, cl
     assert client.call(Target.method("engine", "check_health"), timeout=10) is None
 
 
+def test_a_logger_name_the_worker_would_keep_for_good_is_bounded(server: PoolServer, client: BridgeClient) -> None:
+    """init_logger registers its name in the process's logging for the process's life, one
+    placeholder per dotted prefix: a name of 4,000 parts cost the worker 50 MB per call."""
+    name = ".".join(f"part{j}" for j in range(4000))
+    with pytest.raises(CallError) as err:
+        client.call("vllm.distributed.init_logger", name, pool="p", timeout=10)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.detail is not None
+    assert err.value.detail.parameter == "name" and "over the limit of 200" in err.value.details, err.value
+    assert client.call("vllm.distributed.init_logger", "bridge.test.short", pool="p", timeout=10) is not None
+
+
 def test_a_prompt_that_cannot_fit_is_refused_at_once_and_blocks_nobody(server: PoolServer,
                                                                        client: BridgeClient) -> None:
     huge = "The cat sees a dog. " * 45_000           # 900 KB: under max_prompt_chars (1,000,000)

@@ -520,8 +520,11 @@ def test_a_client_makes_at_most_its_share_of_engines(secured: PoolServer, pki: d
     """Each engine costs GBs: a client may make max_engines_per_client of them per worker (here 1);
     the next is refused before it starts, and releasing one makes room again."""
     args = {"model": str(ensure_tiny_model()), "dtype": "float32", "max_model_len": 256, "enforce_eager": True,
-            "num_gpu_blocks_override": 64, "max_num_seqs": 4}
+            "max_num_seqs": 4}
     with client_as(secured, pki, "alice", options=None) as alice, client_as(secured, pki, "bob") as bob:
+        for memory in ({"num_gpu_blocks_override": 100_000}, {"kv_cache_memory_bytes": 2**40}, {"swap_space": 1000}):
+            err = denied(lambda: alice.call(f"{E}.from_engine_args", {**args, **memory}, pool="g", timeout=10))
+            assert "budget" in err.details and next(iter(memory)) in err.details, err
         engine = alice.call(f"{E}.from_engine_args", args, pool="g", timeout=120)
         t0 = time.monotonic()
         with pytest.raises(CallError) as err:
