@@ -124,6 +124,7 @@ class RefRegistry:
         self.max_refs_per_client = max_refs_per_client
         self.max_ref_bytes_per_client = max_ref_bytes_per_client
         self._bytes_per_owner: dict[str, int] = {}
+        self._sessions_per_owner: dict[str, int] = {}
         self._charged: dict[int, tuple[str, int]] = {}   # id(obj) -> who pays for its tensors, how much
         self._finalize = finalize
         self._refs: dict[str, RefEntry] = {}
@@ -143,10 +144,17 @@ class RefRegistry:
             ref_id: str | None = None) -> RefEntry:
         key = (owner, session_id)
         owned = self._sessions.get(key)
-        if owned is None and len(self._sessions) >= self.max_sessions:
-            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
-                              f"worker {self.worker_id} holds {len(self._sessions):,} sessions, its limit "
-                              f"(max_sessions): release a session first", reason="max_sessions")
+        if owned is None:
+            if len(self._sessions) >= self.max_sessions:
+                raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
+                                  f"worker {self.worker_id} holds {len(self._sessions):,} sessions, its limit "
+                                  f"(max_sessions): release a session first", reason="max_sessions")
+            share = self.max_sessions - self.max_sessions // 4
+            if owner and self._sessions_per_owner.get(owner, 0) >= share:   # identities: one may not take all
+                raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
+                                  f"worker {self.worker_id} holds {share:,} sessions of this client, the most one "
+                                  f"client may hold (max_sessions {self.max_sessions:,}: the last quarter is kept "
+                                  f"for other clients): release a session first", reason="max_sessions")
         if self._per_owner.get(owner, 0) >= self.max_refs_per_client:
             raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
                               f"worker {self.worker_id} holds {self.max_refs_per_client:,} refs of this client, its "
@@ -171,6 +179,7 @@ class RefRegistry:
         self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
         if owned is None:
             owned = self._sessions[key] = OrderedDict()
+            self._sessions_per_owner[owner] = self._sessions_per_owner.get(owner, 0) + 1
         owned[entry.id] = None
         while len(owned) > self.session_cap:
             oldest = next(iter(owned))
@@ -197,8 +206,16 @@ class RefRegistry:
         return sum(self._drop(r, "released by the client") for r in ref_ids if r in self._refs)
 
     def release_session(self, session_id: str, owner: str = "") -> int:
-        owned: dict[str, None] = self._sessions.pop((owner, session_id), OrderedDict())
+        owned: dict[str, None] | None = self._sessions.pop((owner, session_id), None)
+        if owned is None:
+            return 0
+        self._session_gone(owner)
         return sum(self._drop(r, f"released with its session {session_id!r}") for r in list(owned))
+
+    def _session_gone(self, owner: str) -> None:
+        left = self._sessions_per_owner.pop(owner, 1) - 1
+        if left > 0:
+            self._sessions_per_owner[owner] = left
 
     def sweep(self, now: float | None = None) -> int:
         """Evicts refs idle for longer than the TTL; called periodically by the worker."""
@@ -222,6 +239,7 @@ class RefRegistry:
             owned.pop(ref_id, None)
             if not owned:
                 del self._sessions[key]
+                self._session_gone(entry.owner)
         left_owned = self._per_owner.pop(entry.owner, 1) - 1
         if left_owned:
             self._per_owner[entry.owner] = left_owned

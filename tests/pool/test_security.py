@@ -365,7 +365,7 @@ max_request_bytes = 65536
 [[pools]]
 name = "p"
 workers = 1
-max_sessions = 3
+max_sessions = 4
 max_refs_per_client = 5
 max_ref_bytes_per_client = 40000
 
@@ -508,12 +508,19 @@ def test_each_limit_is_refused_with_its_name(secured: PoolServer, pki: dict[str,
         assert "(24,008 bytes)" in err.value.details and "DPMetadata" in err.value.details, err.value.details
         bob.release(big)
         bob.release(bob.call(dp, torch.tensor(7), torch.zeros(3000, dtype=torch.int64), session_id="bytes"))
-    with client_as(secured, pki, "alice") as alice:
+    # Sessions: 4 per worker, of which one client may hold 3 (the last quarter is kept for others).
+    with client_as(secured, pki, "alice") as alice, client_as(secured, pki, "bob") as bob:
         kept = [alice.call("vllm.config.ParallelConfig", session_id=f"cap-{i}") for i in range(3)]
         with pytest.raises(CallError) as err:
             alice.call("vllm.config.ParallelConfig", session_id="cap-3")
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_sessions" in err.value.details
+        assert "the most one client may hold" in err.value.details, err.value.details
+        his = bob.call("vllm.config.ParallelConfig", session_id="his")
+        with pytest.raises(CallError) as err:
+            bob.call("vllm.config.ParallelConfig", session_id="his-too")
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "holds 4 sessions" in err.value.details
         alice.release(*kept)
+        bob.release(his)
 
 
 def test_a_client_makes_at_most_its_share_of_engines(secured: PoolServer, pki: dict[str, str]) -> None:
