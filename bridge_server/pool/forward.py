@@ -127,8 +127,8 @@ class Forwarder:
     @staticmethod
     async def _abort(context: grpc.aio.ServicerContext, out: _Outcome, exc: BaseException) -> None:
         """Every failure of the router itself leaves as a rich status."""
-        if isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError)):
-            return
+        if isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit)):
+            return      # GeneratorExit: gRPC closed a Multiplex whose RPC ended (its deadline, say)
         if context.cancelled():
             # The caller went away (a stream its consumer stopped early): a write that fails now is
             # the cancellation, not a router failure, and there is nobody left to tell.

@@ -217,6 +217,31 @@ def test_a_lora_method_on_an_engine_without_lora_says_why(server: PoolServer, cl
     assert client.call(Target.method("engine", "check_health"), timeout=10) is None
 
 
+def test_a_multiplex_that_outlives_its_deadline_ends_quietly(server: PoolServer, client: BridgeClient) -> None:
+    """The RPC's deadline ends it while the router waits to write to a caller that reads nothing: gRPC
+    closes the stream's generator, which is the RPC's end, not a failure of the router (it logged
+    one, with a traceback, each time)."""
+    import queue
+    before = len(server.log_text())
+    request, _ = client.request(GENERATE, ("a long one", greedy(1500), "outlived"))
+    outgoing: queue.Queue[Any] = queue.Queue()
+    outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=1, stream=True, call=request,
+                                                 metadata={"x-bridge-pool": "e", "x-bridge-stream-encoding": "full"})))
+    with grpc.insecure_channel(server.address, options=[("grpc.http2.bdp_probe", 0)]) as ch:
+        replies = ch.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
+                                   pb.MuxReply.FromString)(iter(outgoing.get, None), timeout=3)
+        time.sleep(5)                  # reads nothing: the router's writes wait, and the deadline passes
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in replies:
+                pass
+        outgoing.put(None)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+    wait_until(lambda: server.pool("e").in_flight == 0, timeout=30, what="its slot freed")
+    time.sleep(0.5)
+    log = server.log_text()[before:]
+    assert "router failure" not in log and "Task exception was never retrieved" not in log, log[-3000:]
+
+
 def test_a_logger_name_the_worker_would_keep_for_good_is_bounded(server: PoolServer, client: BridgeClient) -> None:
     """init_logger registers its name in the process's logging for the process's life, one
     placeholder per dotted prefix: a name of 4,000 parts cost the worker 50 MB per call."""
