@@ -202,7 +202,7 @@ defmodule VllmBridge.LiveTest do
 
       case Engine.list_loras(@engine) do
         {:ok, loras} -> assert %MapSet{} = loras
-        {:error, e} -> assert e.python_type == "Exception" and e.message =~ "LoRA is not enabled"
+        {:error, e} -> assert %Error{code: :failed_precondition, reason: "lora disabled"} = e
       end
 
       assert {:ok, false} = Engine.errored(@engine)
