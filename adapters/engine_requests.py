@@ -225,6 +225,7 @@ def pooling_rule(fields: Mapping[str, Any], policy: Policy) -> None:
 
 _PLAIN = (type(None), bool, int, float, str, bytes, list, tuple, dict)
 _CONTAINERS = frozenset({list, tuple, dict, set, frozenset})
+_INT_ONLY = {int}
 
 
 def _sendable(label: str, fields: Mapping[str, Any], free_field: str) -> None:
@@ -232,7 +233,8 @@ def _sendable(label: str, fields: Mapping[str, Any], free_field: str) -> None:
     the worker, and a value msgpack cannot carry fails it only then: the request's state stays in
     the worker for good, and the error names nothing. msgpack has no ints past 64 bits, anywhere in
     a field, and the one field typed `Any` (options for the engine's own plug-ins) takes plain data
-    only, not a client's ref to some object."""
+    only, not a client's ref to some object. Every value is looked at (the decoder bounds how many
+    a request holds); a list of ints only, the usual big one, in C."""
     for key, value in fields.items():
         if type(value) not in _CONTAINERS and key != free_field:     # the usual field: one int check
             if type(value) is int and not I64_MIN <= value <= I64_MAX:
@@ -240,10 +242,8 @@ def _sendable(label: str, fields: Mapping[str, Any], free_field: str) -> None:
                                              target=label, parameter=key)
             continue
         todo: list[tuple[Any, str]] = [(value, key)]
-        seen = 0
-        while todo and seen < 100_000:
+        while todo:
             x, where = todo.pop()
-            seen += 1
             if type(x) is int and not I64_MIN <= x <= I64_MAX:
                 raise BridgeError.validation(f"{label}: field {where}: {clip_int(x)} does not fit in 64 bits",
                                              target=label, parameter=where)
@@ -255,4 +255,10 @@ def _sendable(label: str, fields: Mapping[str, Any], free_field: str) -> None:
                 todo.extend((k, f"{where} key") for k in x)
                 todo.extend((v, f"{where}[{k!r:.40}]") for k, v in x.items())
             elif isinstance(x, (list, tuple, set, frozenset)):
+                if x and set(map(type, x)) == _INT_ONLY:
+                    if min(x) < I64_MIN or max(x) > I64_MAX:
+                        i, bad = next((i, v) for i, v in enumerate(x) if not I64_MIN <= v <= I64_MAX)
+                        raise BridgeError.validation(f"{label}: field {where}[{i}]: {clip_int(bad)} does not fit in "
+                                                     f"64 bits", target=label, parameter=f"{where}[{i}]")
+                    continue
                 todo.extend((v, f"{where}[{i}]") for i, v in enumerate(x))

@@ -54,7 +54,9 @@ class Decoder:
     check_record: Callable[[type, dict[str, object], str], dict[str, object]] | None = None
     # The longest string a client may send (0: no limit). Text is what vLLM tokenizes, and
     # tokenizing costs time and memory in proportion: a server bounds it where it is read, for every
-    # parameter alike, rather than in each function that happens to take text.
+    # parameter alike, rather than in each function that happens to take text. The same bound holds
+    # the items of a list, set or map and a packed int list: 50 million packed zeros (50 MB on the
+    # wire, 400 MB as a list) kept a worker's event loop busy for 25 s checking them.
     max_str_chars: int = 0
 
     _KINDS: ClassVar[dict[str, Callable[[Decoder, pb.Value, str], object]]]
@@ -86,7 +88,19 @@ class Decoder:
             raise CodecError(path, "a Value with a kind set", "an empty Value")
         return self._KINDS[kind](self, value, path)
 
+    def _within(self, count: int, path: str, what: str) -> None:
+        if 0 < self.max_str_chars < count:
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                              f"{path}: {what} of {count:,} items is over this server's limit of "
+                              f"{self.max_str_chars:,} (max_prompt_chars)", parameter=path, reason="max_prompt_chars")
+
+    def _ints(self, value: pb.Value, path: str) -> list[int]:
+        values = value.ints.values
+        self._within(len(values), path, "a list")
+        return list(values)
+
     def _items(self, items: Any, path: str) -> list[object]:
+        self._within(len(items), path, "a collection")
         out: list[object] = []
         append, scalars = out.append, self._scalars
         i = 0
@@ -123,6 +137,7 @@ class Decoder:
             raise CodecError(path, "a base-10 integer in big_int", str(exc)) from None
 
     def _map(self, value: pb.Value, path: str) -> dict[object, object]:
+        self._within(len(value.map.entries), path, "a map")
         out: dict[object, object] = {}
         for i, entry in enumerate(value.map.entries):
             key = self.decode(entry.key, f"{path}[<key #{i}>]")
@@ -213,7 +228,7 @@ def _build(cls: type, fields: dict[str, object], path: str) -> object:
 Decoder._KINDS = {
     "big_int": Decoder._big_int,
     "list": lambda self, value, path: self._items(value.list.items, path),
-    "ints": lambda self, value, path: list(value.ints.values),
+    "ints": Decoder._ints,
     "tuple": lambda self, value, path: tuple(self._items(value.tuple.items, path)),
     "set": lambda self, value, path: set(self._hashables(value.set.items, path, "set")),
     "frozenset": lambda self, value, path: frozenset(

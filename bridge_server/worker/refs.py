@@ -49,10 +49,10 @@ class RefGone(BridgeError):
 
 
 def held_bytes(obj: object, limit: int = 10_000) -> int:
-    """The bytes of the tensors (and arrays) obj holds, its own or its parts' a few levels down:
-    what a ref to it keeps in memory, within what counting `limit` objects finds. A view counts its
-    whole storage (it keeps it alive), and a storage counts once. Only instance dicts, slots and
-    containers are looked into: no attribute lookup that could run an object's code."""
+    """The bytes of the tensors (and arrays), text and containers obj holds, its own or its parts'
+    a few levels down: what a ref to it keeps in memory, within what counting `limit` objects finds.
+    A view counts its whole storage (it keeps it alive), and a storage counts once. Only instance
+    dicts, slots and containers are looked into: no attribute lookup that could run an object's code."""
     torch = sys.modules.get("torch")
     numpy = sys.modules.get("numpy")
     total = 0
@@ -62,6 +62,9 @@ def held_bytes(obj: object, limit: int = 10_000) -> int:
     while todo and len(seen) < limit:
         x, depth = todo.pop()
         if id(x) in seen or isinstance(x, _ATOMS):
+            if type(x) in _DATA and id(x) not in seen:     # text and bytes a client sent, kept
+                seen.add(id(x))
+                total += sys.getsizeof(x)
             continue
         seen.add(id(x))
         if torch is not None and isinstance(x, torch.Tensor):
@@ -79,6 +82,7 @@ def held_bytes(obj: object, limit: int = 10_000) -> int:
         if depth >= 4:
             continue
         if type(x) in (dict, list, tuple, set, frozenset):
+            total += sys.getsizeof(x)      # its slots: a list of a million ints is 8 MB before any int
             parts = list(x.values()) if type(x) is dict else list(x)   # type: ignore[attr-defined, call-overload]
         else:
             parts = list(object.__getattribute__(x, "__dict__").values()) if _has_dict(x) else []
@@ -95,6 +99,7 @@ def held_bytes(obj: object, limit: int = 10_000) -> int:
     return total
 
 
+_DATA = frozenset({str, bytes, bytearray})
 _ATOMS = (type(None), str, bytes, bytearray, int, float, complex, bool, type, types.ModuleType,
           types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 

@@ -197,6 +197,15 @@ def test_every_entry_that_takes_text_bounds_it(server: PoolServer, client: Bridg
         with pytest.raises(CallError) as err:
             call()
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_prompt_chars" in err.value.details
+    # The same bound holds the items of any list or map: 50 million packed ints kept a worker's event
+    # loop busy for 25 s. (A request of 8 MB: within max_request_bytes, 64 MiB.)
+    many = list(range(1024)) * 1000           # 1,024,000 ids, each within the vocabulary
+    for field, value, what in (("allowed_token_ids", many, "a list of 1,024,000 items"),
+                               ("logit_bias", dict.fromkeys(range(1_000_001), 0.5), "a map of 1,000,001 items")):
+        with pytest.raises(CallError) as err:
+            client.call("vllm.SamplingParams", kwargs={field: value}, timeout=30)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_prompt_chars" in err.value.details
+        assert what in err.value.details, err.value.details
     t0 = time.monotonic()
     with pytest.raises(CallError) as err:
         client.call(Target.method("engine", "add_request"), "ar-long", over[:900_000], {"max_tokens": 2}, timeout=30)
@@ -508,6 +517,10 @@ def test_each_limit_is_refused_with_its_name(secured: PoolServer, pki: dict[str,
         assert "(24,008 bytes)" in err.value.details and "DPMetadata" in err.value.details, err.value.details
         bob.release(big)
         bob.release(bob.call(dp, torch.tensor(7), torch.zeros(3000, dtype=torch.int64), session_id="bytes"))
+        # Not only tensors: a record holding a list of 5,000 ints (40,000 bytes of slots alone) is over it too.
+        with pytest.raises(CallError) as err:
+            bob.call("vllm.SamplingParams", kwargs={"allowed_token_ids": list(range(5000))}, session_id="bytes")
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_ref_bytes_per_client" in err.value.details
     # Sessions: 4 per worker, of which one client may hold 3 (the last quarter is kept for others).
     with client_as(secured, pki, "alice") as alice, client_as(secured, pki, "bob") as bob:
         kept = [alice.call("vllm.config.ParallelConfig", session_id=f"cap-{i}") for i in range(3)]
