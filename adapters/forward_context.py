@@ -6,9 +6,28 @@ builds to pass in (VllmConfig, ParallelConfig) take only their sizes and ranks f
 other fields name classes to load, executors to start and addresses to reach.
 """
 
-from adapters.spec import AdapterSpec, Constructor, Exposure, RecordRule
+from collections.abc import Mapping
+
+import grpc
+
+from adapters.spec import AdapterSpec, CallContext, Constructor, Exposure, RecordRule
+from bridge_server.wire.errors import BridgeError
 
 MODULE = "vllm.forward_context"
+MAX_SP_TOKENS = 1 << 20      # entries the sequence-parallel helpers may make (ranks x sequence-parallel size)
+
+
+def _bounded_sp(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+    """The sequence-parallel helpers make a tensor and a list of one entry per rank and sequence-
+    parallel slot: 30 bytes asking for a size of 10**8 took 2.3 GB and 10 s of the worker."""
+    sp = args.get("sequence_parallel_size")
+    tokens = args.get("num_tokens_across_dp_cpu")
+    numel = getattr(tokens, "numel", None)
+    if type(sp) is int and callable(numel) and max(sp, 1) * numel() > MAX_SP_TOKENS:
+        label = f"{MODULE}: parameter sequence_parallel_size"
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"{label}: {sp:,} slots for each of {numel():,} ranks is over this server's limit of "
+                          f"{MAX_SP_TOKENS:,} entries", parameter="sequence_parallel_size", reason="too large")
 
 FORWARD_CONTEXT = AdapterSpec(
     surface="forward_context",
@@ -16,6 +35,7 @@ FORWARD_CONTEXT = AdapterSpec(
     # The documents give snake_case names to two things the module spells otherwise.
     aliases={"u_batch_slices": "UBatchSlices"},
     exclusive=True,
+    guards={"_compute_sp_num_tokens": _bounded_sp, "_compute_chunked_local_num_tokens": _bounded_sp},
     shared=frozenset({"_compute_chunked_local_num_tokens", "_compute_sp_num_tokens", "init_logger",
                       "u_batch_slices", "batchsize_logging_interval", "track_batchsize", "logger",
                       "current_platform", "coordinate_batch_across_dp"}),
