@@ -113,45 +113,61 @@ def _within_vocabulary(label: str, name: str, ids: Any, bound: int) -> None:
                                      f"vocabulary (0 to {bound - 1})", target=label, parameter=f"{name}[{i}]")
 
 
-def _json_depth(value: Any) -> int:
-    """How deeply a JSON document (or its text) nests, counted without recursion (text nested past
-    Python's own limit counts as too deep)."""
+def _json_shape(value: Any) -> tuple[int, int, int]:
+    """How deeply a JSON document (or its text) nests, how many properties its objects declare in
+    all, and the most one declares: counted without recursion (text nested past Python's own limit
+    counts as too deep)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except RecursionError:
-            return sys.maxsize
+            return sys.maxsize, 0, 0
         except ValueError:
-            return 0       # not JSON: vLLM says so
-    depth, level = 0, [(value, 1)]
+            return 0, 0, 0       # not JSON: vLLM says so
+    depth, total, most, level = 0, 0, 0, [(value, 1)]
     while level:
         x, d = level.pop()
         if isinstance(x, (dict, list)) and d > depth:
             depth = d
         if isinstance(x, dict):
+            declared = x.get("properties")
+            if isinstance(declared, dict):
+                total += len(declared)
+                most = max(most, len(declared))
             level.extend((v, d + 1) for v in x.values())
         elif isinstance(x, list):
             level.extend((v, d + 1) for v in x)
-    return depth
+    return depth, total, most
 
 
 def _check_structured_outputs(label: str, name: str, params: Any) -> None:
-    """A JSON schema's conversion to a grammar (xgrammar's, in vLLM's input checks, on the thread that
-    prepares every client's structured requests) takes time cubic in how deeply it nests: 200 nested
-    objects take 1.6 s, 400 take 14 s, and nothing can stop it once started. Real schemas nest a few
-    levels; MAX_SCHEMA_DEPTH levels of JSON take milliseconds."""
+    """A JSON schema's conversion to a grammar (xgrammar's, in vLLM's input checks on the thread that
+    prepares every client's structured requests, and again in the engine core) cannot be stopped once
+    started, and its time grows with the cube of how deeply the schema nests (200 nested objects:
+    1.6 s; 400: 14 s) and with the square of an object's optional properties (1,000: 0.6 s; 4,000:
+    9.5 s). Real schemas nest a few levels and declare tens of properties; within the bounds here a
+    schema takes well under a second."""
     so = getattr(params, "structured_outputs", None)
     if so is None:
         return
     for field in ("json", "structural_tag"):
         value = getattr(so, field, None)
-        if value is not None and (depth := _json_depth(value)) > MAX_SCHEMA_DEPTH:
+        if value is None:
+            continue
+        depth, total, most = _json_shape(value)
+        where = f"{name}.structured_outputs.{field}"
+        if depth > MAX_SCHEMA_DEPTH:
             shown = "deeper than Python's JSON parser goes" if depth == sys.maxsize else f"{depth} levels deep"
-            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
-                              f"{label}: parameter {name}.structured_outputs.{field}: it nests {shown}, over this "
-                              f"server's limit of {MAX_SCHEMA_DEPTH} levels (a schema's cost grows with the cube of "
-                              f"its depth)", target=label, parameter=f"{name}.structured_outputs.{field}",
-                              reason="schema too deep")
+            why = f"it nests {shown}, over this server's limit of {MAX_SCHEMA_DEPTH} levels (a schema's cost " \
+                  f"grows with the cube of its depth)"
+        elif most > MAX_SCHEMA_OBJECT_PROPERTIES or total > MAX_SCHEMA_PROPERTIES:
+            why = f"it declares {total:,} properties, {most:,} in one object, over this server's limits of " \
+                  f"{MAX_SCHEMA_PROPERTIES:,} in all and {MAX_SCHEMA_OBJECT_PROPERTIES} in one object (a " \
+                  f"schema's cost grows with the square of an object's properties)"
+        else:
+            continue
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation", f"{label}: parameter {where}: {why}",
+                          target=label, parameter=where, reason="schema too large")
 
 
 def check_sampling_params(engine: Any, label: str, name: str, params: Any) -> None:
@@ -188,6 +204,8 @@ MAX_STOP_STRINGS = 256
 MAX_BAD_WORDS = 4096
 # How deeply a structured output's JSON schema may nest (JSON levels: an object property is two).
 MAX_SCHEMA_DEPTH = 64
+MAX_SCHEMA_PROPERTIES = 1024          # properties a schema's objects declare in all
+MAX_SCHEMA_OBJECT_PROPERTIES = 256    # ... and one object
 # Completions of one prompt (SamplingParams.n). vLLM fans a request out into n requests on the event
 # loop, ~50 us each, with no bound: n=1,000,000 blocks a worker's loop for about a minute.
 MAX_N = 256
