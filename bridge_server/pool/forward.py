@@ -69,6 +69,9 @@ async def release_on(backend: Backend, request: pb.ReleaseRequest, metadata: Seq
     return int(pb.ReleaseReply.FromString(raw).released)
 
 
+MAX_RELEASE_IDS = 100_000      # ref ids in one Release (a client holds at most max_refs_per_client per worker)
+
+
 def _forwarded(metadata: Sequence[tuple[str, str | bytes]] | None, identity: str = "") -> list[tuple[str, str | bytes]]:
     """The caller's metadata as it goes on to a worker: without transport keys and credentials,
     without the keys only the pool server may set, and with the caller's identity, which the
@@ -323,6 +326,11 @@ class Forwarder:
         identity = self.security.identity(context)
         route = read_route(md, context.time_remaining(), identity=identity)
         req = parse_request(pb.ReleaseRequest, request, "Release", self.limit)
+        if len(req.ref_ids) > MAX_RELEASE_IDS:    # grouping millions of ids held the server's loop for seconds
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                              f"Release: {len(req.ref_ids):,} ref ids in one request is over this server's limit of "
+                              f"{MAX_RELEASE_IDS:,} (release a session to drop all of its refs at once)",
+                              parameter="ref_ids", reason="too many ref ids")
         by_worker: dict[str, list[str]] = {}
         for ref in req.ref_ids:
             by_worker.setdefault(ref.partition(".")[0], []).append(ref)

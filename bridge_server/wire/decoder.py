@@ -61,6 +61,8 @@ class Decoder:
 
     _KINDS: ClassVar[dict[str, Callable[[Decoder, pb.Value, str], object]]]
     _scalars: dict[str | None, Callable[[pb.Value], object]] = dataclasses.field(init=False, repr=False)
+    # Items a request may still hold (`begin`): the bound is for the whole request, not each list.
+    _left: list[int] = dataclasses.field(init=False, repr=False, default_factory=lambda: [0])
 
     def __post_init__(self) -> None:
         scalars = _SCALAR_KINDS
@@ -88,11 +90,24 @@ class Decoder:
             raise CodecError(path, "a Value with a kind set", "an empty Value")
         return self._KINDS[kind](self, value, path)
 
+    def begin(self) -> None:
+        """A new request: its lists, sets and maps may hold max_str_chars items in all."""
+        self._left[0] = self.max_str_chars
+
     def _within(self, count: int, path: str, what: str) -> None:
-        if 0 < self.max_str_chars < count:
+        if self.max_str_chars <= 0:
+            return
+        if count > self.max_str_chars:
             raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
                               f"{path}: {what} of {count:,} items is over this server's limit of "
                               f"{self.max_str_chars:,} (max_prompt_chars)", parameter=path, reason="max_prompt_chars")
+        left = self._left[0] - count
+        if left < 0:
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                              f"{path}: the request's lists, sets and maps hold more than {self.max_str_chars:,} "
+                              f"items in all, this server's limit (max_prompt_chars)", parameter=path,
+                              reason="max_prompt_chars")
+        self._left[0] = left
 
     def _ints(self, value: pb.Value, path: str) -> list[int]:
         values = value.ints.values

@@ -25,6 +25,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import sys
 import time
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -261,7 +262,7 @@ class Invoker:
                               f"{label}: members of a {type(obj).__name__} cannot be reached through a ref",
                               target=label)
         if kind == pb.Target.ITERATE:
-            return Plan(label=label, fn=None, read=lambda: obj, exclusive=exclusive, receiver=obj)
+            return Plan(label=label, fn=None, read=lambda: _lazily(obj), exclusive=exclusive, receiver=obj)
         entry = self._reachable(obj, name, kind)
         if entry is not None:
             label = entry.name
@@ -298,6 +299,7 @@ class Invoker:
     def decode(self, request: pb.CallRequest, caller: Caller = Caller(),
                label: str = "") -> tuple[list[Any], dict[str, Any]]:
         decoder = self._decoder(caller.identity)
+        decoder.begin()
         try:
             args = [decoder.decode(v, f"args[{i}]") for i, v in enumerate(request.args)]
             kwargs = {k: decoder.decode(v, f"kwargs[{clip(k, 40)!r}]") for k, v in request.kwargs.items()}
@@ -590,6 +592,16 @@ def _declared_fields(cls: type) -> frozenset[str]:
 async def _maybe_await(value: Any) -> None:
     if inspect.isawaitable(value):
         await value
+
+
+def _lazily(obj: object) -> object:
+    """What ITERATE walks: obj, but a tensor row by row as they are asked for. A tensor's own
+    iterator splits it into a view per row at once: 3 million rows held the event loop 3.5 s and
+    kept 2 GB of views for as long as the stream's state lived."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor) and obj.dim() > 0:
+        return (obj[i] for i in range(obj.shape[0]))
+    return obj
 
 
 def _short_repr(obj: object) -> str:

@@ -242,6 +242,16 @@ def test_a_multiplex_that_outlives_its_deadline_ends_quietly(server: PoolServer,
     assert "router failure" not in log and "Task exception was never retrieved" not in log, log[-3000:]
 
 
+def test_a_release_of_millions_of_ids_is_refused_at_once(server: PoolServer, client: BridgeClient) -> None:
+    """Grouping them by worker held the server's event loop for seconds, every caller's calls with it."""
+    request = pb.ReleaseRequest(ref_ids=[f"w{i % 7}.x{i}" for i in range(100_001)]).SerializeToString()
+    with grpc.insecure_channel(server.address) as ch, pytest.raises(grpc.RpcError) as err:
+        ch.unary_unary(RPCS["Release"])(request, timeout=30)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+    assert "100,001 ref ids in one request" in err.value.details(), err.value.details()
+    assert client.call("vllm.distributed.divide", 6, 3, pool="p", timeout=10) == 2
+
+
 def test_a_logger_name_the_worker_would_keep_for_good_is_bounded(server: PoolServer, client: BridgeClient) -> None:
     """init_logger registers its name in the process's logging for the process's life, one
     placeholder per dotted prefix: a name of 4,000 parts cost the worker 50 MB per call."""

@@ -206,6 +206,11 @@ def test_every_entry_that_takes_text_bounds_it(server: PoolServer, client: Bridg
             client.call("vllm.SamplingParams", kwargs={field: value}, timeout=30)
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_prompt_chars" in err.value.details
         assert what in err.value.details, err.value.details
+    # ... in all, not only in each: many lists each within the bound are over it together.
+    with pytest.raises(CallError) as err:
+        client.call("vllm.SamplingParams", kwargs={"extra_args": {f"k{i}": [0] * 600_000 for i in range(2)}},
+                    timeout=30)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "items in all" in err.value.details
     t0 = time.monotonic()
     with pytest.raises(CallError) as err:
         client.call(Target.method("engine", "add_request"), "ar-long", over[:900_000], {"max_tokens": 2}, timeout=30)
