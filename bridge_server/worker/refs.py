@@ -170,8 +170,8 @@ class RefRegistry:
             held = self._bytes_per_owner.get(owner, 0)
             if nbytes and held + nbytes > self.max_ref_bytes_per_client:
                 raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
-                                  f"worker {self.worker_id} holds {held:,} bytes of tensors in this client's refs; "
-                                  f"a ref to this {_type_name(obj)} ({nbytes:,} bytes) would pass its limit of "
+                                  f"worker {self.worker_id} holds {held:,} bytes (tensors, text, containers) in this "
+                                  f"client's refs; a ref to this {_type_name(obj)} ({nbytes:,} bytes) would pass its limit of "
                                   f"{self.max_ref_bytes_per_client:,} (max_ref_bytes_per_client): release some "
                                   f"first", reason="max_ref_bytes_per_client")
             if nbytes:
