@@ -21,8 +21,9 @@ import grpc
 from adapters.spec import Policy
 from bridge_server.wire.errors import BridgeError
 
-__all__ = ["I64_MAX", "I64_MIN", "LONG_PROMPT_CHARS", "MAX_BAD_WORDS", "MAX_N", "MAX_SCHEMA_DEPTH", "MAX_STOP_STRINGS",
-           "check_prompt", "check_sampling_params", "check_token_ids", "clip_int", "pooling_rule", "sampling_rule", "text_of"]
+__all__ = ["I64_MAX", "I64_MIN", "LONG_PROMPT_CHARS", "MAX_BAD_WORDS", "MAX_N", "MAX_SCHEMA_DEPTH",
+           "MAX_STOP_STRINGS", "check_prompt", "check_sampling_params", "check_token_ids", "clip_int",
+           "pooling_rule", "sampling_rule", "text_of"]
 
 LONG_PROMPT_CHARS = 16_384      # longer prompts are tokenized off the event loop
 _token_chars: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()

@@ -171,9 +171,9 @@ class RefRegistry:
             if nbytes and held + nbytes > self.max_ref_bytes_per_client:
                 raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
                                   f"worker {self.worker_id} holds {held:,} bytes (tensors, text, containers) in this "
-                                  f"client's refs; a ref to this {_type_name(obj)} ({nbytes:,} bytes) would pass its limit of "
-                                  f"{self.max_ref_bytes_per_client:,} (max_ref_bytes_per_client): release some "
-                                  f"first", reason="max_ref_bytes_per_client")
+                                  f"client's refs; a ref to this {_type_name(obj)} ({nbytes:,} bytes) would pass "
+                                  f"its limit of {self.max_ref_bytes_per_client:,} (max_ref_bytes_per_client): "
+                                  f"release some first", reason="max_ref_bytes_per_client")
             if nbytes:
                 self._bytes_per_owner[owner] = held + nbytes
                 self._charged[id(obj)] = (owner, nbytes)

@@ -299,8 +299,8 @@ def test_a_caller_that_stops_reading_frees_its_slots_and_its_engine_requests(ser
                                                                              client: BridgeClient) -> None:
     """Each way a caller can hold a worker slot by reading nothing of a stream (a Stream through the
     router, a Multiplex stream that never gives credit, a Stream straight to the worker) ends after
-    the pool's reader_stall_s (6 s here; nobody waits for a slot meanwhile): the slot is free for others, vLLM aborts the request, and
-    the caller, once it reads again, learns why."""
+    the pool's reader_stall_s (6 s here; nobody waits for a slot meanwhile): the slot is free for
+    others, vLLM aborts the request, and the caller, once it reads again, learns why."""
     worker = server.pool("e").workers[0]
     log = Path(server.log.parent) / "logs" / f"{worker.id}.log"
     quiet = [("grpc.http2.bdp_probe", 0)]    # a fixed 64 KiB window, filled after a few whole items
@@ -366,7 +366,8 @@ def test_a_flood_of_stalled_streams_leaves_room_and_turns_for_another_client(ser
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         try:
-            wait_until(lambda: "client queue full" in refused, timeout=30, what="the flood's calls past its share refused")
+            wait_until(lambda: "client queue full" in refused, timeout=30,
+                       what="the flood's calls past its share refused")
             assert server.pool("e").queue_length <= 768      # its share: the last quarter of 1,024 kept
             started = time.monotonic()
             assert len(tokens(client, "beside-the-flood", n=4, timeout=60)) == 4
