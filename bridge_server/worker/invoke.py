@@ -25,7 +25,6 @@ import dataclasses
 import difflib
 import functools
 import inspect
-import sys
 import time
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -56,7 +55,7 @@ from bridge_server.worker.binding import (
 from bridge_server.worker.catalog import Catalog, Entry, Kind
 from bridge_server.worker.deadlines import Deadlines, with_deadline
 from bridge_server.worker.refs import RefRegistry
-from bridge_server.worker.streams import Pace, PutItem, Tee, item_writer, iterate
+from bridge_server.worker.streams import Pace, PutItem, Tee, item_writer, iterate, lazily
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 _PROTOCOL_METHODS = frozenset({"__enter__", "__exit__", "__aenter__", "__aexit__"})   # context managers
@@ -262,7 +261,7 @@ class Invoker:
                               f"{label}: members of a {type(obj).__name__} cannot be reached through a ref",
                               target=label)
         if kind == pb.Target.ITERATE:
-            return Plan(label=label, fn=None, read=lambda: _lazily(obj), exclusive=exclusive, receiver=obj)
+            return Plan(label=label, fn=None, read=lambda: lazily(obj), exclusive=exclusive, receiver=obj)
         entry = self._reachable(obj, name, kind)
         if entry is not None:
             label = entry.name
@@ -592,16 +591,6 @@ def _declared_fields(cls: type) -> frozenset[str]:
 async def _maybe_await(value: Any) -> None:
     if inspect.isawaitable(value):
         await value
-
-
-def _lazily(obj: object) -> object:
-    """What ITERATE walks: obj, but a tensor row by row as they are asked for. A tensor's own
-    iterator splits it into a view per row at once: 3 million rows held the event loop 3.5 s and
-    kept 2 GB of views for as long as the stream's state lived."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor) and obj.dim() > 0:
-        return (obj[i] for i in range(obj.shape[0]))
-    return obj
 
 
 def _short_repr(obj: object) -> str:

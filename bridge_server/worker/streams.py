@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from bridge_server.wire.protocol import STREAM_PATCH_V1
 from bridge_server.worker.deadlines import Deadlines, Watchdog
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-__all__ = ["PACE_FACTOR", "PACE_MIN_S", "Pace", "PutItem", "Tee", "item_writer", "iterate", "next_deadline"]
+__all__ = ["PACE_FACTOR", "PACE_MIN_S", "Pace", "PutItem", "Tee", "item_writer", "iterate", "lazily", "next_deadline"]
 
 # Puts a stream item into the message that carries it (`StreamItem` or `MuxEvent`: both have `value`
 # and `patch`).
@@ -143,6 +144,16 @@ async def iterate(source: Any, label: str, deadlines: Deadlines, in_thread: Call
                     await result
             except Exception:  # closing is best effort: the stream's outcome is already decided
                 pass
+
+
+def lazily(obj: object) -> object:
+    """What ITERATE walks: obj, but a tensor row by row as they are asked for. A tensor's own
+    iterator splits it into a view per row at once: 3 million rows held the event loop 3.5 s and
+    kept 2 GB of views for as long as the stream's state lived."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor) and obj.dim() > 0:
+        return (obj[i] for i in range(obj.shape[0]))
+    return obj
 
 
 def next_deadline(deadlines: Deadlines) -> float | None:

@@ -146,11 +146,11 @@ def test_iterate_walks_a_tensor_row_by_row_as_asked() -> None:
     worker's event loop 3.5 s and kept 2 GB of views); ITERATE asks for each row when it sends it."""
     import types
 
-    from bridge_server.worker.invoke import _lazily
+    from bridge_server.worker.streams import lazily
     big = torch.zeros(3_000_000, dtype=torch.int64)
-    rows = _lazily(big)
+    rows = lazily(big)
     assert isinstance(rows, types.GeneratorType)
     assert int(next(rows)) == 0
-    assert [r.tolist() for r in _lazily(torch.arange(6).reshape(3, 2))] == [[0, 1], [2, 3], [4, 5]]
+    assert [r.tolist() for r in lazily(torch.arange(6).reshape(3, 2))] == [[0, 1], [2, 3], [4, 5]]
     scalar, plain = torch.tensor(7), [1, 2]
-    assert _lazily(scalar) is scalar and _lazily(plain) is plain      # 0-d: torch's own error when iterated
+    assert lazily(scalar) is scalar and lazily(plain) is plain      # 0-d: torch's own error when iterated
