@@ -174,9 +174,9 @@ def _check_structured_outputs(label: str, name: str, params: Any) -> None:
 def check_sampling_params(engine: Any, label: str, name: str, params: Any) -> None:
     """What vLLM lets through of sampling (and pooling) params and then pays for. Token ids index the
     logits in the engine core: a stop token id past the vocabulary, with `min_tokens`, kills it (vLLM
-    checks none of them, and `allowed_token_ids` only against the tokenizer's length), so each must
-    be from 0 to the model's vocabulary size - 1. And a structured output's schema is bounded in
-    depth and in properties."""
+    checks stop ids not at all, and `allowed_token_ids` only against the tokenizer's length), so each
+    token id field must hold ids from 0 to the model's vocabulary size - 1. And a structured output's
+    schema is bounded in depth and in properties."""
     if type(params).__name__ == "PoolingParams":
         bound = engine.model_config.get_vocab_size()
         ids = getattr(params, "returned_token_ids", None)
