@@ -21,13 +21,14 @@ creates (and may use only its own), its session, and whether it is a rank's shar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import difflib
 import functools
 import inspect
 import time
 import types
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -518,10 +519,12 @@ class Invoker:
 
     async def stream(self, request: pb.CallRequest, caller: Caller, deadlines: Deadlines,
                      interval_s: float | None = None, plan: Plan | None = None,
-                     encoding: str | None = None, tee: bool = False) -> AsyncIterator[tuple[Any, PutItem]]:
+                     encoding: str | None = None, tee: bool = False) -> AsyncGenerator[tuple[Any, PutItem], None]:
         """Yields each item with the function that puts it into the message that carries it (a
         `StreamItem` or a `MuxEvent`), in the stream's encoding: the caller puts it in place.
-        `tee` (with PATCH_V1): each item comes twice, to be sent as a patch and then whole."""
+        `tee` (with PATCH_V1): each item comes twice, to be sent as a patch and then whole.
+        The caller closes it (`contextlib.aclosing`) however it stops: closing is what ends the
+        source (vLLM aborts its request), and garbage collection may come much later."""
         plan = plan or self.plan(request.target, caller)
         self._admit(plan, caller)
         args, kwargs = await self.prepare(plan, *self.decode(request, caller, plan.label), caller)
@@ -532,16 +535,17 @@ class Invoker:
         items = iterate(source, plan.label, deadlines, lambda step: self._in_thread(lane, step, None, plan.label),
                         interval_s, pace)
         activity, receiver = self._activity, id(plan.receiver)
-        if tee and encoding == STREAM_PATCH_V1:
-            both = Tee(put, pace.timed(self.item_writer(caller, plan.exclusive, None)))
+        async with contextlib.aclosing(items):
+            if tee and encoding == STREAM_PATCH_V1:
+                both = Tee(put, pace.timed(self.item_writer(caller, plan.exclusive, None)))
+                async for item in items:
+                    activity[receiver] = time.monotonic()
+                    yield item, both.first
+                    yield item, both.second
+                return
             async for item in items:
                 activity[receiver] = time.monotonic()
-                yield item, both.first
-                yield item, both.second
-            return
-        async for item in items:
-            activity[receiver] = time.monotonic()
-            yield item, put
+                yield item, put
 
     def item_writer(self, caller: Caller, exclusive: bool, encoding: str | None) -> PutItem:
         return item_writer(lambda stream: self.encoder(caller, exclusive, stream), encoding)

@@ -18,6 +18,7 @@ one, as it does for a slow `Stream`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from bridge_server.wire.protocol import (
     time_left_s,
     too_large,
 )
-from bridge_server.worker.deadlines import resolve_deadlines
+from bridge_server.worker.deadlines import resolve_deadlines, with_deadline
 from bridge_server.worker.invoke import Caller, Invoker
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -166,16 +167,20 @@ async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[st
             await out.wait_for_room(start.id)
             out.add(start.id).value.CopyFrom(value)
             return
-        async for item, put in invoker.stream(start.call, caller, deadlines, opts.stream_interval_s, plan,
-                                              opts.stream_encoding, opts.stream_tee):
-            if not out.has_room(start.id):     # the caller reads slower than the stream goes: bounded
-                await invoker.stall.wait(out.wait_for_room(start.id), label)
-            event = out.add_item(start.id)
-            try:
-                put(item, event)
-            except BaseException:
-                out.drop_last()
-                raise
+        items = invoker.stream(start.call, caller, deadlines, opts.stream_interval_s, plan, opts.stream_encoding,
+                               opts.stream_tee)
+        async with contextlib.aclosing(items):
+            async for item, put in items:
+                if not out.has_room(start.id):     # the caller reads slower than the stream goes: bounded
+                    # by the stall limit, and by the call's deadline (a Multiplex call has no other)
+                    await with_deadline(invoker.stall.wait(out.wait_for_room(start.id), label), deadlines.total,
+                                        label, "waiting for the caller to read")
+                event = out.add_item(start.id)
+                try:
+                    put(item, event)
+                except BaseException:
+                    out.drop_last()
+                    raise
         out.add(start.id).end.SetInParent()
     except asyncio.CancelledError:
         if start.id in out.dropped:     # ended for a result over the limit: its error has gone already

@@ -15,6 +15,7 @@ supervisor and for `vllm-bridge status` (a lone worker is a pool of one).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -173,13 +174,15 @@ class BridgeService:
             deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
             index = 0
             stall = self.invoker.stall
-            async for item, put in self.invoker.stream(request, caller, deadlines, opts.stream_interval_s, plan,
-                                                        opts.stream_encoding, opts.stream_tee):
-                out = pb.StreamItem(index=index)
-                put(item, out)
-                # written here rather than yielded, so that a caller who stops reading is noticed
-                await stall.wait(context.write(out), label)
-                index += 1
+            items = self.invoker.stream(request, caller, deadlines, opts.stream_interval_s, plan, opts.stream_encoding,
+                                        opts.stream_tee)
+            async with contextlib.aclosing(items):
+                async for item, put in items:
+                    out = pb.StreamItem(index=index)
+                    put(item, out)
+                    # written here rather than yielded, so that a caller who stops reading is noticed
+                    await stall.wait(context.write(out), label)
+                    index += 1
             self._refs_trailer(context)
         except Exception as exc:
             await context.abort_with_status(server_error(exc, label).to_status())

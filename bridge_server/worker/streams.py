@@ -8,7 +8,7 @@ import asyncio
 import inspect
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,7 +85,7 @@ def item_writer(encoder: Callable[[bool], Encoder], encoding: str | None) -> Put
 
 
 async def iterate(source: Any, label: str, deadlines: Deadlines, in_thread: Callable[[Callable[[], Any]], Awaitable[Any]],
-                  interval_s: float | None = None, pace: Pace | None = None) -> AsyncIterator[Any]:
+                  interval_s: float | None = None, pace: Pace | None = None) -> AsyncGenerator[Any, None]:
     """The items of what a streaming call returned (an async generator, or an iterator stepped in a
     thread by `in_thread`), within the stream's deadlines, coalesced to one per `interval_s`, and
     paced by what putting them costs (`pace`, filled by the stream's put)."""
@@ -107,7 +107,12 @@ async def iterate(source: Any, label: str, deadlines: Deadlines, in_thread: Call
     watchdog = Watchdog()
     try:
         while True:
-            watchdog.arm(deadlines.call if first else next_deadline(deadlines))
+            at = deadlines.call if first else next_deadline(deadlines)
+            if at is not None and not first and time.monotonic() >= at:
+                # The watchdog cancels only a stream that waits: one whose next item is always ready
+                # (coalesced, or a reader slower than the engine) would never wait, and never end.
+                raise BridgeError.timeout(f"{label}: deadline exceeded while streaming", target=label)
+            watchdog.arm(at)
             try:
                 item = await step()
             except done_exc:

@@ -201,6 +201,41 @@ def test_deadline_aborts_the_request_in_the_engine(bridge: BridgeClient, engine_
     assert_aborted_in_engine(engine_worker, bridge, "cancel-deadline")
 
 
+@pytest.mark.parametrize("way", ["stream", "multiplex"])
+def test_a_deadline_holds_when_every_item_is_ready_before_it_is_asked_for(bridge: BridgeClient,
+                                                                          engine_worker: WorkerProcess, way: str) -> None:
+    """Coalescing (or a reader slower than the engine) means the next item is always waiting when the
+    stream asks for it: the stream never waits, yet its deadline passes all the same. It ends the
+    stream on time, with DEADLINE_EXCEEDED, and aborts the request (a Multiplex call has no gRPC
+    deadline of its own: the worker's is the only one)."""
+    request_id = f"ready-deadline-{way}"
+    received = []
+    with bridge.multiplex() as mux, pytest.raises(CallError) as err:
+        source = mux if way == "multiplex" else bridge
+        for item in source.stream(Target.method("engine", "generate"), "always ready", greedy(LONG), request_id,
+                                  timeout=0.5, stream_interval_s=0.05):
+            received.append(item)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details
+    assert received and not received[-1]["finished"]
+    assert_aborted_in_engine(engine_worker, bridge, request_id)
+
+
+def test_a_multiplexed_deadline_holds_while_the_stream_waits_for_its_reader(bridge: BridgeClient,
+                                                                            engine_worker: WorkerProcess) -> None:
+    """The reader takes one item and then reads nothing past the call's deadline: the worker, waiting
+    for credit, ends the call at its deadline, not at the far later reader_stall_s."""
+    with bridge.multiplex() as mux:
+        stream = mux.stream(Target.method("engine", "generate"), "unread", greedy(LONG), "unread-deadline",
+                            timeout=1.0, window=1)
+        assert next(stream)["finished"] is False
+        time.sleep(2.0)
+        with pytest.raises(CallError) as err:
+            list(stream)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "waiting for the caller to read" in err.value.details, err.value.details
+    assert_aborted_in_engine(engine_worker, bridge, "unread-deadline")
+
+
 def test_stream_idle_timeout_aborts_the_request_in_the_engine(bridge: BridgeClient,
                                                               engine_worker: WorkerProcess) -> None:
     received = []
