@@ -32,7 +32,7 @@ from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check
                                      check_token_ids, clip_int, pooling_rule, sampling_rule, text_of)
 from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Growing, Lifecycle, Policy, RecordRule,
                            RecordType)
-from bridge_server.wire.errors import BridgeError, quote
+from bridge_server.wire.errors import BridgeError, clip, quote
 
 log = logging.getLogger("vllm_bridge.engine")
 PREFIX = "vllm.AsyncLLMEngine"
@@ -385,18 +385,31 @@ def _path_rule(label: str, key: str, dirs: tuple[str, ...], config_key: str, pat
 # paths, tracing endpoints), or spawns processes elsewhere (executor backends, addresses, ports).
 # Not here, besides what runs code, reads files or reaches the network: what sizes an engine's KV
 # cache past the operator's budget (VLLM_CPU_KVCACHE_SPACE, gpu_memory_utilization) -- a
-# num_gpu_blocks_override of 100,000 took 21 GB and the kernel's OOM killer chose a process.
+# num_gpu_blocks_override of 100,000 took 21 GB and the kernel's OOM killer chose a process -- and
+# cpu_offload_gb, host memory for as much of the weights as asked.
 SAFE_ENGINE_ARGS = frozenset({
     "model", "served_model_name", "tokenizer", "runner", "convert", "skip_tokenizer_init", "tokenizer_mode",
     "dtype", "kv_cache_dtype", "seed", "max_model_len", "block_size", "enable_prefix_caching",
-    "prefix_caching_hash_algo", "disable_sliding_window", "disable_cascade_attn", "cpu_offload_gb",
-    "gpu_memory_utilization", "max_num_batched_tokens", "max_num_partial_prefills",
+    "prefix_caching_hash_algo", "disable_sliding_window", "disable_cascade_attn", "gpu_memory_utilization", "max_num_batched_tokens", "max_num_partial_prefills",
     "max_long_partial_prefills", "long_prefill_token_threshold", "max_num_seqs", "max_logprobs", "logprobs_mode",
     "disable_log_stats", "enforce_eager", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype",
     "fully_sharded_loras", "enable_chunked_prefill", "scheduling_policy",
     "override_generation_config", "enable_log_requests", "async_scheduling", "stream_interval", "quantization",
     "enable_prompt_embeds", "enable_sleep_mode", "calculate_kv_scales", "tokens_only", "aggregate_engine_logging",
 })
+
+
+# The largest value a client may give for the safe arguments that size what an engine allocates when
+# it starts, whatever the KV cache's budget: vLLM's profiling run samples max_num_seqs rows of the
+# whole vocabulary (a 128k vocabulary at 100,000 sequences is 51 GB) and runs the model over
+# max_num_batched_tokens tokens; each of max_loras slots holds adapter weights of max_lora_rank for
+# every layer; max_logprobs (-1: the vocabulary) bounds what one token's output may carry. vLLM's
+# defaults are within these, and an operator lifts one by naming it in engine_args_allowed.
+ENGINE_ARG_CEILINGS: Mapping[str, int | float] = {
+    "max_num_seqs": 1024, "max_num_batched_tokens": 65536, "max_num_partial_prefills": 64,
+    "max_long_partial_prefills": 64, "max_loras": 16, "max_lora_rank": 64, "max_cpu_loras": 64,
+    "max_logprobs": 20, "gpu_memory_utilization": 0.9,
+}
 
 
 def _engine_args_rule(fields: Mapping[str, Any], policy: Policy) -> None:
@@ -409,6 +422,17 @@ def _engine_args_rule(fields: Mapping[str, Any], policy: Policy) -> None:
                               f"the network or size memory past the operator's budget); an operator may allow it "
                               f"with the pool config key engine_args_allowed",
                               target=label, parameter=key, reason="not allowed")
+    for key, ceiling in ENGINE_ARG_CEILINGS.items():
+        value = fields.get(key)
+        if key in policy.engine_args_allowed or value is None or isinstance(value, bool) \
+                or not isinstance(value, (int, float)):
+            continue        # unset, lifted by the operator, or a wrong type, which the type check names
+        if not 0 <= value <= ceiling:
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                              f"{label}: field {key}: {clip(repr(value), 40)} is over what a client may give (at most "
+                              f"{ceiling:g}, and not negative): it sizes what the engine allocates as it starts; an "
+                              f"operator may lift it with the pool config key engine_args_allowed",
+                              target=label, parameter=key, reason="over the client limit")
     for key in ("model", "tokenizer"):
         if key in fields and fields[key] is not None:
             _path_rule(label, key, policy.model_dirs, "model_dirs", fields[key])

@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bridge_server.client.client import BridgeClient, CallError, Target
 from bridge_server.tools.tiny_model import ensure_tiny_model
+from bridge_server.wire.errors import BridgeError
 from tests.conftest import ROOT, free_port
 from tests.pool.harness import PoolServer, others_calling, start_pool_server, toml_inline
 from tests.worker.test_engine import engine_args
@@ -547,9 +548,21 @@ def test_a_client_makes_at_most_its_share_of_engines(secured: PoolServer, pki: d
     args = {"model": str(ensure_tiny_model()), "dtype": "float32", "max_model_len": 256, "enforce_eager": True,
             "max_num_seqs": 4}
     with client_as(secured, pki, "alice", options=None) as alice, client_as(secured, pki, "bob") as bob:
-        for memory in ({"num_gpu_blocks_override": 100_000}, {"kv_cache_memory_bytes": 2**40}, {"swap_space": 1000}):
+        for memory in ({"num_gpu_blocks_override": 100_000}, {"kv_cache_memory_bytes": 2**40}, {"swap_space": 1000},
+                       {"cpu_offload_gb": 100}):
             err = denied(lambda: alice.call(f"{E}.from_engine_args", {**args, **memory}, pool="g", timeout=10))
             assert "budget" in err.details and next(iter(memory)) in err.details, err
+        # What sizes the buffers an engine allocates as it starts, the KV cache aside, has a ceiling.
+        for size in ({"max_num_seqs": 100_000, "max_num_batched_tokens": 100_000}, {"max_num_batched_tokens": 10**7},
+                     {"enable_lora": True, "max_loras": 1000}, {"enable_lora": True, "max_lora_rank": 512},
+                     {"max_logprobs": -1}, {"gpu_memory_utilization": 1.0}):
+            t0 = time.monotonic()
+            with pytest.raises(CallError) as refused:
+                alice.call(f"{E}.from_engine_args", {**args, **size}, pool="g", timeout=30)
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+            assert refused.value.reason == "over the client limit" and "engine_args_allowed" in refused.value.details
+            assert refused.value.detail is not None and refused.value.detail.parameter in size
+            assert time.monotonic() - t0 < 5     # refused before it starts
         engine = alice.call(f"{E}.from_engine_args", args, pool="g", timeout=120)
         t0 = time.monotonic()
         with pytest.raises(CallError) as err:
@@ -562,6 +575,23 @@ def test_a_client_makes_at_most_its_share_of_engines(secured: PoolServer, pki: d
         with pytest.raises(CallError) as err:     # gone with its last ref; alice may make another now
             alice.call(Target.method(engine, "check_health"), pool="g")
         assert err.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_an_operator_lifts_a_ceiling_by_allowing_the_argument() -> None:
+    """The rule every engine-args record goes through, under the policy a worker is given: naming an
+    argument in engine_args_allowed lifts its ceiling, and only its own."""
+    from adapters.async_llm import ENGINE_ARG_CEILINGS, _engine_args_rule
+    from adapters.spec import Policy
+
+    big = {"max_num_seqs": ENGINE_ARG_CEILINGS["max_num_seqs"] * 4, "max_loras": 1000}
+    lifted = Policy(engine_args_allowed=frozenset({"max_num_seqs"}))
+    with pytest.raises(BridgeError) as err:
+        _engine_args_rule(big, lifted)
+    assert err.value.parameter == "max_loras"
+    _engine_args_rule({"max_num_seqs": big["max_num_seqs"]}, lifted)
+    with pytest.raises(BridgeError) as err:
+        _engine_args_rule({"max_num_seqs": big["max_num_seqs"]}, Policy())
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.parameter == "max_num_seqs"
 
 
 def test_mutual_tls_names_its_client(tmp_path: Path, pki: dict[str, str]) -> None:
