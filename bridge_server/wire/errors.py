@@ -28,13 +28,17 @@ log = logging.getLogger("vllm_bridge.worker")
 # The trailer of the standard rich error model.
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
-# What an error may carry, in characters. The message travels twice (the status line and the
-# detail), the detail base64-encoded: 1,000 + 4/3 x (1,000 + 3,000 + a few short fields) stays
-# well inside the 8 KiB of metadata every gRPC stack accepts.
+# What an error may carry, in characters (an event of a Multiplex stream carries all of it).
 MAX_MESSAGE_CHARS = 1000
 MAX_TRACEBACK_CHARS = 3000
 MAX_FIELD_CHARS = 200
 QUOTE_CHARS = 80
+# What a status's trailers may take together, in bytes as they travel: the message percent-encoded
+# (three bytes for each byte past ASCII) in the status line, and again, with the detail, in the
+# base64 of grpc-status-details-bin. gRPC's C core refuses metadata past 8 KiB at random (a soft
+# limit, with RESOURCE_EXHAUSTED "Stream removed") and always past 16 KiB: characters are not bytes,
+# so the bound is kept in bytes, with room left for the other trailers.
+MAX_STATUS_BYTES = 6 * 1024
 
 
 def clip(text: str, limit: int) -> str:
@@ -131,23 +135,21 @@ class BridgeError(Exception):
         tb_text = self.traceback
         if len(tb_text) > MAX_TRACEBACK_CHARS:
             tb_text = f"[{len(tb_text) - MAX_TRACEBACK_CHARS} characters left out]\n" + tb_text[-MAX_TRACEBACK_CHARS:]
-        return pb.ErrorDetail(category=clip(self.category, MAX_FIELD_CHARS),
-                              python_type=clip(self.python_type, MAX_FIELD_CHARS),
-                              message=clip(self.message, MAX_MESSAGE_CHARS), traceback=tb_text,
-                              target=clip(self.target, MAX_FIELD_CHARS), parameter=clip(self.parameter, MAX_FIELD_CHARS),
-                              reason=clip(self.reason, MAX_FIELD_CHARS),
-                              suggestions=[clip(s, MAX_FIELD_CHARS) for s in self.suggestions[:5]])
+        return pb.ErrorDetail(category=_utf8(clip(self.category, MAX_FIELD_CHARS)),
+                              python_type=_utf8(clip(self.python_type, MAX_FIELD_CHARS)),
+                              message=_utf8(clip(self.message, MAX_MESSAGE_CHARS)), traceback=_utf8(tb_text),
+                              target=_utf8(clip(self.target, MAX_FIELD_CHARS)),
+                              parameter=_utf8(clip(self.parameter, MAX_FIELD_CHARS)),
+                              reason=_utf8(clip(self.reason, MAX_FIELD_CHARS)),
+                              suggestions=[_utf8(clip(s, MAX_FIELD_CHARS)) for s in self.suggestions[:5]])
 
     def to_mux_error(self) -> pb.MuxError:
         """The same failure as one event of a Multiplex stream."""
-        return pb.MuxError(code=self.code.value[0], message=clip(self.message, MAX_MESSAGE_CHARS),
+        return pb.MuxError(code=self.code.value[0], message=_utf8(clip(self.message, MAX_MESSAGE_CHARS)),
                            detail=self.detail())
 
     def to_status(self) -> grpc.Status:
-        detail = any_pb2.Any()
-        detail.Pack(self.detail())
-        return rpc_status.to_status(status_pb2.Status(code=self.code.value[0],
-                                                      message=clip(self.message, MAX_MESSAGE_CHARS), details=[detail]))
+        return fitted_status(self.code.value[0], clip(self.message, MAX_MESSAGE_CHARS), self.detail())
 
 
 def _py_status(exc: BaseException) -> grpc.StatusCode:
@@ -164,10 +166,56 @@ def status_code(number: int) -> grpc.StatusCode:
 
 def mux_error_status(err: pb.MuxError) -> grpc.Status:
     """A Multiplex event's failure as the status the same call would have ended with on its own."""
-    detail = any_pb2.Any()
-    detail.Pack(err.detail)
-    return rpc_status.to_status(status_pb2.Status(code=status_code(err.code).value[0], message=err.message,
-                                                  details=[detail]))
+    detail = pb.ErrorDetail()
+    detail.CopyFrom(err.detail)
+    return fitted_status(status_code(err.code).value[0], err.message, detail)
+
+
+def fitted_status(code: int, message: str, detail: pb.ErrorDetail) -> grpc.Status:
+    """The rich status, within MAX_STATUS_BYTES: what gives way first is the traceback (its start:
+    the failing frame is at its end), then the suggestions, then the message, then the short fields.
+    `detail` is the caller's to give up (it is cut in place)."""
+    message = _utf8(message)
+    while (size := _status_bytes(code, message, detail)) > MAX_STATUS_BYTES:
+        over = size - MAX_STATUS_BYTES
+        if len(detail.traceback) > 64:
+            keep = max(0, len(detail.traceback) - max(over, len(detail.traceback) // 2))
+            detail.traceback = f"[{len(detail.traceback) - keep} characters left out]\n" + detail.traceback[-keep:] \
+                if keep else ""
+        elif detail.suggestions:
+            del detail.suggestions[:]
+        elif max(len(message), len(detail.message)) > 64:
+            message = clip(message, max(64, len(message) // 2))
+            detail.message = clip(detail.message, max(64, len(detail.message) // 2))
+        elif any(len(getattr(detail, f)) > 64 for f in _SHORT_FIELDS):
+            for f in _SHORT_FIELDS:
+                setattr(detail, f, clip(getattr(detail, f), 64))
+        else:
+            detail.traceback = ""
+            break       # a few short texts: well within the bound, whatever they hold
+    packed = any_pb2.Any()
+    packed.Pack(detail)
+    return rpc_status.to_status(status_pb2.Status(code=code, message=message, details=[packed]))
+
+
+_SHORT_FIELDS = ("category", "python_type", "target", "parameter", "reason")
+
+
+def _utf8(text: str) -> str:
+    """`text` as it can travel: a lone surrogate (an OS error's undecodable file name) fails to encode."""
+    try:
+        text.encode()
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
+
+
+def _status_bytes(code: int, message: str, detail: pb.ErrorDetail) -> int:
+    packed = any_pb2.Any()
+    packed.Pack(detail)
+    details = status_pb2.Status(code=code, message=message, details=[packed]).ByteSize()
+    encoded = message.encode()
+    return len(encoded) + 2 * sum(1 for b in encoded if not 0x20 <= b <= 0x7E or b == 0x25) + 4 * -(-details // 3)
 
 
 def target_label(target: pb.Target) -> str:

@@ -92,3 +92,47 @@ def test_a_wrapper_with_no_message_is_reported_by_what_it_wraps() -> None:
     # an arithmetic failure comes of the arguments given
     assert BridgeError.from_exception(_raised(ZeroDivisionError("division by zero")), "t").code == \
         grpc.StatusCode.INVALID_ARGUMENT
+
+
+WIDE = "日本語😀é"    # three and four bytes each in UTF-8, nine and twelve percent-encoded
+
+
+def _largest(kind: str) -> Any:
+    """The largest error each path can raise: every text at its bound, in characters that take the
+    most bytes, with a lone surrogate (an OS error's undecodable file name) in the message."""
+    from bridge_server.wire.errors import (MAX_FIELD_CHARS, MAX_MESSAGE_CHARS, MAX_TRACEBACK_CHARS, BridgeError,
+                                           mux_error_status)
+    err = BridgeError(grpc.StatusCode.FAILED_PRECONDITION, WIDE * 100, "\udcff" + WIDE * MAX_MESSAGE_CHARS,
+                      target=WIDE * MAX_FIELD_CHARS, parameter=WIDE * MAX_FIELD_CHARS, reason=WIDE * MAX_FIELD_CHARS,
+                      python_type=WIDE * MAX_FIELD_CHARS, suggestions=[WIDE * MAX_FIELD_CHARS] * 9,
+                      traceback="first frame\n" + WIDE * MAX_TRACEBACK_CHARS + "\nthe failing frame")
+    return err.to_status() if kind == "status" else mux_error_status(err.to_mux_error())
+
+
+def _fail_large(request: bytes, context: grpc.ServicerContext) -> bytes:
+    context.abort_with_status(_largest(request.decode()))
+    raise AssertionError("abort_with_status returned")
+
+
+@pytest.mark.parametrize("kind", ["status", "multiplexed"])
+def test_the_largest_error_reaches_the_client_whole_every_time(kind: str) -> None:
+    """gRPC refuses trailers past 8 KiB at random (RESOURCE_EXHAUSTED "Stream removed"): an error is
+    fitted in bytes, not characters, so every one of many calls ends with the server's own status,
+    its detail readable, the failing frame kept and the message cut where the note says."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "test.Errors", {"Fail": grpc.unary_unary_rpc_method_handler(_fail_large)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for _ in range(100):
+                with pytest.raises(grpc.RpcError) as caught:
+                    channel.unary_unary(METHOD)(kind.encode(), timeout=5)
+                err = CallError(caught.value)  # type: ignore[arg-type]
+                assert err.code == grpc.StatusCode.FAILED_PRECONDITION, err.details
+                assert err.detail is not None and err.detail.message.startswith("\\udcff" + WIDE)
+                assert "more characters]" in err.details and err.details == err.detail.message
+                assert err.detail.traceback == "" or err.detail.traceback.endswith("the failing frame")
+    finally:
+        server.stop(None)
