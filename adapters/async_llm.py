@@ -390,7 +390,8 @@ def _path_rule(label: str, key: str, dirs: tuple[str, ...], config_key: str, pat
 SAFE_ENGINE_ARGS = frozenset({
     "model", "served_model_name", "tokenizer", "runner", "convert", "skip_tokenizer_init", "tokenizer_mode",
     "dtype", "kv_cache_dtype", "seed", "max_model_len", "block_size", "enable_prefix_caching",
-    "prefix_caching_hash_algo", "disable_sliding_window", "disable_cascade_attn", "gpu_memory_utilization", "max_num_batched_tokens", "max_num_partial_prefills",
+    "prefix_caching_hash_algo", "disable_sliding_window", "disable_cascade_attn", "gpu_memory_utilization",
+    "max_num_batched_tokens", "max_num_partial_prefills",
     "max_long_partial_prefills", "long_prefill_token_threshold", "max_num_seqs", "max_logprobs", "logprobs_mode",
     "disable_log_stats", "enforce_eager", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype",
     "fully_sharded_loras", "enable_chunked_prefill", "scheduling_policy",

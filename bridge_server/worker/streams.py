@@ -107,12 +107,11 @@ async def iterate(source: Any, label: str, deadlines: Deadlines, in_thread: Call
     watchdog = Watchdog()
     try:
         while True:
-            at = deadlines.call if first else next_deadline(deadlines)
-            if at is not None and not first and time.monotonic() >= at:
+            if not first and deadlines.total is not None and time.monotonic() >= deadlines.total:
                 # The watchdog cancels only a stream that waits: one whose next item is always ready
                 # (coalesced, or a reader slower than the engine) would never wait, and never end.
                 raise BridgeError.timeout(f"{label}: deadline exceeded while streaming", target=label)
-            watchdog.arm(at)
+            watchdog.arm(deadlines.call if first else next_deadline(deadlines))
             try:
                 item = await step()
             except done_exc:

@@ -202,8 +202,8 @@ def test_deadline_aborts_the_request_in_the_engine(bridge: BridgeClient, engine_
 
 
 @pytest.mark.parametrize("way", ["stream", "multiplex"])
-def test_a_deadline_holds_when_every_item_is_ready_before_it_is_asked_for(bridge: BridgeClient,
-                                                                          engine_worker: WorkerProcess, way: str) -> None:
+def test_a_deadline_holds_when_every_item_is_ready_before_it_is_asked_for(
+        bridge: BridgeClient, engine_worker: WorkerProcess, way: str) -> None:
     """Coalescing (or a reader slower than the engine) means the next item is always waiting when the
     stream asks for it: the stream never waits, yet its deadline passes all the same. It ends the
     stream on time, with DEADLINE_EXCEEDED, and aborts the request (a Multiplex call has no gRPC
