@@ -138,7 +138,10 @@ async def iterate(source: Any, label: str, deadlines: Deadlines, in_thread: Call
                 # Coalescing: not asking for the next item yet lets vLLM merge the outputs that
                 # arrive meanwhile into one (its per-request collector), so fewer messages carry
                 # the same tokens. The first item is never held back.
-                await asyncio.sleep(max(rest, sent + (interval_s or 0.0) - time.monotonic()))
+                pause = max(rest, sent + (interval_s or 0.0) - time.monotonic())
+                if deadlines.total is not None:      # the deadline cuts the pause short, then ends the stream
+                    pause = min(pause, deadlines.total - time.monotonic())
+                await asyncio.sleep(max(0.0, pause))
     finally:
         watchdog.close()
         if close is not None:

@@ -201,22 +201,26 @@ def test_deadline_aborts_the_request_in_the_engine(bridge: BridgeClient, engine_
     assert_aborted_in_engine(engine_worker, bridge, "cancel-deadline")
 
 
+@pytest.mark.parametrize("interval_s", [0.05, 10.0], ids=["items-always-ready", "pausing-past-it"])
 @pytest.mark.parametrize("way", ["stream", "multiplex"])
 def test_a_deadline_holds_when_every_item_is_ready_before_it_is_asked_for(
-        bridge: BridgeClient, engine_worker: WorkerProcess, way: str) -> None:
+        bridge: BridgeClient, engine_worker: WorkerProcess, way: str, interval_s: float) -> None:
     """Coalescing (or a reader slower than the engine) means the next item is always waiting when the
     stream asks for it: the stream never waits, yet its deadline passes all the same. It ends the
     stream on time, with DEADLINE_EXCEEDED, and aborts the request (a Multiplex call has no gRPC
-    deadline of its own: the worker's is the only one)."""
-    request_id = f"ready-deadline-{way}"
+    deadline of its own: the worker's is the only one). A coalescing pause longer than the time left
+    ends at the deadline, not 10 s later."""
+    request_id = f"ready-deadline-{way}-{interval_s}"
     received = []
+    t0 = time.monotonic()
     with bridge.multiplex() as mux, pytest.raises(CallError) as err:
         source = mux if way == "multiplex" else bridge
         for item in source.stream(Target.method("engine", "generate"), "always ready", greedy(LONG), request_id,
-                                  timeout=0.5, stream_interval_s=0.05):
+                                  timeout=0.5, stream_interval_s=interval_s):
             received.append(item)
     assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details
     assert received and not received[-1]["finished"]
+    assert time.monotonic() - t0 < interval_s / 2 + 2.0
     assert_aborted_in_engine(engine_worker, bridge, request_id)
 
 
