@@ -10,7 +10,8 @@ arrives during one loop turn leaves as one reply.
 Flow control: a stream the client gave a window keeps it, on the lane, with the client's credits; a
 stream without one gets the router's window, credited as its replies are written to the client. So
 a slow client holds at most a window of items per stream in the router, and holds up nobody else on
-the worker's lane. A worker that dies ends its calls with "worker crashed", as for plain calls, and
+the worker's lane. Unary results have no window: once a stream's unwritten replies pass
+MAX_UNWRITTEN_BYTES, the router reads none of its requests until the client reads. A worker that dies ends its calls with "worker crashed", as for plain calls, and
 the client's other calls go on.
 """
 
@@ -42,6 +43,12 @@ __all__ = ["forward_multiplex"]
 
 Failure = Callable[[Backend, Flight, str], Awaitable[BridgeError]]
 Metadata = tuple[tuple[str, str | bytes], ...]
+
+# Replies of one stream not yet written to its client, past which the stream reads no further
+# requests until the client reads: a client that starts calls and never reads their results (a
+# few MB each) would have the router hold all of them. Calls already running still finish, and a
+# single result larger than this still goes (the stream then waits for it to be read).
+MAX_UNWRITTEN_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(eq=False)
@@ -100,6 +107,9 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     batch = pb.MuxReplyView()
     credit: dict[_Running, int] = {}           # items in `batch` of streams on the router's window
     flushing = False
+    unwritten = 0                              # bytes in `out`
+    room = asyncio.Event()                     # set while `unwritten` is within MAX_UNWRITTEN_BYTES
+    room.set()
     running: dict[int, _Running] = {}          # by client call id
     queued: dict[int, asyncio.Task[None]] = {} # calls waiting for a worker slot
     idle = asyncio.Event()
@@ -107,7 +117,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     tasks: set[asyncio.Task[None]] = set()
 
     def flush() -> None:
-        nonlocal batch, credit, flushing
+        nonlocal batch, credit, flushing, unwritten
         flushing = False
         if batch.events:
             frames = _within_limit(batch)
@@ -115,6 +125,9 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                 out.put_nowait((frame, []))
             out.put_nowait((frames[-1], list(credit.items())))
             batch, credit = pb.MuxReplyView(), {}
+            unwritten += sum(len(frame) for frame in frames)
+            if unwritten > MAX_UNWRITTEN_BYTES:
+                room.clear()
 
     def add_event(client_id: int) -> Any:
         nonlocal flushing
@@ -272,6 +285,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
 
     async def read() -> None:
         async for raw in requests:
+            await room.wait()
             try:
                 request = parse_request(pb.MuxRequestView, raw, "Multiplex", limit + 64 * 1024)
             except BridgeError as err:     # each call it names fails (id 0, which no call uses: none)
@@ -302,6 +316,9 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         while (item := await out.get()) is not None:
             raw, credits = item
             yield raw
+            unwritten -= len(raw)
+            if unwritten <= MAX_UNWRITTEN_BYTES:
+                room.set()
             for run, n in credits:         # written to the client: the worker may send that many more
                 if not run.ended and run.lc is not None:
                     run.lc.credit(n)
