@@ -19,9 +19,13 @@ def test_a_reply_over_the_limit_is_split_and_an_oversized_result_ends_only_its_c
         for i in range(1, 9):
             out.add(i).value.str = "x" * 900              # eight results that together exceed one message
         out.add(9).value.bytes = b"y" * 10_000            # one result over the limit by itself
-        frames = out.frames(out.take(), {9: task})
+        reply = out.take()
+        reply.worker_refs = 5
+        frames = out.frames(reply, {9: task})
         replies = [pb.MuxReply.FromString(f) for f in frames]
         assert len(replies) >= 2 and all(len(f) <= 4096 for f in frames)
+        assert all(r.worker_refs == 5 for r in replies)
+        assert sum(len(f) for f in frames) > 8 * 900 and all(len(f) > 4096 - 1100 for f in frames[:-1])  # filled
         events = {e.id: e for r in replies for e in r.events}
         assert sorted(events) == list(range(1, 10))
         assert all(events[i].value.str == "x" * 900 for i in range(1, 9))
