@@ -39,7 +39,7 @@ from bridge_server.pool.poolstate import (
     pool_error,
 )
 from bridge_server.wire.errors import BridgeError, quote
-from bridge_server.wire.protocol import PROFILES, RuntimeOptions, parse_metadata
+from bridge_server.wire.protocol import PROFILES, RuntimeOptions, explicit_timeout, parse_metadata
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["Route", "Router", "read_route", "session_key", "time_left"]
@@ -87,7 +87,7 @@ def read_route(metadata: Iterable[tuple[str, str | bytes]] | None, grpc_remainin
         if carried:
             refs = tuple(dict.fromkeys((*refs, *carried)))
     now = time.monotonic()
-    explicit = grpc_remaining_s if grpc_remaining_s is not None else opts.timeout_s
+    explicit = explicit_timeout(opts, grpc_remaining_s)
     if explicit is not None:
         return Route(opts, session, now + explicit, True, refs, client or identity)
     profile = PROFILES[opts.timeout_profile] if opts.timeout_profile else None

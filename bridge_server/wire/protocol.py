@@ -339,6 +339,15 @@ def stream_encoding(preferences: str) -> str:
     return STREAM_FULL
 
 
+def explicit_timeout(opts: RuntimeOptions, grpc_remaining_s: float | None) -> float | None:
+    """A call's explicit timeout: the tighter of its gRPC deadline and `x-bridge-timeout-ms` (None:
+    neither). The same rule everywhere a deadline is read, so that no path lets a call run past
+    either (the router routes, and a worker runs, within the same time)."""
+    if grpc_remaining_s is None:
+        return opts.timeout_s
+    return grpc_remaining_s if opts.timeout_s is None else min(grpc_remaining_s, opts.timeout_s)
+
+
 def time_left_s(time_left_ms: float) -> float | None:
     """A Multiplex call's `time_left_ms` in seconds (None for 0: not set); refuses a negative one."""
     if time_left_ms == 0 or time_left_ms == math.inf:

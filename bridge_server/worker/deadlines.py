@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bridge_server.wire.errors import BridgeError
-from bridge_server.wire.protocol import PROFILES, RuntimeOptions
+from bridge_server.wire.protocol import PROFILES, RuntimeOptions, explicit_timeout
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,11 @@ class Deadlines:
 
 
 def resolve_deadlines(opts: RuntimeOptions, grpc_remaining_s: float | None, target_profile: str) -> Deadlines:
-    """Explicit deadline beats the call's profile, which beats the target's default profile."""
+    """The explicit deadline (`explicit_timeout`) beats the call's profile, which beats the target's
+    default profile."""
     now = time.monotonic()
     profile = PROFILES[opts.timeout_profile or target_profile]
-    explicit = grpc_remaining_s if grpc_remaining_s is not None else opts.timeout_s
+    explicit = explicit_timeout(opts, grpc_remaining_s)
     idle = opts.stream_timeout_s if opts.stream_timeout_s is not None else profile.stream_idle_s
     if explicit is not None:
         return Deadlines(call=now + explicit, total=now + explicit, stream_idle_s=idle)

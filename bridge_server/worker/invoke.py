@@ -172,12 +172,16 @@ class Invoker:
                               f"never passed as an argument", parameter=quote(ref.id), reason="code")
         return obj
 
+    def publishes(self, obj: object) -> bool:
+        """Whether obj is one of the objects this worker publishes (shared by every client)."""
+        return any(obj is o for o in self.objects.values())
+
     def _receiver(self, target: pb.Target, caller: Caller) -> tuple[object, bool, bool]:
         """(receiver, exclusive, published)"""
         which = target.WhichOneof("receiver")
         if which == "ref":   # a ref may hold a published object too: what it is decides, not how it is named
             entry = self.refs.get(target.ref.id, caller.identity)
-            return entry.obj, entry.exclusive, any(entry.obj is o for o in self.objects.values())
+            return entry.obj, entry.exclusive, self.publishes(entry.obj)
         if which == "object":
             if target.object not in self.objects:
                 raise BridgeError.not_found(
@@ -261,8 +265,9 @@ class Invoker:
             raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
                               f"{label}: members of a {type(obj).__name__} cannot be reached through a ref",
                               target=label)
-        if kind == pb.Target.ITERATE:
-            return Plan(label=label, fn=None, read=lambda: lazily(obj), exclusive=exclusive, receiver=obj)
+        if kind == pb.Target.ITERATE:     # Stream's only: as a Call it would hand out a ref to the receiver
+            return Plan(label=label, fn=None, read=lambda: lazily(obj), exclusive=exclusive, receiver=obj,
+                        streams=True, published=published)
         entry = self._reachable(obj, name, kind)
         if entry is not None:
             label = entry.name

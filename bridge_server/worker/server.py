@@ -341,8 +341,14 @@ def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
     check_exposure(config.listen, security, config.insecure, "vllm-bridge worker")
     worker_id = config.worker_id or f"w{os.getpid()}"
     catalog = catalog or default_catalog()
+    def finalize(obj: object) -> None:
+        """The last client ref to obj is gone. What the worker publishes is the server's, whatever
+        refs clients got to it (a result may be the published engine itself): it lives on."""
+        if not invoker.publishes(obj):
+            catalog.finalize(obj)
+
     refs = RefRegistry(worker_id, session_cap=config.session_cap, idle_ttl_s=config.idle_ttl_s,
-                       finalize=catalog.finalize, max_sessions=config.max_sessions,
+                       finalize=finalize, max_sessions=config.max_sessions,
                        max_refs_per_client=config.max_refs_per_client,
                        max_ref_bytes_per_client=config.max_ref_bytes_per_client)
     invoker = Invoker(catalog, refs, objects=dict(objects or {}), tensor_max_bytes=config.tensor_max_bytes,

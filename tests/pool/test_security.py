@@ -577,6 +577,42 @@ def test_a_client_makes_at_most_its_share_of_engines(secured: PoolServer, pki: d
         assert err.value.code == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_ref_to_a_published_object_never_ends_it_when_released() -> None:
+    """Engines end with their last ref, but a result can be the published engine itself (as ITERATE
+    called with Call was): a client that gets a ref to it and releases the ref leaves it running. A
+    worker built as a real one is, with the class's finalizer watched: it runs for a client's own
+    object only."""
+    import asyncio
+
+    from bridge_server.worker.server import WorkerConfig, build_worker, default_catalog
+
+    class Engine:
+        pass
+
+    ended: list[object] = []
+    catalog = default_catalog()
+    catalog.finalizers[Engine] = ended.append
+
+    async def run() -> None:
+        published, own = Engine(), Engine()
+        worker = build_worker(WorkerConfig(listen="127.0.0.1:0"), catalog=catalog, objects={"engine": published})
+        refs = worker.invoker.refs
+        for obj in (published, published, own):
+            entry = refs.put(obj, "s", owner="stranger")
+            assert refs.release([entry.id], "stranger") == 1
+        assert ended == [own]
+        await worker.server.stop(None)
+
+    asyncio.run(run())
+
+
+def test_iterate_is_for_streams_only(client: BridgeClient) -> None:
+    """ITERATE called with Call gave back a ref to its receiver, the published engine included."""
+    with pytest.raises(CallError) as err:
+        client.call(Target(pb.Target(kind=pb.Target.ITERATE, object="engine")), timeout=10)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and err.value.reason == "use Stream", err.value
+
+
 def test_an_operator_lifts_a_ceiling_by_allowing_the_argument() -> None:
     """The rule every engine-args record goes through, under the policy a worker is given: naming an
     argument in engine_args_allowed lifts its ceiling, and only its own."""

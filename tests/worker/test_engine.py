@@ -224,6 +224,19 @@ def test_a_deadline_holds_when_every_item_is_ready_before_it_is_asked_for(
     assert_aborted_in_engine(engine_worker, bridge, request_id)
 
 
+def test_the_tighter_of_the_grpc_deadline_and_the_timeout_option_holds(bridge: BridgeClient,
+                                                                       engine_worker: WorkerProcess) -> None:
+    """A gRPC deadline of a minute and `x-bridge-timeout-ms` of half a second: the stream ends at the
+    half second, as it does through a pool (whose router and worker both take the tighter one)."""
+    t0 = time.monotonic()
+    with pytest.raises(CallError) as err:
+        for _ in bridge.stream(Target.method("engine", "generate"), "two deadlines", greedy(LONG), "two-deadlines",
+                               timeout=60, timeout_s=0.5):
+            pass
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 10
+    assert_aborted_in_engine(engine_worker, bridge, "two-deadlines")
+
+
 def test_a_multiplexed_deadline_holds_while_the_stream_waits_for_its_reader(bridge: BridgeClient,
                                                                             engine_worker: WorkerProcess) -> None:
     """The reader takes one item and then reads nothing past the call's deadline: the worker, waiting
