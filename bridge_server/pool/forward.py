@@ -32,7 +32,7 @@ from bridge_server.pool.metrics import Metrics
 from bridge_server.pool.multiplex import forward_multiplex
 from bridge_server.pool.poolstate import Backend, Flight, pool_error
 from bridge_server.pool.router import Router, client_of, read_route, session_key, time_left
-from bridge_server.wire.errors import STATUS_DETAILS_KEY, BridgeError, mux_error_status, status_code
+from bridge_server.wire.errors import STATUS_DETAILS_KEY, BridgeError, caller_gone, mux_error_status, status_code
 from bridge_server.wire.protocol import MD_IDENTITY, MD_WORKER_REFS, ROUTER_ONLY_KEYS, parse_request
 from bridge_server.wire.security import MD_AUTHORIZATION, ServerSecurity
 from bridge_server.wire.stall import StallGuard
@@ -132,7 +132,7 @@ class Forwarder:
         """Every failure of the router itself leaves as a rich status."""
         if isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit)):
             return      # GeneratorExit: gRPC closed a Multiplex whose RPC ended (its deadline, say)
-        if context.cancelled():
+        if context.cancelled() or caller_gone(exc):
             # The caller went away (a stream its consumer stopped early): a write that fails now is
             # the cancellation, not a router failure, and there is nobody left to tell.
             out.code = "CANCELLED"

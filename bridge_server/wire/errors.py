@@ -245,6 +245,13 @@ def server_error(exc: BaseException, label: str) -> BridgeError:
     return err
 
 
+def caller_gone(exc: BaseException) -> bool:
+    """Whether exc is gRPC refusing a send on an RPC whose caller has gone (it cancelled, its deadline
+    passed, its connection dropped) or that has ended already: nobody is left to tell, and it is no
+    failure of the server's. gRPC's core says so before the RPC reads as cancelled."""
+    return type(exc).__name__ == "ExecuteBatchError" or isinstance(exc, grpc.aio.UsageError)
+
+
 def detail_from_rpc_error(err: grpc.RpcError) -> pb.ErrorDetail | None:
     """The ErrorDetail a bridge server attached to a failed call, if any (client side).
 

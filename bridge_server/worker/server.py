@@ -30,7 +30,7 @@ from grpc_reflection.v1alpha import reflection
 
 from adapters.spec import Policy
 from bridge_server.wire import eventloop
-from bridge_server.wire.errors import BridgeError, server_error, target_label
+from bridge_server.wire.errors import BridgeError, caller_gone, server_error, target_label
 from bridge_server.wire.jsonvalue import from_json
 from bridge_server.wire.protocol import (
     MD_WORKER_REFS,
@@ -185,7 +185,8 @@ class BridgeService:
                     index += 1
             self._refs_trailer(context)
         except Exception as exc:
-            await context.abort_with_status(server_error(exc, label).to_status())
+            if not caller_gone(exc):
+                await context.abort_with_status(server_error(exc, label).to_status())
 
     async def Multiplex(self, requests: AsyncIterator[bytes],  # noqa: N802
                         context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
@@ -196,7 +197,8 @@ class BridgeService:
                 yield reply
             self._refs_trailer(context)
         except Exception as exc:
-            await context.abort_with_status(server_error(exc, "Multiplex").to_status())
+            if not caller_gone(exc):
+                await context.abort_with_status(server_error(exc, "Multiplex").to_status())
 
     async def Collective(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.CollectiveReply:  # noqa: N802
         """A worker on its own is a group of one rank: the call runs once. Pools fan out in the router."""
