@@ -362,10 +362,17 @@ async def multiplex(invoker: Invoker, requests: AsyncIterator[bytes],
     out = Outbox()
     session = MuxSession(invoker, defaults, rpc_remaining, out, identity, max_request_bytes)
     refs = invoker.refs
+    # Set while no reply waits for gRPC to take it. A client that does not read blocks the write
+    # (flow control); the results of calls it starts meanwhile would pile up in the outbox, unbounded,
+    # so while a write is blocked and more waits behind it, none of its requests are read.
+    written = asyncio.Event()
+    written.set()
 
     async def read() -> None:
         try:
             async for raw in requests:
+                while not written.is_set() and out.reply.events:
+                    await written.wait()
                 await session.feed(raw)
         finally:
             out.ready.set()
@@ -378,7 +385,9 @@ async def multiplex(invoker: Invoker, requests: AsyncIterator[bytes],
                 reply = out.take()
                 reply.worker_refs = len(refs)
                 for frame in out.frames(reply, session.running):
+                    written.clear()
                     yield frame
+                    written.set()
             else:
                 out.ready.clear()
             if reader.done():

@@ -391,40 +391,46 @@ def test_a_flood_of_stalled_streams_leaves_room_and_turns_for_another_client(ser
     assert_untouched(server, client)
 
 
-def test_a_multiplex_client_that_never_reads_cannot_grow_the_router(server: PoolServer, client: BridgeClient) -> None:
+@pytest.mark.parametrize("where", ["router", "worker"])
+def test_a_multiplex_client_that_never_reads_cannot_grow_the_server(server: PoolServer, where: str) -> None:
     """A stranger starts calls whose results are 7 MB each (a tensor of 900,000 ids) over one
     Multiplex stream and never reads a reply. The router holds at most its bound of unwritten replies
-    (16 MiB) and then reads no more of the stream's requests: its memory stays put, where holding
-    every result took 7 MB a call. Other clients are served meanwhile."""
+    (16 MiB), a worker what waits behind its one blocked write, and then neither reads more of the
+    stream's requests: memory stays put, where holding every result took 7 MB a call. Other clients
+    are served meanwhile."""
     import queue
 
     import torch
-    dp = client.call("vllm.forward_context.DPMetadata", torch.tensor(7), torch.tensor([5, 7, 3]), pool="p",
-                     session_id="never-reads", timeout=10)
-    request, refs = client.request(Target.method(dp, "cu_tokens_across_sp"), (300_000,))   # 900,000 ids
-    outgoing: queue.Queue[Any] = queue.Queue()
-    router = psutil.Process(server.proc.pid)
-    with grpc.insecure_channel(server.address) as ch:
-        replies = ch.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
-                                   pb.MuxReply.FromString)(iter(outgoing.get, None), timeout=120, metadata=(
-                                       ("x-bridge-pool", "p"), ("x-bridge-session", "never-reads"),
-                                       ("x-bridge-refs", ",".join(refs))))
-        try:
-            outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=1, call=request)))
-            time.sleep(2.0)         # its result is unread now; the router's own baseline is what follows
-            before = router.memory_info().rss
-            for i in range(2, 62):
-                outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=i, call=request)))
-                time.sleep(0.05)
-            time.sleep(2.0)
-            grown = router.memory_info().rss - before
-            assert grown < 150 * 2**20, f"the router grew {grown / 2**20:.0f} MB for 60 unread 7 MB results"
-            assert client.call(f"{D}.divide", 6, 3, pool="p", timeout=10) == 2
-        finally:
-            replies.cancel()
-            outgoing.put(None)
-    client.release(dp)
-    assert_untouched(server, client)
+    worker = server.pool("p").workers[0]
+    address = server.address if where == "router" else worker.address
+    process = psutil.Process(server.proc.pid if where == "router" else worker.pid)
+    with BridgeClient(address, options=None) as client:
+        dp = client.call("vllm.forward_context.DPMetadata", torch.tensor(7), torch.tensor([5, 7, 3]), pool="p",
+                         session_id="never-reads", timeout=10)
+        request, refs = client.request(Target.method(dp, "cu_tokens_across_sp"), (300_000,))   # 900,000 ids
+        outgoing: queue.Queue[Any] = queue.Queue()
+        with grpc.insecure_channel(address) as ch:
+            replies = ch.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
+                                       pb.MuxReply.FromString)(iter(outgoing.get, None), timeout=120, metadata=(
+                                           ("x-bridge-pool", "p"), ("x-bridge-session", "never-reads"),
+                                           ("x-bridge-refs", ",".join(refs))))
+            try:
+                outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=1, call=request)))
+                time.sleep(2.0)         # its result is unread now; the process's baseline is what follows
+                before = process.memory_info().rss
+                for i in range(2, 62):
+                    outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=i, call=request)))
+                    time.sleep(0.05)
+                time.sleep(2.0)
+                grown = process.memory_info().rss - before
+                assert grown < 150 * 2**20, f"the {where} grew {grown / 2**20:.0f} MB for 60 unread 7 MB results"
+                assert client.call(f"{D}.divide", 6, 3, pool="p", timeout=10) == 2
+            finally:
+                replies.cancel()
+                outgoing.put(None)
+        client.release(dp)
+    with server.client(pool="e") as other:
+        assert_untouched(server, other)
 
 
 def test_quiet_calls_outlive_client_pings_at_the_documented_interval(server: PoolServer) -> None:
