@@ -11,8 +11,8 @@ Flow control: a stream the client gave a window keeps it, on the lane, with the 
 stream without one gets the router's window, credited as its replies are written to the client. So
 a slow client holds at most a window of items per stream in the router, and holds up nobody else on
 the worker's lane. Unary results have no window: once a stream's unwritten replies pass
-MAX_UNWRITTEN_BYTES, the router reads none of its requests until the client reads. A worker that dies ends its calls with "worker crashed", as for plain calls, and
-the client's other calls go on.
+MAX_UNWRITTEN_BYTES, the router reads none of its requests until the client reads. A worker that
+dies ends its calls with "worker crashed", as for plain calls, and the client's other calls go on.
 """
 
 from __future__ import annotations

@@ -84,8 +84,9 @@ def item_writer(encoder: Callable[[bool], Encoder], encoding: str | None) -> Put
     return put
 
 
-async def iterate(source: Any, label: str, deadlines: Deadlines, in_thread: Callable[[Callable[[], Any]], Awaitable[Any]],
-                  interval_s: float | None = None, pace: Pace | None = None) -> AsyncGenerator[Any, None]:
+async def iterate(source: Any, label: str, deadlines: Deadlines,
+                  in_thread: Callable[[Callable[[], Any]], Awaitable[Any]], interval_s: float | None = None,
+                  pace: Pace | None = None) -> AsyncGenerator[Any, None]:
     """The items of what a streaming call returned (an async generator, or an iterator stepped in a
     thread by `in_thread`), within the stream's deadlines, coalesced to one per `interval_s`, and
     paced by what putting them costs (`pace`, filled by the stream's put)."""
