@@ -246,9 +246,10 @@ def server_error(exc: BaseException, label: str) -> BridgeError:
 
 
 def caller_gone(exc: BaseException) -> bool:
-    """Whether exc is gRPC refusing a send on an RPC whose caller has gone (it cancelled, its deadline
-    passed, its connection dropped) or that has ended already: nobody is left to tell, and it is no
-    failure of the server's. gRPC's core says so before the RPC reads as cancelled."""
+    """Whether exc is gRPC refusing a send on an RPC that has ended: its caller went away (it
+    cancelled, its deadline passed, its connection dropped; gRPC's core says so before the RPC reads
+    as cancelled), or the message was over the send limit, when gRPC itself ends the call with
+    RESOURCE_EXHAUSTED. Either way there is nobody to tell more, and a second abort would fail."""
     return type(exc).__name__ == "ExecuteBatchError" or isinstance(exc, grpc.aio.UsageError)
 
 

@@ -185,6 +185,8 @@ class BridgeService:
                     index += 1
             self._refs_trailer(context)
         except Exception as exc:
+            # A send gRPC refuses has ended the call already: the caller went away, or the item was
+            # over the message limit (gRPC itself then ends the call with RESOURCE_EXHAUSTED).
             if not caller_gone(exc):
                 await context.abort_with_status(server_error(exc, label).to_status())
 
