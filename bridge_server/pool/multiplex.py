@@ -44,11 +44,15 @@ __all__ = ["forward_multiplex"]
 Failure = Callable[[Backend, Flight, str], Awaitable[BridgeError]]
 Metadata = tuple[tuple[str, str | bytes], ...]
 
-# Replies of one stream not yet written to its client, past which the stream reads no further
-# requests until the client reads: a client that starts calls and never reads their results (a
-# few MB each) would have the router hold all of them. Calls already running still finish, and a
-# single result larger than this still goes (the stream then waits for it to be read).
+# What one stream may have the router hold for a client that does not read. Past either bound the
+# stream starts no more calls (the rest of a batch, and later requests, wait) until the client
+# reads: a client that starts calls and never reads their results (a few MB each) would have the
+# router hold all of them. Unary calls count from their start, as a result arrives after its start
+# is read (a batch of a hundred starts is read whole before any answer); streams have windows. A
+# window a client gives that is larger than the router's is the router's to keep (credited as items
+# are written): the router would hold whatever the worker sent ahead.
 MAX_UNWRITTEN_BYTES = 16 * 1024 * 1024
+MAX_UNANSWERED = 16            # unary calls started whose answers the client has not been written
 
 
 @dataclass(eq=False)
@@ -103,13 +107,22 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     defaults = tuple((k, v) for k, v in context.invocation_metadata() or () if k.startswith("x-bridge-"))
     client = client_of(identity, context, multiplex=True)      # every call of the stream is this client's
     # `identity` is the caller's: what the client names in its own options is not (the lane drops it).
-    out: asyncio.Queue[tuple[bytes, list[tuple[_Running, int]]] | None] = asyncio.Queue()
+    out: asyncio.Queue[tuple[bytes, list[tuple[_Running, int]], int] | None] = asyncio.Queue()
     batch = pb.MuxReplyView()
     credit: dict[_Running, int] = {}           # items in `batch` of streams on the router's window
     flushing = False
     unwritten = 0                              # bytes in `out`
-    room = asyncio.Event()                     # set while `unwritten` is within MAX_UNWRITTEN_BYTES
+    unanswered: set[int] = set()               # unary calls started, answer not yet in `batch`
+    answers = 0                                # answers in `batch` (of calls that were in `unanswered`)
+    in_out = 0                                 # answers in `out`
+    room = asyncio.Event()                     # set while this stream may start calls (both bounds)
     room.set()
+
+    def check_room() -> None:
+        if unwritten <= MAX_UNWRITTEN_BYTES and len(unanswered) + answers + in_out < MAX_UNANSWERED:
+            room.set()
+        else:
+            room.clear()
     running: dict[int, _Running] = {}          # by client call id
     queued: dict[int, asyncio.Task[None]] = {} # calls waiting for a worker slot
     idle = asyncio.Event()
@@ -117,23 +130,27 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     tasks: set[asyncio.Task[None]] = set()
 
     def flush() -> None:
-        nonlocal batch, credit, flushing, unwritten
+        nonlocal batch, credit, flushing, unwritten, answers, in_out
         flushing = False
         if batch.events:
             frames = _within_limit(batch)
             for frame in frames[:-1]:
-                out.put_nowait((frame, []))
-            out.put_nowait((frames[-1], list(credit.items())))
+                out.put_nowait((frame, [], 0))
+            out.put_nowait((frames[-1], list(credit.items()), answers))
             batch, credit = pb.MuxReplyView(), {}
             unwritten += sum(len(frame) for frame in frames)
-            if unwritten > MAX_UNWRITTEN_BYTES:
-                room.clear()
+            in_out += answers
+            answers = 0
+            check_room()
 
     def add_event(client_id: int) -> Any:
-        nonlocal flushing
+        nonlocal flushing, answers
         if not flushing:
             flushing = True
             loop.call_soon(flush)
+        if client_id in unanswered:          # a unary call's only event: its answer
+            unanswered.discard(client_id)
+            answers += 1
         return batch.events.add(id=client_id)
 
     def refuse(client_id: int, err: BridgeError) -> None:
@@ -198,12 +215,13 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
 
     def launch(client_id: int, start: Any, md: Metadata, route: Route, plan: Plan, backend: Backend) -> None:
         router.placed(plan, backend)
-        run = _Running(client_id, plan.pool, backend, Flight(), own_window=start.stream and not start.window)
+        own_window = start.stream and not 0 < start.window <= STREAM_WINDOW
+        run = _Running(client_id, plan.pool, backend, Flight(), own_window=own_window)
         running[client_id] = run
         run.flight.call = _FlightHook(functools.partial(on_lost, run, "the worker died"))
         backend.flights.add(run.flight)
         try:
-            window = start.window or (STREAM_WINDOW if start.stream else 0)
+            window = (STREAM_WINDOW if own_window else start.window) if start.stream else 0
             run.lc = backend.lane.start(start.call, md, stream=start.stream, window=window,
                                         timeout_s=time_left(route), identity=identity,
                                         on_event=functools.partial(on_event, run),
@@ -258,6 +276,9 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             refuse(client_id, err)
             return
         idle.clear()
+        if not start.stream:
+            unanswered.add(client_id)
+            check_room()
         if backend is not None:
             launch(client_id, start, md, route, plan, backend)
         else:
@@ -294,7 +315,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                         refuse(call_id, err)
                 continue
             if request.WhichOneof("kind") == "batch":
-                await in_slices(request.batch.requests, functools.partial(handle, nested=True))
+                await in_slices(request.batch.requests, functools.partial(handle, nested=True), room)
             else:
                 handle(request)
         await idle.wait()         # half-closed: every call runs to its end
@@ -314,11 +335,11 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     reading = loop.create_task(reader())
     try:
         while (item := await out.get()) is not None:
-            raw, credits = item
+            raw, credits, answered = item
             yield raw
             unwritten -= len(raw)
-            if unwritten <= MAX_UNWRITTEN_BYTES:
-                room.set()
+            in_out -= answered
+            check_room()
             for run, n in credits:         # written to the client: the worker may send that many more
                 if not run.ended and run.lc is not None:
                     run.lc.credit(n)

@@ -156,12 +156,15 @@ def mux_refusal(what: str) -> BridgeError:
     return BridgeError.validation("Multiplex: a request must hold start, cancel, credit or batch", parameter="kind")
 
 
-async def in_slices(requests: Sequence[R], handle: Callable[[R], None]) -> None:
+async def in_slices(requests: Sequence[R], handle: Callable[[R], None], room: asyncio.Event | None = None) -> None:
     """A batch's requests, handled in order, `MUX_BATCH_SLICE` at a time with the event loop free
     between slices: one message of many thousand small starts holds up other calls and connections
-    no more than as many messages would."""
+    no more than as many messages would. Each waits for `room` to be set, when one is given (the
+    stream's own bound on what it may hold for its client)."""
     for i, each in enumerate(requests):
-        if i and i % MUX_BATCH_SLICE == 0:
+        if room is not None and not room.is_set():
+            await room.wait()
+        elif i and i % MUX_BATCH_SLICE == 0:
             await asyncio.sleep(0)
         handle(each)
 

@@ -110,8 +110,12 @@ def test_multiplexed_generations_through_the_router_match_plain_ones(routed: Poo
         with client.multiplex() as mux:
             results = generate_together(mux, prompts, "routed-mux")
             assert mux.call(Target.method("engine", "check_health")) is None
+            # A window larger than the router's is the router's to keep: every item still comes.
+            wide = list(mux.stream(GENERATE, prompts[0], greedy(24), "routed-wide", window=2**32 - 1,
+                                   stream_encoding="full"))
     assert sorted(results) == sorted(prompts)
     assert_same_generations(results, plain)
+    assert wide[-1]["outputs"][0]["token_ids"] == plain[prompts[0]]["outputs"][0]["token_ids"]
 
 
 def test_cancelling_a_multiplexed_stream_through_the_router_aborts_it_and_others_go_on(routed: PoolServer) -> None:
