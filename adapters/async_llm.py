@@ -358,9 +358,12 @@ def _shutdown_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> N
 
 def _creation_guard(receiver: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
     """What a remote caller could hand an engine to call back, or where to connect, is not its to
-    give: factories, classes, registries and addresses keep their defaults."""
+    give: factories, classes, registries and addresses keep their defaults (`args` has the
+    defaults applied: vLLM's own registry is the default, not something given)."""
+    from vllm.multimodal import MULTIMODAL_REGISTRY
     for name in ("executor_class", "stat_loggers", "mm_registry", "client_addresses"):
-        if args.get(name):
+        value = args.get(name)
+        if value and not (name == "mm_registry" and value is MULTIMODAL_REGISTRY):
             raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
                               f"{PREFIX}: parameter {name}: not settable by a client (it names code to run, or "
                               f"addresses to connect to)", target=PREFIX, parameter=name, reason="not allowed")

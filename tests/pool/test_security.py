@@ -606,6 +606,19 @@ def test_a_ref_to_a_published_object_never_ends_it_when_released() -> None:
     asyncio.run(run())
 
 
+def test_engine_constructors_refuse_what_calls_back_or_connects_and_take_the_defaults(client: BridgeClient) -> None:
+    """`new` (AsyncLLM's own constructor) takes no factories, registries or addresses from a client,
+    and vLLM's own defaults for them are not mistaken for given ones."""
+    config = client.call("vllm.config.VllmConfig", timeout=10)
+    err = denied(lambda: client.call(E, kwargs={"vllm_config": config,
+                                                "client_addresses": {"input_address": "tcp://10.0.0.1:1"}}, timeout=10))
+    assert err.detail is not None and err.detail.parameter == "client_addresses", err
+    with pytest.raises(CallError) as err:       # past the guard: vLLM itself refuses a config with no model
+        client.call(E, kwargs={"vllm_config": config}, timeout=60)
+    assert err.value.code != DENIED, err.value
+    client.release(config)
+
+
 def test_iterate_is_for_streams_only(client: BridgeClient) -> None:
     """ITERATE called with Call gave back a ref to its receiver, the published engine included."""
     with pytest.raises(CallError) as err:
