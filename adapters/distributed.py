@@ -48,12 +48,12 @@ def _bounded_logger(receiver: object, args: Mapping[str, object], ctx: CallConte
                           f"is made past {MAX_LOGGERS:,}", target=label, parameter="name", reason="too many loggers")
 
 
-def _rendezvous_hosts(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+def _rendezvous(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
     """A process group meets peers on the network and takes pickled objects from them: only at
     hosts the operator allows (loopback by default). An init method is read as torch reads it
     (scheme in any case, blanks around it), and only two kinds pass: `tcp://` to an allowed host, and
     `env://` (the server's own environment, which the operator set). `file://` would have torch
-    create, read and delete a file the client names."""
+    create, read and delete a file the client names. Its ranks are at most the pool's."""
     hosts = ctx.policy.rendezvous_hosts
     method = args.get("distributed_init_method")
     if method is not None:
@@ -69,6 +69,15 @@ def _rendezvous_hosts(receiver: object, args: Mapping[str, object], ctx: CallCon
     if "host" in args:
         host = args["host"]
         _allowed_host("host", host.strip() if isinstance(host, str) else host, hosts)
+    size, most = args.get("world_size"), ctx.world_size + ctx.policy.outside_ranks
+    if isinstance(size, int) and size > most:
+        # Its other ranks would have to come from elsewhere: the call waits for them in a thread
+        # that no deadline can take back (torch waits 30 minutes), the exclusive lane with it.
+        raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
+                          f"vllm.distributed: parameter world_size: a process group of {size:,} ranks, where this "
+                          f"pool has {ctx.world_size} and lets {ctx.policy.outside_ranks} join from elsewhere (pool "
+                          f"config key outside_ranks; a distributed pool has as many ranks as its workers)",
+                          parameter="world_size", reason="no such ranks")
 
 
 def _allowed_host(key: str, host: object, hosts: frozenset[str]) -> None:
@@ -95,8 +104,8 @@ DISTRIBUTED = AdapterSpec(
     }),
     inline=frozenset({"divide", "ensure_divisibility", "get_pp_indices", "is_torch_equal_or_newer"}),
     guards={"resolve_obj_by_qualname": _catalog_names_only, "init_logger": _bounded_logger,
-            "init_distributed_environment": _rendezvous_hosts,
-            "stateless_init_torch_distributed_process_group": _rendezvous_hosts},
+            "init_distributed_environment": _rendezvous,
+            "stateless_init_torch_distributed_process_group": _rendezvous},
     # Everything that talks to the other ranks of the group (or sets the group up or down, which is
     # a rendezvous): called on one rank of a distributed pool it would block there, waiting for peers
     # that never come, and every later collective of the pool would queue behind it.

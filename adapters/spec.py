@@ -25,6 +25,10 @@ class Policy:
     lora_dirs: tuple[str, ...] = ()        # where LoRA adapters may be loaded from (model_dirs too)
     rendezvous_hosts: frozenset[str] = frozenset({"127.0.0.1", "localhost", "::1"})   # process groups meet here
     engine_args_allowed: frozenset[str] = frozenset()   # engine arguments allowed beyond the safe ones
+    # Ranks a process group a client sets up may have beyond the pool's own: peers that join from
+    # elsewhere, at rendezvous_hosts. None by default: a rank that never comes holds a thread (and
+    # the exclusive lane) for torch's 30 minutes, whatever the call's deadline.
+    outside_ranks: int = 0
     max_prompt_chars: int = 1_000_000      # a longer prompt, or any longer string, is refused (RESOURCE_EXHAUSTED)
     # Identities that may change a published object for every client (pause or put an engine to
     # sleep, unload its adapters, ...); "*": every caller. None by default: see AdapterSpec.per_client.
@@ -42,6 +46,7 @@ class CallContext:
     identity: str = ""          # the client's identity ("" when the server has no authentication)
     published: bool = False     # the receiver is an object the worker published (shared by every client)
     catalog_names: frozenset[str] = frozenset()   # every name in the catalog
+    world_size: int = 1         # the ranks of the worker's pool (1: a pool that is not distributed)
 
 
 # A guard runs before the call with the receiver, the bound arguments and the call's context, and

@@ -31,7 +31,7 @@ File layout (every key optional except a pool's `name`)::
     model_dirs = ["/models"]     # what clients may do and make: model_dirs, lora_dirs, rendezvous_hosts,
     max_engines_per_client = 2   # collective_rpc_methods, engine_args_allowed, max_engines_per_client,
                                  # max_sessions, max_refs_per_client, max_ref_bytes_per_client,
-                                 # max_prompt_chars, operators
+                                 # max_prompt_chars, operators, outside_ranks
                                  # (README, Security)
     [pools.env]
     VLLM_CPU_KVCACHE_SPACE = "2"
@@ -153,6 +153,7 @@ class PoolConfig:
     max_refs_per_client: int = 100_000   # refs one client may hold per worker
     max_ref_bytes_per_client: int = 1 << 30   # bytes of tensors one client's refs may hold per worker (0: any)
     max_prompt_chars: int = 1_000_000    # the longest prompt
+    outside_ranks: int = 0               # ranks a client's process group may have beyond the pool's own
 
 
 @dataclass
@@ -309,7 +310,7 @@ def validate(cfg: ServerConfig) -> ServerConfig:
             if key.endswith("_s") and isinstance(value, (int, float)) and value < 0:
                 raise ConfigError(f"pool {p.name!r}: {key} must be >= 0, got {value:g}")
         for key in ("max_engines_per_client", "max_sessions", "max_refs_per_client", "max_ref_bytes_per_client",
-                    "max_prompt_chars"):
+                    "max_prompt_chars", "outside_ranks"):
             if getattr(p, key) < 0:
                 raise ConfigError(f"pool {p.name!r}: {key} must be >= 0")
         if p.probe_interval_s <= 0 or p.probe_timeout_s <= 0:

@@ -119,7 +119,7 @@ def worker_command(wp: WorkerProc, cfg: PoolConfig, max_request_bytes: int = 64 
     cmd += ["--max-engines-per-client", str(cfg.max_engines_per_client), "--max-sessions", str(cfg.max_sessions),
             "--max-refs-per-client", str(cfg.max_refs_per_client),
             "--max-ref-bytes-per-client", str(cfg.max_ref_bytes_per_client),
-            "--max-prompt-chars", str(cfg.max_prompt_chars),
+            "--max-prompt-chars", str(cfg.max_prompt_chars), "--outside-ranks", str(cfg.outside_ranks),
             "--max-request-bytes", str(max_request_bytes)]
     for option, values in (("--collective-rpc-method", cfg.collective_rpc_methods), ("--model-dir", cfg.model_dirs),
                            ("--lora-dir", cfg.lora_dirs), ("--rendezvous-host", cfg.rendezvous_hosts),

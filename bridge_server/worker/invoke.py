@@ -119,6 +119,7 @@ class Invoker:
     tensor_max_bytes: int = 16 * 1024 * 1024
     shared_threads: int = 16
     distributed: bool = False   # a rank of a distributed pool: collective entries run only as Collectives
+    world_size: int = 1         # the ranks of its pool's process group (1: not distributed)
     policy: Policy = field(default_factory=Policy)
     limits: Limits = field(default_factory=Limits)
     abandoned: int = 0      # blocking calls still running after their caller gave up
@@ -410,7 +411,7 @@ class Invoker:
             raise
 
     def _context(self, plan: Plan, caller: Caller) -> CallContext:
-        return CallContext(self.policy, caller.identity, plan.published, self.catalog.names)
+        return CallContext(self.policy, caller.identity, plan.published, self.catalog.names, self.world_size)
 
     async def prepare(self, plan: Plan, args: list[Any], kwargs: dict[str, Any],
                       caller: Caller = Caller()) -> tuple[list[Any], dict[str, Any]]:

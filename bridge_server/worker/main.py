@@ -81,6 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the largest request (default %(default)s)")
     s.add_argument("--max-prompt-chars", type=int, default=1_000_000, metavar="N",
                    help="the longest prompt (default %(default)s)")
+    s.add_argument("--outside-ranks", type=int, default=0, metavar="N",
+                   help="ranks a client's process group may have beyond the pool's own (default %(default)s)")
     s.add_argument("--reader-stall", type=float, default=READER_STALL_S, metavar="S",
                    help="a stream whose caller reads nothing for this long ends, freeing its slot; 0: never "
                         "(default %(default)s)")
@@ -115,7 +117,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     from bridge_server.worker.server import DistributedRank, WorkerConfig
     for name in ("max_engines_per_client", "max_sessions", "max_refs_per_client", "max_ref_bytes_per_client",
                  "max_request_bytes",
-                 "max_prompt_chars", "reader_stall"):
+                 "max_prompt_chars", "reader_stall", "outside_ranks"):
         if getattr(args, name) < 0:
             raise SystemExit(f"vllm-bridge worker: --{name.replace('_', '-')} must be >= 0")
     objects = json.loads(args.objects)
@@ -123,6 +125,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
                     model_dirs=tuple(args.model_dir) + tuple(published_models(objects)),
                     lora_dirs=tuple(args.lora_dir), engine_args_allowed=frozenset(args.engine_arg_allowed),
                     max_prompt_chars=args.max_prompt_chars, operators=frozenset(args.operator),
+                    outside_ranks=args.outside_ranks,
                     **({"rendezvous_hosts": frozenset(args.rendezvous_host)} if args.rendezvous_host else {}))
     dist = None
     if args.dist_backend:

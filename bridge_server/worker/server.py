@@ -357,6 +357,7 @@ def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
                        max_ref_bytes_per_client=config.max_ref_bytes_per_client)
     invoker = Invoker(catalog, refs, objects=dict(objects or {}), tensor_max_bytes=config.tensor_max_bytes,
                       shared_threads=config.shared_threads, distributed=config.distributed is not None,
+                      world_size=config.distributed.world_size if config.distributed is not None else 1,
                       policy=config.policy, limits=config.limits)
     # Beyond gRPC's own limit, a request is refused by the handlers, which name max_request_bytes.
     limit = config.max_request_bytes + 64 * 1024

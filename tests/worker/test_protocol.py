@@ -71,9 +71,29 @@ def test_session_cap_and_idle_ttl_evict_refs_with_a_reason(tmp_path: Path) -> No
 
 @pytest.fixture()
 def slow_worker(tmp_path: Path) -> Iterator[WorkerProcess]:
-    w = start_worker(tmp_path, name="slow")
+    """A worker whose clients' process groups may have one rank from elsewhere: the tests' own peer."""
+    w = start_worker(tmp_path, "--outside-ranks", "1", name="slow")
     yield w
     w.stop()
+
+
+def test_a_process_group_has_no_more_ranks_than_the_pool_lets_it(client: BridgeClient) -> None:
+    """By default a client's group has only the pool's ranks (here one): rank 0 of two would wait
+    for a peer that never comes, in a thread no deadline takes back (torch waits 30 minutes), the
+    exclusive lane with it. Refused at once; a group of one still forms."""
+    for call in (lambda: client.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1", free_port(),
+                                     0, 2, "gloo", timeout=10),
+                 lambda: client.call(f"{D}.init_distributed_environment", kwargs=dict(
+                     world_size=2, rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}", backend="gloo"),
+                     timeout=10)):
+        with pytest.raises(CallError) as err:
+            call()
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and err.value.reason == "no such ranks", err.value
+        assert "outside_ranks" in err.value.details
+    group = client.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1", free_port(), 0, 1, "gloo",
+                        timeout=30)
+    assert group is not None
+    client.call(f"{D}.stateless_destroy_torch_distributed_process_group", group, timeout=30)
 
 
 def _rendezvous_peer(port: int) -> None:
