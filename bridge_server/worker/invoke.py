@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import difflib
 import functools
@@ -63,6 +64,11 @@ _PROTOCOL_METHODS = frozenset({"__enter__", "__exit__", "__aenter__", "__aexit__
 _EXIT_METHODS = frozenset({"__exit__", "__aexit__"})
 # Code, which a ref must never point to unless the catalog names it: a module, class or function
 # reached through a result would lead anywhere.
+# What must wait for the end of the blocking work a call starts, when its caller gives up first: a
+# call abandoned at its deadline runs on in its thread, and whatever it holds (an engine being
+# made counts against its client's limit) is held until then.
+_ON_END: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar("on_end", default=None)
+
 _CODE = (ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.CodeType,
          types.FrameType, types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType,
          types.ClassMethodDescriptorType, types.GetSetDescriptorType, types.MemberDescriptorType, functools.partial,
@@ -370,6 +376,10 @@ class Invoker:
                 if exclusive:   # everything that touches process-wide state now waits behind it
                     self.wedged = f"{label} was abandoned at its deadline and still runs in the exclusive lane"
                 job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._settle_abandoned, exclusive))
+                if (on_end := _ON_END.get()) is not None:     # taken over: they run when the work ends
+                    hooks = list(on_end)
+                    on_end.clear()
+                    job.add_done_callback(lambda _: loop.call_soon_threadsafe(lambda: [h() for h in hooks]))
             raise
 
     def _settle_abandoned(self, exclusive: bool) -> None:
@@ -461,10 +471,18 @@ class Invoker:
                               f"(max_engines_per_client): release one first", target=plan.label,
                               reason="max_engines_per_client")
         self._making[identity] = self._making.get(identity, 0) + 1
+        # Counted until the build really ends: one its caller gave up on still starts an engine core.
+        on_end: list[Callable[[], None]] = [functools.partial(self._made_one, identity)]
+        token = _ON_END.set(on_end)
         try:
             return await self.run_checked(plan, args, kwargs, deadline)
         finally:
-            self._making[identity] -= 1
+            _ON_END.reset(token)
+            for hook in on_end:
+                hook()
+
+    def _made_one(self, identity: str) -> None:
+        self._making[identity] -= 1
 
     async def call(self, request: pb.CallRequest, caller: Caller, deadlines: Deadlines,
                    plan: Plan | None = None) -> pb.Value:

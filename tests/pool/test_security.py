@@ -563,7 +563,22 @@ def test_a_client_makes_at_most_its_share_of_engines(secured: PoolServer, pki: d
             assert refused.value.reason == "over the client limit" and "engine_args_allowed" in refused.value.details
             assert refused.value.detail is not None and refused.value.detail.parameter in size
             assert time.monotonic() - t0 < 5     # refused before it starts
-        engine = alice.call(f"{E}.from_engine_args", args, pool="g", timeout=120)
+        # A build its caller gives up on still starts an engine core: it counts until it ends.
+        with pytest.raises(CallError) as cut:
+            alice.call(f"{E}.from_engine_args", args, pool="g", timeout=1)
+        assert cut.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, cut.value
+        with pytest.raises(CallError) as refused:
+            alice.call(f"{E}.from_engine_args", args, pool="g", timeout=10)
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+        assert "max_engines_per_client" in refused.value.details
+        until = time.monotonic() + 120
+        while True:         # the abandoned build ends (its engine, unowned, ends with it): room again
+            try:
+                engine = alice.call(f"{E}.from_engine_args", args, pool="g", timeout=120)
+                break
+            except CallError as err_:
+                assert err_.code == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < until, err_
+                time.sleep(1)
         t0 = time.monotonic()
         with pytest.raises(CallError) as err:
             alice.call(f"{E}.from_engine_args", args, pool="g", timeout=120)
