@@ -437,6 +437,23 @@ def _engine_args_rule(fields: Mapping[str, Any], policy: Policy) -> None:
                               f"{ceiling:g}, and not negative): it sizes what the engine allocates as it starts; an "
                               f"operator may lift it with the pool config key engine_args_allowed",
                               target=label, parameter=key, reason="over the client limit")
+    if fields.get("enable_chunked_prefill") is False and "max_num_batched_tokens" not in policy.engine_args_allowed:
+        # Without chunking vLLM batches a whole prompt at once: max_num_batched_tokens becomes
+        # max_model_len (the model's own when not given), past its ceiling.
+        most = ENGINE_ARG_CEILINGS["max_num_batched_tokens"]
+        length = fields.get("max_model_len")
+        if not isinstance(length, int) or isinstance(length, bool) or length > most:
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                              f"{label}: field enable_chunked_prefill: false makes max_num_batched_tokens the "
+                              f"max_model_len, which must then be given and at most {most:g} (given: "
+                              f"{clip(repr(length), 40)}); an operator may lift it with the pool config key "
+                              f"engine_args_allowed (max_num_batched_tokens)",
+                              target=label, parameter="max_model_len", reason="over the client limit")
+    seed = fields.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < 2**32:
+        raise BridgeError.validation(f"{label}: field seed: {clip(repr(seed), 40)} is not from 0 to 2**32 - 1 (the "
+                                     f"range the engine's random generators take; past it the engine core fails "
+                                     f"to start)", target=label, parameter="seed")
     for key in ("model", "tokenizer"):
         if key in fields and fields[key] is not None:
             _path_rule(label, key, policy.model_dirs, "model_dirs", fields[key])

@@ -555,7 +555,8 @@ def test_a_client_makes_at_most_its_share_of_engines(secured: PoolServer, pki: d
         # What sizes the buffers an engine allocates as it starts, the KV cache aside, has a ceiling.
         for size in ({"max_num_seqs": 100_000, "max_num_batched_tokens": 100_000}, {"max_num_batched_tokens": 10**7},
                      {"enable_lora": True, "max_loras": 1000}, {"enable_lora": True, "max_lora_rank": 512},
-                     {"max_logprobs": -1}, {"gpu_memory_utilization": 1.0}):
+                     {"max_logprobs": -1}, {"gpu_memory_utilization": 1.0},
+                     {"enable_chunked_prefill": False, "max_model_len": 100_000}):
             t0 = time.monotonic()
             with pytest.raises(CallError) as refused:
                 alice.call(f"{E}.from_engine_args", {**args, **size}, pool="g", timeout=30)
@@ -563,6 +564,9 @@ def test_a_client_makes_at_most_its_share_of_engines(secured: PoolServer, pki: d
             assert refused.value.reason == "over the client limit" and "engine_args_allowed" in refused.value.details
             assert refused.value.detail is not None and refused.value.detail.parameter in size
             assert time.monotonic() - t0 < 5     # refused before it starts
+        with pytest.raises(CallError) as refused:     # past it the engine core fails to start
+            alice.call(f"{E}.from_engine_args", {**args, "seed": 2**32}, pool="g", timeout=10)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "seed" in refused.value.details
         # A build its caller gives up on still starts an engine core: it counts until it ends.
         with pytest.raises(CallError) as cut:
             alice.call(f"{E}.from_engine_args", args, pool="g", timeout=1)
