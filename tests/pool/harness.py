@@ -67,7 +67,11 @@ class PoolServer:
 def start_pool_server(tmp: Path, config: str, *extra: str, metrics: bool = False, timeout: float = 180,
                       **credentials: Any) -> PoolServer:
     """Writes `config` (TOML) and runs `vllm-bridge serve` on it; returns once every pool is up.
-    `credentials` are what its clients need (token, tls_ca, tls_cert, tls_key)."""
+    `credentials` are what its clients need (token, tls_ca, tls_cert, tls_key). Each pool lets one
+    rank join a client's process group from outside (`Gate`'s peer: the tests' slow call), unless
+    the config sets outside_ranks itself."""
+    if "outside_ranks" not in config:
+        config = config.replace("[[pools]]\n", "[[pools]]\noutside_ranks = 1\n")
     cfg = tmp / "pools.toml"
     cfg.write_text(config)
     address = f"127.0.0.1:{free_port()}"

@@ -29,7 +29,7 @@ CALL = "/vllm_bridge.v1.Bridge/Call"
 def laned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WorkerProcess, str]]:
     tmp = tmp_path_factory.mktemp("lane")
     path = str(tmp / "w.lane")
-    w = start_worker(tmp, "--lane", path, name="laned")
+    w = start_worker(tmp, "--lane", path, "--outside-ranks", "1", name="laned")   # the Gate's peer
     yield w, path
     w.stop()
 
@@ -156,7 +156,7 @@ def test_the_time_a_call_has_left_ends_it_in_the_worker(laned: tuple[WorkerProce
 
 def test_a_call_running_when_the_worker_dies_raises_lane_closed(tmp_path: Path) -> None:
     path = str(tmp_path / "w.lane")
-    worker = start_worker(tmp_path, "--lane", path, name="lane-dies")
+    worker = start_worker(tmp_path, "--lane", path, "--outside-ranks", "1", name="lane-dies")
     gate = Gate()     # a call that blocks in the worker until the gate opens (it never does here)
 
     async def run() -> BaseException | None:
