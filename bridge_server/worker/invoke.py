@@ -62,13 +62,12 @@ from vllm_bridge.v1 import bridge_pb2 as pb
 
 _PROTOCOL_METHODS = frozenset({"__enter__", "__exit__", "__aenter__", "__aexit__"})   # context managers
 _EXIT_METHODS = frozenset({"__exit__", "__aexit__"})
-# Code, which a ref must never point to unless the catalog names it: a module, class or function
-# reached through a result would lead anywhere.
 # What must wait for the end of the blocking work a call starts, when its caller gives up first: a
 # call abandoned at its deadline runs on in its thread, and whatever it holds (an engine being
 # made counts against its client's limit) is held until then.
 _ON_END: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar("on_end", default=None)
-
+# Code, which a ref must never point to unless the catalog names it: a module, class or function
+# reached through a result would lead anywhere.
 _CODE = (ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.CodeType,
          types.FrameType, types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType,
          types.ClassMethodDescriptorType, types.GetSetDescriptorType, types.MemberDescriptorType, functools.partial,
