@@ -11,7 +11,8 @@ Flow control: a stream the client gave a window keeps it, on the lane, with the 
 stream without one gets the router's window, credited as its replies are written to the client. So
 a slow client holds at most a window of items per stream in the router, and holds up nobody else on
 the worker's lane. Unary results have no window: once a stream's unwritten replies pass
-MAX_UNWRITTEN_BYTES, the router reads none of its requests until the client reads. A worker that
+MAX_UNWRITTEN_BYTES, or MAX_UNANSWERED of them wait to be written, the router starts none of its calls
+until the client reads. A worker that
 dies ends its calls with "worker crashed", as for plain calls, and the client's other calls go on.
 """
 
@@ -114,12 +115,12 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     unwritten = 0                              # bytes in `out`
     unanswered: set[int] = set()               # unary calls started, answer not yet in `batch`
     answers = 0                                # answers in `batch` (of calls that were in `unanswered`)
-    in_out = 0                                 # answers in `out`
+    outstanding = 0                            # unary calls started, answer not yet written
     room = asyncio.Event()                     # set while this stream may start calls (both bounds)
     room.set()
 
     def check_room() -> None:
-        if unwritten <= MAX_UNWRITTEN_BYTES and len(unanswered) + answers + in_out < MAX_UNANSWERED:
+        if unwritten <= MAX_UNWRITTEN_BYTES and outstanding < MAX_UNANSWERED:
             room.set()
         else:
             room.clear()
@@ -130,7 +131,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     tasks: set[asyncio.Task[None]] = set()
 
     def flush() -> None:
-        nonlocal batch, credit, flushing, unwritten, answers, in_out
+        nonlocal batch, credit, flushing, unwritten, answers
         flushing = False
         if batch.events:
             frames = _within_limit(batch)
@@ -139,7 +140,6 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             out.put_nowait((frames[-1], list(credit.items()), answers))
             batch, credit = pb.MuxReplyView(), {}
             unwritten += sum(len(frame) for frame in frames)
-            in_out += answers
             answers = 0
             check_room()
 
@@ -254,6 +254,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         launch(client_id, start, md, route, plan, backend)     # it is in `running` before anyone looks
 
     def handle_start(start: Any) -> None:
+        nonlocal outstanding
         client_id = start.id
         if client_id == 0:
             refuse(0, BridgeError.validation(
@@ -278,6 +279,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         idle.clear()
         if not start.stream:
             unanswered.add(client_id)
+            outstanding += 1
             check_room()
         if backend is not None:
             launch(client_id, start, md, route, plan, backend)
@@ -338,7 +340,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             raw, credits, answered = item
             yield raw
             unwritten -= len(raw)
-            in_out -= answered
+            outstanding -= answered
             check_room()
             for run, n in credits:         # written to the client: the worker may send that many more
                 if not run.ended and run.lc is not None:

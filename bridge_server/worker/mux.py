@@ -179,7 +179,7 @@ async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[st
         opts = parse_metadata((*defaults, *start.metadata.items()))
         caller = caller_of(opts, identity)
         plan = invoker.plan(start.call.target, caller)
-        limits = [t for t in (opts.timeout_s, rpc_remaining(), time_left_s(start.time_left_ms)) if t is not None]
+        limits = [t for t in (rpc_remaining(), time_left_s(start.time_left_ms)) if t is not None]  # the option too, in there
         deadlines = resolve_deadlines(opts, min(limits) if limits else None, plan.profile)
         if not start.stream:
             value = await invoker.call(start.call, caller, deadlines, plan)
