@@ -14,6 +14,7 @@ File layout (every key optional except a pool's `name`)::
     default_pool = "default"     # calls that name no pool
     token_file = "/etc/vllm-bridge/tokens"   # bearer tokens (README, Security); also tls_cert, tls_key,
                                  # tls_client_ca, insecure, auth_health, max_request_bytes
+    max_unread_bytes = 1073741824   # replies held for callers that do not read them, in all (0: no bound)
 
     [[pools]]
     name = "default"
@@ -59,6 +60,7 @@ from typing import Any
 from bridge_server.wire.eventloop import DEFAULT_LOOP, LOOPS
 from bridge_server.wire.protocol import MIN_PING_INTERVAL_S
 from bridge_server.wire.security import add_arguments as add_security_arguments
+from bridge_server.pool.backlog import DEFAULT_MAX_UNREAD_BYTES
 from bridge_server.wire.stall import CONTENDED_STALL_S, READER_STALL_S
 
 AFFINITY_MODES = ("hint", "strict_queue", "strict_fail_fast")
@@ -166,6 +168,7 @@ class ServerConfig:
     default_pool: str = ""               # empty: the first pool
     min_ping_interval_s: float = MIN_PING_INTERVAL_S   # clients may keepalive-ping an idle connection this often
     max_request_bytes: int = 64 * 1024 * 1024   # the largest request a client may send
+    max_unread_bytes: int = DEFAULT_MAX_UNREAD_BYTES   # replies waiting for callers that do not read, in all
     # Security (README, Security): beyond loopback the server needs TLS and client authentication.
     token_file: str = ""                 # bearer tokens, `token` or `name:token` per line
     tls_cert: str = ""
@@ -335,6 +338,8 @@ def validate(cfg: ServerConfig) -> ServerConfig:
         raise ConfigError(f"default_pool {cfg.default_pool!r} is not a pool; pools: {', '.join(seen)}")
     if cfg.max_request_bytes <= 0:
         raise ConfigError(f"max_request_bytes must be > 0, got {cfg.max_request_bytes}")
+    if cfg.max_unread_bytes < 0:
+        raise ConfigError(f"max_unread_bytes must be >= 0 (0: no bound), got {cfg.max_unread_bytes}")
     if cfg.min_ping_interval_s <= 0:
         raise ConfigError(f"min_ping_interval_s must be > 0, got {cfg.min_ping_interval_s:g}")
     if cfg.metrics_port < 0:
@@ -367,6 +372,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("security (README, Security)")
     add_security_arguments(s, unset=True)
     s.add_argument("--max-request-bytes", type=int, default=None, metavar="N", help="the largest request")
+    s.add_argument("--max-unread-bytes", type=int, default=None, metavar="N",
+                   help="replies held for callers that do not read them, in all (0: no bound)")
     p.add_argument("--stdin-watch", action="store_true",
                    help="stop (as on SIGTERM) when stdin closes: for a parent that runs the server through a "
                         "pipe (an Elixir Port), so that the server never outlives it")
@@ -385,7 +392,7 @@ def apply_overrides(cfg: ServerConfig, args: argparse.Namespace) -> ServerConfig
                       ("min_ping_interval", "min_ping_interval_s"), ("token_file", "token_file"),
                       ("tls_cert", "tls_cert"), ("tls_key", "tls_key"), ("tls_client_ca", "tls_client_ca"),
                       ("insecure", "insecure"), ("auth_health", "auth_health"),
-                      ("max_request_bytes", "max_request_bytes")):
+                      ("max_request_bytes", "max_request_bytes"), ("max_unread_bytes", "max_unread_bytes")):
         value = getattr(args, attr, None)
         if value is not None:
             setattr(cfg, key, _coerce(f"--{attr.replace('_', '-')}", value, getattr(ServerConfig(), key)))

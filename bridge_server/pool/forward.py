@@ -21,11 +21,12 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 import grpc
 
+from bridge_server.pool.backlog import Backlog
 from bridge_server.pool.collective import run_collective
 from bridge_server.pool.lane import ITEMS, STREAM_WINDOW, LaneClosed
 from bridge_server.pool.metrics import Metrics
@@ -48,6 +49,7 @@ _TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc
                     grpc.StatusCode.UNKNOWN)
 _DEATH_WAIT_S = 0.5
 _CREDIT_EVERY = STREAM_WINDOW // 2   # stream items given back to the worker at a time
+COUNTED_REPLY_BYTES = 64 * 1024      # unary replies this large count in the backlog until read
 
 
 def make_stubs(channel: grpc.aio.Channel) -> dict[str, Any]:
@@ -109,12 +111,13 @@ class _Outcome:
 
 class Forwarder:
     def __init__(self, router: Router, metrics: Metrics, security: ServerSecurity = ServerSecurity(),
-                 max_request_bytes: int = 64 * 1024 * 1024) -> None:
+                 max_request_bytes: int = 64 * 1024 * 1024, backlog: Backlog | None = None) -> None:
         self.router = router
         self.metrics = metrics
         self.security = security          # who the caller is (its workers take the pool server's word)
         self.limit = max_request_bytes
         self.stall = StallGuard()         # bounds each write to a Stream's caller (pool key reader_stall_s)
+        self.backlog = backlog or Backlog()   # what the streams' callers have not read, in all (max_unread_bytes)
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE, {
@@ -144,7 +147,22 @@ class Forwarder:
             err = BridgeError(grpc.StatusCode.INTERNAL, "pool", f"router failure: {type(exc).__name__}: {exc}",
                               reason="router failure")
         out.code = err.code.name
-        await context.abort_with_status(err.to_status())
+        try:
+            await context.abort_with_status(err.to_status())
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc2:
+            # A status behind a write the caller left unread waits for it, and it may go instead.
+            if caller_gone(exc2):
+                out.code = "CANCELLED"
+                raise asyncio.CancelledError from None     # gRPC ends the handler quietly
+            raise
+
+    def _hold(self, context: grpc.aio.ServicerContext, caller: str, label: str, size: int) -> None:
+        """A unary reply counts in the backlog until its RPC ends (the caller read it, or went)."""
+        h = self.backlog.open(caller, label)
+        self.backlog.writing(h, size, queued=False)
+        context.add_done_callback(lambda _: self.backlog.close(h))
 
     @staticmethod
     async def _lane_error(err: pb.MuxError, context: grpc.aio.ServicerContext, out: _Outcome) -> None:
@@ -161,6 +179,8 @@ class Forwarder:
         try:
             md = context.invocation_metadata()
             identity = self.security.identity(context)
+            if self.backlog.over():
+                self.backlog.admit(client_of(identity, context), "Call")
             route = read_route(md, context.time_remaining(), parse_request(pb.CallRequest, request, "Call", self.limit),
                                identity)
             plan = self.router.plan(route)
@@ -190,6 +210,8 @@ class Forwarder:
                 if event.WhichOneof("kind") == "value":
                     out.code = "OK"
                     reply: bytes = pb.CallReplyView(value=event.value).SerializeToString()
+                    if len(reply) >= COUNTED_REPLY_BYTES:     # gRPC holds it until the caller reads it
+                        self._hold(context, client_of(identity, context), "Call", len(reply))
                     return reply
                 await self._lane_error(event.error, context, out)
                 raise AssertionError("unreachable: abort raises")
@@ -236,11 +258,13 @@ class Forwarder:
     async def _stream(self, request: bytes, context: grpc.aio.ServicerContext, out: _Outcome) -> None:
         md = context.invocation_metadata()
         identity = self.security.identity(context)
+        caller = client_of(identity, context)
+        self.backlog.admit(caller, "Stream")
         route = read_route(md, context.time_remaining(), parse_request(pb.CallRequest, request, "Stream", self.limit),
                            identity)
         plan = self.router.plan(route)
         pool = plan.pool
-        backend = pool.take(plan) or await pool.wait(plan, route.deadline, client_of(identity, context))
+        backend = pool.take(plan) or await pool.wait(plan, route.deadline, caller)
         self.router.placed(plan, backend)
         out.pool = pool.name
         flight = Flight()
@@ -249,12 +273,15 @@ class Forwarder:
         lc = None
         stall_s = pool.config.reader_stall_s
         stalled: list[BridgeError] = []     # set when the pool ends the stream for its stalled caller
+        end = functools.partial(_end_stalled, stalled, asyncio.current_task())
+        holding = self.backlog.open(caller, "Stream", end)
+        context.add_done_callback(lambda _: self.backlog.close(holding))
         try:
             try:
                 lc = lane.start(request, md, stream=True, window=STREAM_WINDOW, timeout_s=time_left(route),
                                 identity=identity)
                 flight.call = lc
-                lc.on_stalled = functools.partial(_end_stalled, stalled, asyncio.current_task())
+                lc.on_stalled = end
                 index = taken = 0
                 while (kind := (event := await lc.next()).WhichOneof("kind")) in ITEMS:
                     # gRPC's flow control holds the write back while the caller does not read; that is
@@ -264,7 +291,9 @@ class Forwarder:
                         item = pb.StreamItemView(index=index, value=event.value).SerializeToString()
                     else:
                         item = pb.StreamItemView(index=index, patch=event.patch).SerializeToString()
+                    self.backlog.writing(holding, len(item), queued=False)
                     await self.stall.wait(context.write(item), "Stream", stall_s)
+                    self.backlog.written(holding, len(item))
                     index += 1
                     taken += 1
                     if taken == _CREDIT_EVERY:
@@ -273,9 +302,11 @@ class Forwarder:
             except asyncio.CancelledError:
                 if flight.failed:
                     raise crashed(backend, flight.failed) from None
-                if stalled:
+                if stalled and (index or not holding.pending):
                     asyncio.current_task().uncancel()   # type: ignore[union-attr]  # a handler's task
                     raise stalled[0] from None
+                # Ended in its first write: gRPC counts the headers sent only when that write is
+                # done, so no status can follow it; the caller gets the item, then its deadline.
                 raise
             except LaneClosed as exc:
                 raise await _lane_failure(backend, flight, str(exc)) from None
@@ -284,27 +315,30 @@ class Forwarder:
                 await self._lane_error(event.error, context, out)
             out.code = "OK"
         finally:
+            self.backlog.unwind(holding)
             if lc is not None:
                 lc.cancel()       # the caller went away first (or the call ended, then this does nothing)
             backend.flights.discard(flight)
             pool.release(backend)
 
     # ------------------------------------------------------------------------------------ Multiplex
-    async def multiplex(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
-                        ) -> AsyncIterator[bytes]:
+    async def multiplex(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         t0 = time.perf_counter()
         out = _Outcome()
-        replies = forward_multiplex(self.router, requests, context, _lane_failure, self.security.identity(context),
-                                    self.limit)
+        # A write the caller leaves unread is bounded as a Stream's is (the stream holds the worker
+        # slots of its calls, and what waits to be written): by the longest reader_stall_s of the pools.
+        stall_s = self.router.reader_stall_s()
+
+        def write(reply: bytes) -> Awaitable[None]:
+            return self.stall.wait(context.write(reply), "Multiplex", stall_s)
         try:
-            async for reply in replies:
-                yield reply
+            await forward_multiplex(self.router, requests, context, _lane_failure, write,
+                                    self.security.identity(context), self.limit, self.backlog)
             out.code = "OK"
         except BaseException as exc:
             await self._abort(context, out, exc)
             raise
         finally:
-            await replies.aclose()     # now: it frees the worker slots of calls still running
             self.metrics.observe_call(out.pool, "Multiplex", out.code, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------------------------ Release
@@ -393,8 +427,8 @@ class Forwarder:
 
 
 def _end_stalled(stalled: list[BridgeError], task: asyncio.Task[Any] | None, err: BridgeError) -> None:
-    """A Stream's end when the pool finds its caller stalled (`LaneCall.stall`): its handler's task
-    is cancelled and raises `err` instead."""
+    """A Stream's end when the pool finds its caller stalled (`LaneCall.stall`) or holding the most
+    unread replies (`Backlog`): its handler's task is cancelled and raises `err` instead."""
     stalled.append(err)
     if task is not None:
         task.cancel()

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -38,6 +38,24 @@ class _LiveState(Collector):
             for state, n in states.items():
                 workers.add_metric([pool, state], n)
         yield from (queue, flight, sessions, workers)
+
+
+class _Unread(Collector):
+    """The backlog of replies callers have not read (`backlog.py`): (bytes held, streams ended,
+    calls refused), read at scrape time."""
+
+    def __init__(self, read: Callable[[], tuple[int, int, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Any]:
+        held, ended, refused = self._read()
+        yield GaugeMetricFamily("vllm_bridge_unread_reply_bytes",
+                                "Bytes of replies held for callers that have not read them", value=held)
+        yield CounterMetricFamily("vllm_bridge_unread_streams_ended",
+                                  "Streams ended past max_unread_bytes, their caller holding the most", value=ended)
+        yield CounterMetricFamily("vllm_bridge_unread_calls_refused",
+                                  "Calls refused past max_unread_bytes, their caller holding over its share",
+                                  value=refused)
 
 
 class Metrics:
@@ -66,6 +84,9 @@ class Metrics:
 
     def watch(self, snapshot: Callable[[], list[PoolSnapshot]]) -> None:
         self.registry.register(_LiveState(snapshot))
+
+    def watch_unread(self, read: Callable[[], tuple[int, int, int]]) -> None:
+        self.registry.register(_Unread(read))
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Starts the HTTP endpoint (a daemon thread); returns the bound port."""

@@ -12,20 +12,24 @@ stream without one gets the router's window, credited as its replies are written
 a slow client holds at most a window of items per stream in the router, and holds up nobody else on
 the worker's lane. Unary results have no window: once a stream's unwritten replies pass
 MAX_UNWRITTEN_BYTES, or MAX_UNANSWERED of them wait to be written, the router starts none of its calls
-until the client reads. A worker that
-dies ends its calls with "worker crashed", as for plain calls, and the client's other calls go on.
+until the client reads. Beyond each stream: what waits to be written counts in the pool server's
+backlog (`backlog.py`), which ends the streams of the caller holding the most past
+`max_unread_bytes`, and a write the client leaves unread is bounded by `reader_stall_s`, as a
+Stream's is. A worker that dies ends its calls with "worker crashed", as for plain calls, and the
+client's other calls go on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from bridge_server.pool.backlog import Backlog
 from bridge_server.pool.lane import STREAM_WINDOW, LaneCall, LaneClosed
 from bridge_server.pool.poolstate import Backend, Flight, Plan, PoolRouter
 from bridge_server.pool.router import Route, Router, client_of, read_route, time_left
@@ -100,11 +104,26 @@ def _within_limit(batch: Any) -> list[bytes]:
 
 
 async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
-                            failure: Failure, identity: str = "",
-                            limit: int = MAX_MESSAGE_BYTES) -> AsyncGenerator[bytes, None]:
-    """Yields the replies of one client Multiplex stream until it half-closes and every call ends.
-    `failure` says what a call whose worker's lane closed must report, as for plain calls."""
+                            failure: Failure, write: Callable[[bytes], Awaitable[object]], identity: str = "",
+                            limit: int = MAX_MESSAGE_BYTES, backlog: Backlog | None = None) -> None:
+    """Serves one client Multiplex stream, writing its replies with `write`, until it half-closes and
+    every call ends. `failure` says what a call whose worker's lane closed must report, as for plain
+    calls. What waits to be written counts in `backlog`, which may end the stream (raises its error)."""
     loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    shed: list[BridgeError] = []
+
+    def end_stream(err: BridgeError) -> None:
+        shed.append(err)
+        if task is not None:
+            task.cancel()
+    backlog = backlog or Backlog(0)
+    caller = client_of(identity, context)      # as the backlog knows callers: all its streams together
+    holding = backlog.open(caller, "Multiplex", end_stream)
+    context.add_done_callback(lambda _: backlog.close(holding))   # what gRPC holds is gone with the RPC
+    # Headers first: a status can follow a write the caller leaves unread only once they have gone
+    # (gRPC sends them with the first write, and counts them sent only when that write is done).
+    await context.send_initial_metadata(())
     defaults = tuple((k, v) for k, v in context.invocation_metadata() or () if k.startswith("x-bridge-"))
     client = client_of(identity, context, multiplex=True)      # every call of the stream is this client's
     # `identity` is the caller's: what the client names in its own options is not (the lane drops it).
@@ -139,8 +158,10 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                 out.put_nowait((frame, [], 0))
             out.put_nowait((frames[-1], list(credit.items()), answers))
             batch, credit = pb.MuxReplyView(), {}
-            unwritten += sum(len(frame) for frame in frames)
+            size = sum(len(frame) for frame in frames)
+            unwritten += size
             answers = 0
+            backlog.add(holding, size)    # may end this stream (or another caller's) at once
             check_room()
 
     def add_event(client_id: int) -> Any:
@@ -268,6 +289,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             return
         md = (*defaults, *start.metadata.items())     # the RPC's options, overlaid with the call's
         try:
+            backlog.admit(caller, f"Multiplex: call {client_id}")
             call = parse_request(pb.CallRequest, start.call, f"Multiplex: call {client_id}", limit)
             limits = [t for t in (context.time_remaining(), time_left_s(start.time_left_ms)) if t is not None]
             route = read_route(md, min(limits) if limits else None, call, identity, client)
@@ -336,18 +358,26 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
 
     reading = loop.create_task(reader())
     try:
-        while (item := await out.get()) is not None:
-            raw, credits, answered = item
-            yield raw
-            unwritten -= len(raw)
-            outstanding -= answered
-            check_room()
-            for run, n in credits:         # written to the client: the worker may send that many more
-                if not run.ended and run.lc is not None:
-                    run.lc.credit(n)
+        try:
+            while (item := await out.get()) is not None:
+                raw, credits, answered = item
+                backlog.writing(holding, len(raw))
+                await write(raw)
+                backlog.written(holding, len(raw))
+                unwritten -= len(raw)
+                outstanding -= answered
+                check_room()
+                for run, n in credits:         # written to the client: the worker may send that many more
+                    if not run.ended and run.lc is not None:
+                        run.lc.credit(n)
+        except asyncio.CancelledError:
+            if shed and task is not None and task.uncancel() == 0:
+                raise shed[0] from None
+            raise
         if failed:
             raise failed[0]
     finally:
+        backlog.unwind(holding)
         reading.cancel()
         for waiting in list(queued.values()):
             waiting.cancel()

@@ -228,6 +228,12 @@ class Router:
         if plan.pin is not None and plan.pool.pinned(plan.pin) is None:
             plan.pool.pin(plan.pin, backend)
 
+    def reader_stall_s(self) -> float:
+        """The bound on a caller that reads nothing of a stream whose calls span pools (Multiplex):
+        the longest of the pools' reader_stall_s (0, none, if any pool sets none)."""
+        bounds = [p.config.reader_stall_s for p in self.pools.values()]
+        return 0.0 if not bounds or min(bounds) <= 0 else max(bounds)
+
     def any_backend(self, pool_name: str | None) -> Backend:
         """A live worker for calls that need no slot (Describe)."""
         pool = self.pool(pool_name)

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
+from bridge_server.pool.backlog import Backlog
 from bridge_server.pool.config import ServerConfig
 from bridge_server.pool.forward import SERVICE, Forwarder
 from bridge_server.pool.metrics import Metrics, PoolSnapshot
@@ -72,8 +73,10 @@ class PoolServer:
         self.server = grpc.aio.server(options=[*options, ("grpc.max_receive_message_length",
                                                           config.max_request_bytes + 64 * 1024)],
                                       interceptors=security.interceptors())
+        self.backlog = backlog = Backlog(config.max_unread_bytes)
+        self.metrics.watch_unread(lambda: (backlog.total, backlog.ended, backlog.refused))
         self.server.add_generic_rpc_handlers([Forwarder(self.router, self.metrics, security,
-                                                        config.max_request_bytes).handler()])
+                                                        config.max_request_bytes, self.backlog).handler()])
         self.server.add_generic_rpc_handlers(health_and_status(self.health, _StatusService(self).Status))
         reflection.enable_server_reflection(
             (SERVICE, POOL_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -117,6 +120,7 @@ class PoolServer:
                  eventloop.loop_name(asyncio.get_running_loop()), len(self.config.pools))
         await self.supervisor.start()
         eventloop.freeze_heap()
+        eventloop.return_large_buffers()    # not in workers: their engines' tensors would pay for it
         self.state = "serving"
         self._changed()
         log.info("serving: %s", ", ".join(f"{n} ({p.state})" for n, p in self.supervisor.pools.items()))

@@ -1,5 +1,5 @@
 """Which asyncio event loop a process of ours runs on: uvloop (the default) or asyncio's own; and
-its heap, frozen once it has started.
+its heap: frozen once it has started, with large buffers given back to the system when freed.
 
 Why it is a choice at all, and why uvloop by default: a call through the pool server is a handful of
 loop turns and socket reads in the server (the caller's gRPC call, the lane write, the lane reply,
@@ -12,6 +12,7 @@ throughput (`bench_router` runs both in the same run). asyncio's loop stays avai
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -54,3 +55,19 @@ def freeze_heap() -> None:
     start-up is over, before reporting SERVING."""
     gc.collect()
     gc.freeze()
+
+
+_M_MMAP_THRESHOLD = -3     # glibc's mallopt parameter
+
+
+def return_large_buffers(threshold: int = 1 << 20) -> None:
+    """Replies and requests of megabytes pass through our servers. glibc serves a buffer that large
+    from its heap once one has been freed (its mmap threshold rises to the largest freed), and a
+    heap keeps the pages a burst took: a server that relayed a few hundred MB once holds them for
+    good. A fixed threshold maps each such buffer on its own, so it goes back when freed. Nothing
+    happens where the C library has no `mallopt` (not glibc)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(_M_MMAP_THRESHOLD, threshold)

@@ -11,16 +11,20 @@ from bridge_server.tools.tiny_model import ensure_tiny_model
 from tests.pool.harness import PoolServer, start_pool_server, toml_inline
 from tests.worker.test_engine import engine_args
 
+UNREAD_BYTES = 48 * 2**20      # what the router holds for callers that do not read, in all (max_unread_bytes)
+
 
 @pytest.fixture(scope="session")
 def stranger_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolServer]:
     """Pool `e`: one worker publishing an engine, probed every second, whose streams end when their
     caller reads nothing for 6 s, or for 1 s while calls wait for a slot. Pool `p`: one worker, no
-    engine. Clients may ping every 2 s (compressed time for the keepalive test)."""
+    engine. Clients may ping every 2 s (compressed time for the keepalive test). The router holds at
+    most UNREAD_BYTES of replies that callers have not read."""
     tmp = tmp_path_factory.mktemp("strangers")
     kwargs = toml_inline({"engine_args": engine_args(ensure_tiny_model())})
     config = f"""
 min_ping_interval_s = 2
+max_unread_bytes = {UNREAD_BYTES}
 [[pools]]
 name = "e"
 workers = 1
@@ -38,6 +42,6 @@ kwargs = {kwargs}
 name = "p"
 workers = 1
 """
-    server = start_pool_server(tmp, config)
+    server = start_pool_server(tmp, config, metrics=True)
     yield server
     server.stop()

@@ -438,6 +438,92 @@ def test_a_multiplex_client_that_never_reads_cannot_grow_the_server(server: Pool
         assert_untouched(server, other)
 
 
+def unread(server: PoolServer) -> tuple[float, float]:
+    """The router's unread reply bytes and streams ended for them, from its metrics."""
+    import urllib.request
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    values = dict(line.rsplit(" ", 1) for line in body.splitlines() if line.startswith("vllm_bridge_unread"))
+    return float(values["vllm_bridge_unread_reply_bytes"]), float(values["vllm_bridge_unread_streams_ended_total"])
+
+
+def test_callers_that_never_read_on_many_streams_cannot_grow_the_router(server: PoolServer) -> None:
+    """One caller opens 24 Multiplex streams on its connection, and on each starts 4 calls whose
+    results are 7 MB, and never reads. Each stream keeps to its own bound (16 MiB unwritten), but
+    together they would hold ~690 MB; past the router's max_unread_bytes (48 MiB here) the streams
+    of the caller that holds the most are ended with RESOURCE_EXHAUSTED ("unread replies"), which
+    frees what they queued (a write gRPC holds stays until the caller reads or goes). Another caller
+    reading the same results over its own connection gets every one of them; the router counted
+    replies read as they came only while they crossed, and nothing once the hoarder went."""
+    STREAMS = 24
+    import queue
+
+    import torch
+
+    from tests.pool.conftest import UNREAD_BYTES
+    process = psutil.Process(server.proc.pid)
+    md = (("x-bridge-pool", "p"), ("x-bridge-session", "hoards"))
+    with BridgeClient(server.address, options=None) as client:
+        dp = client.call("vllm.forward_context.DPMetadata", torch.tensor(7), torch.tensor([5, 7, 3]), pool="p",
+                         session_id="hoards", timeout=10)
+        request, refs = client.request(Target.method(dp, "cu_tokens_across_sp"), (300_000,))   # 900,000 ids
+        metadata = (*md, ("x-bridge-refs", ",".join(refs)))
+        for _ in range(3):      # replies read as they come count only while they cross
+            assert len(client.call(Target.method(dp, "cu_tokens_across_sp"), 300_000, pool="p",
+                                   session_id="hoards", timeout=30)) == 900_000
+        wait_until(lambda: unread(server)[0] == 0, timeout=10, what="no reply left unread")
+        ended_before = unread(server)[1]
+        before = process.memory_info().rss
+        # Two connections (each channel its own subchannel): two callers.
+        big = [("grpc.max_receive_message_length", 64 * 2**20), ("grpc.use_local_subchannel_pool", 1)]
+        with grpc.insecure_channel(server.address, big) as hoarder, \
+                grpc.insecure_channel(server.address, big) as reader:
+            def open_stream(ch: grpc.Channel, n: int) -> tuple[queue.Queue[Any], Any]:
+                outgoing: queue.Queue[Any] = queue.Queue()
+                for i in range(1, n + 1):
+                    outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=i, call=request)))
+                replies = ch.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
+                                           pb.MuxReply.FromString)(iter(outgoing.get, None), timeout=120,
+                                                                   metadata=metadata)
+                return outgoing, replies
+
+            hoarding = [open_stream(hoarder, 4) for _ in range(STREAMS)]
+            try:
+                wait_until(lambda: server.pool("p").in_flight == 0, timeout=60, what="the hoarder's calls answered")
+                outgoing, replies = open_stream(reader, 1)      # one call at a time, each read as it comes
+                results = []
+                for reply in replies:
+                    results += [e for e in reply.events if e.WhichOneof("kind") == "value"]
+                    if len(results) == 6:
+                        break
+                    outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=len(results) + 1, call=request)))
+                outgoing.put(None)
+                assert len(results) == 6
+                grown = process.memory_info().rss - before
+                every = STREAMS * 4 * 7_200_000      # what holding every result would take (over 1.2 GB measured)
+                assert grown < 0.75 * every, f"the router grew {grown / 2**20:.0f} MB"
+                assert client.call(f"{D}.divide", 6, 3, pool="p", timeout=10) == 2
+                ended = 0
+                for out, replies in hoarding:
+                    out.put(None)
+                    try:
+                        for _ in replies:
+                            pass
+                    except grpc.RpcError as err:
+                        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err   # type: ignore[attr-defined]
+                        assert "max_unread_bytes" in err.details(), err   # type: ignore[attr-defined]
+                        ended += 1
+                assert ended >= 4, ended
+            finally:
+                for out, replies in hoarding:
+                    out.put(None)
+                    replies.cancel()
+        wait_until(lambda: unread(server)[0] == 0, timeout=10, what="nothing held once the hoarder went")
+        assert unread(server)[1] >= ended_before + ended
+        client.release(dp)
+    with server.client(pool="e") as other:
+        assert_untouched(server, other)
+
+
 def test_quiet_calls_outlive_client_pings_at_the_documented_interval(server: PoolServer) -> None:
     """Compressed time: this server accepts pings every >= 2 s (min_ping_interval_s = 2; the default
     is 10, `test_the_documented_ping_interval`). A call that receives nothing for 7 s, from a client
