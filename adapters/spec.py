@@ -77,6 +77,9 @@ class Exposure:
     methods: frozenset[str] = frozenset()
     attributes: frozenset[str] = frozenset()    # read only
     fields: bool = False                        # its declared fields (dataclass, struct), read only
+    # Methods run as the adapter's function instead (receiver first, the method's own signature),
+    # where the method as it is would harm other calls (hold the interpreter's lock for seconds).
+    overrides: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

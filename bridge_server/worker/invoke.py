@@ -301,6 +301,8 @@ class Invoker:
         checks = member_checks(cls, name, documented) if inspect.ismethod(member) else None
         if entry is not None and entry.override is not None:   # the adapter's version, receiver first
             member, is_async = functools.partial(entry.override, obj), True
+        elif entry is None and (exposed := self.catalog.exposure(obj)) is not None and name in exposed.overrides:
+            member = functools.partial(exposed.overrides[name], obj)    # runs where the method would
         return Plan(label=label, fn=member, signature=sig, checks=checks, entry=entry, exclusive=exclusive,
                     is_async=is_async, streams=streams, profile=profile, receiver=obj, published=published,
                     operator_only=published and (entry is None or not entry.per_client),

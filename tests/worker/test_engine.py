@@ -286,6 +286,32 @@ def test_tokenizer_ref_encodes_like_the_engine(bridge: BridgeClient) -> None:
     assert bridge.call(Target.method(tokenizer, "decode"), ids[1:]) == "Hello world"
 
 
+def test_tokenizer_decode_gives_the_library_s_own_text(bridge: BridgeClient, model: Path) -> None:
+    """The worker decodes outside the interpreter's lock (the tokenizer's batch decoding), so a
+    decode of a million ids does not stop its other calls; the text is the library's `decode`'s,
+    for every option, special tokens, spaces to clean up, and the cases it leaves to `decode`."""
+    import random
+
+    from transformers import AutoTokenizer
+    local = AutoTokenizer.from_pretrained(model)
+    tokenizer = bridge.call(Target.method("engine", "get_tokenizer"))
+    rng = random.Random(7)
+    cases: list[Any] = [
+        local.encode("Hello world , it 's   a test ! 'll n't"),
+        [rng.randrange(local.vocab_size) for _ in range(2_000)],
+        [*local.all_special_ids, 5, 6, *local.all_special_ids],
+        [],
+    ]
+    for ids in cases:
+        for options in ({}, {"skip_special_tokens": True}, {"clean_up_tokenization_spaces": True},
+                        {"clean_up_tokenization_spaces": False, "skip_special_tokens": True}):
+            assert bridge.call(Target.method(tokenizer, "decode"), ids, kwargs=options) == \
+                local.decode(ids, **options), (ids[:10], options)
+    assert bridge.call(Target.method(tokenizer, "decode"), 7) == local.decode(7)           # left to decode
+    assert bridge.call(Target.method(tokenizer, "decode"), cases[0], kwargs={"use_source_tokenizer": False}) == \
+        local.decode(cases[0])
+
+
 def test_engine_control_methods(bridge: BridgeClient) -> None:
     assert bridge.call(Target.method("engine", "check_health")) is None
     assert bridge.call(Target.method("engine", "get_supported_tasks")) == ("generate",)
