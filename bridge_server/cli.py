@@ -125,7 +125,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("grpc._cython.cygrpc").addFilter(_caller_gone_mid_write)
     return int(args.func(args))
+
+
+def _caller_gone_mid_write(record: logging.LogRecord) -> bool:
+    """gRPC logs an ERROR with a traceback when a reply's write fails because its caller went
+    (closed its connection, or reset a stream it left unread): any client can make a server write
+    those, as many as it likes, and they say nothing about the server. Kept at DEBUG."""
+    if record.levelno >= logging.ERROR and str(record.msg).startswith("ExecuteBatchError raised in core"):
+        record.levelno, record.levelname, record.exc_info, record.exc_text = logging.DEBUG, "DEBUG", None, None
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+    return True
 
 
 if __name__ == "__main__":

@@ -5,14 +5,17 @@ does not read (a unary one, or a stream's message in a write that flow control h
 caller reads it, resets the call, or its connection closes: nothing on the server's side frees it.
 Each stream bounds what it queues (a Multiplex stream MAX_UNWRITTEN_BYTES), but a caller may start
 any number of calls and streams, over any number of connections, and a pool server out of memory
-fails every caller at once. So every reply's bytes count in one `Backlog` until they are really
-gone, and past its limit (`max_unread_bytes`):
+fails every caller at once. So every reply's bytes count in one `Backlog` from the moment they
+arrive until they are really gone, and `max_unread_bytes` bounds them:
 
-- a caller that has unread replies of its own gets no new call (RESOURCE_EXHAUSTED, reason "unread
-  replies") until it reads them; callers with none go on. A caller that reads holds next to nothing,
-  and then only for the time a reply takes to cross the network.
-- the streams of the caller whose queued replies are the largest are ended, which frees what they
-  queued (what gRPC already holds in a write is freed when the caller reads or goes).
+- A result is taken only if it fits: within the limit, or, past it, within its caller's share (the
+  limit over the callers holding anything) and within twice the limit. One that does not fit ends
+  its call with RESOURCE_EXHAUSTED (reason "unread replies"): the bound holds however many
+  connections a stranger opens, and past the limit each caller still gets its share.
+- Past the limit, a caller holding more than its share gets no new call until it reads.
+- Streams that are not being read (a write blocked for BLOCKED_S) are ended, those of the caller
+  holding the most first, which frees what they queued; a stream whose writes go out is never
+  ended for what it queues.
 
 Callers are told apart as the router's queue knows them: their identity where the server
 authenticates, else their connection. A caller's many calls and streams count together.
@@ -20,7 +23,9 @@ authenticates, else their connection. A caller's many calls and streams count to
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,11 +33,12 @@ import grpc
 
 from bridge_server.wire.errors import BridgeError
 
-__all__ = ["DEFAULT_MAX_UNREAD_BYTES", "Backlog", "Holding"]
+__all__ = ["BLOCKED_S", "DEFAULT_MAX_UNREAD_BYTES", "Backlog", "Holding"]
 
 log = logging.getLogger("vllm_bridge.router")
 
 DEFAULT_MAX_UNREAD_BYTES = 1 << 30
+BLOCKED_S = 0.5     # a stream whose write has waited this long for its caller is not being read
 
 
 @dataclass(eq=False)
@@ -46,6 +52,7 @@ class Holding:
     end: Callable[[BridgeError], None] | None = None
     held: int = 0
     pending: int = 0
+    blocked_since: float = 0.0  # when its oldest unfinished write started
     ended: bool = False        # its queue is gone: only its pending writes still count
     closed: bool = False
 
@@ -58,15 +65,18 @@ class Backlog:
     total: int = 0
     by_caller: dict[str, int] = field(default_factory=dict)
     holdings: dict[str, set[Holding]] = field(default_factory=dict)
+    writing_streams: set[Holding] = field(default_factory=set)   # streams with a write in flight
     ended: int = 0            # streams ended for their caller's backlog, since the start
-    refused: int = 0          # calls refused for it
+    refused: int = 0          # calls and results refused for it
+    _recheck: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     def over(self) -> bool:
         return 0 < self.limit < self.total
 
+    # ---------------------------------------------------------------------------- what callers get
     def admit(self, caller: str, label: str) -> None:
-        """Refuses a new call of a caller that holds more than its share (the limit over the callers
-        holding anything) while the bound is passed: a reply crossing the network is far less."""
+        """Refuses a new call of a caller that holds more than its share while the bound is passed:
+        a reply crossing the network is far less."""
         if not 0 < self.limit < self.total:
             return
         held = self.by_caller.get(caller, 0)
@@ -78,6 +88,27 @@ class Backlog:
                 f"over its max_unread_bytes ({self.limit:,}), and {held:,} of them are this caller's: it gets "
                 f"no new call until it reads them", reason="unread replies")
 
+    def take(self, h: Holding, n: int, label: str) -> None:
+        """Counts a result of n bytes that has arrived for the caller (queued until written), or
+        raises RESOURCE_EXHAUSTED if it does not fit (see the module's doc); the call ends then."""
+        if 0 < self.limit < self.total + n and not self._fits(h.caller, n):
+            self.refused += 1
+            held = self.by_caller.get(h.caller, 0)
+            raise BridgeError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "pool",
+                f"{label}: its result of {n:,} bytes does not fit: the pool server holds {self.total:,} bytes of "
+                f"replies that their callers have not read (max_unread_bytes {self.limit:,}), {held:,} of them "
+                f"this caller's; read them, or start fewer calls at once", reason="unread replies")
+        self.add(h, n)
+
+    def _fits(self, caller: str, n: int) -> bool:
+        self._shed(n)              # what unread streams queue goes first
+        if self.total + n <= self.limit:
+            return True
+        callers = len(self.by_caller) + (caller not in self.by_caller)
+        return self.by_caller.get(caller, 0) + n <= self.limit // callers and self.total + n <= 2 * self.limit
+
+    # ---------------------------------------------------------------------------- the accounts
     def open(self, caller: str, label: str, end: Callable[[BridgeError], None] | None = None) -> Holding:
         h = Holding(caller, label, end)
         self.holdings.setdefault(caller, set()).add(h)
@@ -89,20 +120,18 @@ class Backlog:
             return
         h.held += n
         self._count(h.caller, n)
-        if 0 < self.limit < self.total:
-            self._shed()
 
-    def writing(self, h: Holding, n: int, queued: bool = True) -> None:
-        """A write of n bytes starts: gRPC holds them until it ends. `queued`: they were counted
-        already (`add`); else they count from now (a unary reply, a Stream's item)."""
-        if h.closed or (queued and h.ended):
+    def writing(self, h: Holding, n: int) -> None:
+        """A write of n of its counted bytes starts: gRPC holds them until it ends."""
+        if h.ended or n <= 0:
             return
-        if not queued:
-            h.held += n
-            self._count(h.caller, n)
+        if not h.pending:
+            h.blocked_since = time.monotonic()
+            if h.end is not None:
+                self.writing_streams.add(h)
         h.pending += n
-        if not queued and 0 < self.limit < self.total:
-            self._shed()
+        if 0 < self.limit < self.total:
+            self._again()          # if the caller leaves it unread, its stream may be ended
 
     def written(self, h: Holding, n: int) -> None:
         """The write of n bytes ended: they are no longer held."""
@@ -112,6 +141,8 @@ class Backlog:
         h.pending -= n
         h.held -= n
         self._count(h.caller, -n)
+        if not h.pending:
+            self.writing_streams.discard(h)
 
     def unwind(self, h: Holding) -> None:
         """The stream's handler ended: what it queued is freed, its writes in flight are not yet
@@ -126,6 +157,7 @@ class Backlog:
         if h.closed:
             return
         h.closed = h.ended = True
+        self.writing_streams.discard(h)
         self._count(h.caller, -h.held)
         h.held = h.pending = 0
         streams = self.holdings.get(h.caller)
@@ -145,27 +177,52 @@ class Backlog:
 
     def _end(self, h: Holding) -> None:
         h.ended = True
+        self.writing_streams.discard(h)
         queued = h.held - h.pending
         h.held = h.pending
         self._count(h.caller, -queued)
 
-    def _shed(self) -> None:
-        """Ends the streams of the caller that holds the most, and so frees what they queued. What
-        gRPC holds in writes cannot be freed from here: when that is all the caller holds, nothing
-        is ended (a caller holding less is never ended for it)."""
-        while 0 < self.limit < self.total:
-            caller = max(self.by_caller, key=self.by_caller.__getitem__)
-            streams = [h for h in self.holdings.get(caller, ()) if not h.ended and h.end is not None]
-            queued = sum(h.held - h.pending for h in streams)
-            if not queued:
+    def _again(self) -> None:
+        """Over the bound: looks for unread streams again once a write may have waited BLOCKED_S
+        (no new result need come for a stream that never reads to be ended)."""
+        if self._recheck is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._recheck = loop.call_later(BLOCKED_S, self._look_again)
+
+    def _look_again(self) -> None:
+        self._recheck = None
+        if 0 < self.limit < self.total:
+            self._shed()
+            if 0 < self.limit < self.total and self.writing_streams:
+                self._again()
+
+    def _shed(self, room: int = 0) -> None:
+        """Ends the streams that are not being read (a write blocked for BLOCKED_S or more), those
+        of the caller holding the most first, until the sum (and `room` more) is within the limit.
+        Ending one frees what it queued; what gRPC holds in its write stays until its caller reads
+        or goes."""
+        while 0 < self.limit < self.total + room:
+            now = time.monotonic()
+            unread: dict[str, list[Holding]] = {}
+            for h in self.writing_streams:
+                if now - h.blocked_since >= BLOCKED_S:
+                    unread.setdefault(h.caller, []).append(h)
+            if not unread:
                 return
-            held = self.by_caller[caller]
-            log.warning("unread replies: %s bytes held in all (max_unread_bytes %s); ending the %d streams of "
-                        "the caller holding the most (%s bytes, %s queued): %s", self.total, self.limit,
-                        len(streams), held, queued, caller)
+            caller = max(unread, key=lambda who: self.by_caller.get(who, 0))
+            streams = unread[caller]
+            held = self.by_caller.get(caller, 0)
+            log.warning("unread replies: %s bytes held in all (max_unread_bytes %s); ending the %d unread streams "
+                        "of the caller holding the most (%s bytes): %s", self.total, self.limit, len(streams),
+                        held, caller)
             message = (f"the pool server holds {self.total:,} bytes of replies that their callers have not read, "
-                       f"over its max_unread_bytes ({self.limit:,}); this caller held the most ({held:,} bytes, "
-                       f"{len(streams)} streams) and its streams were ended to free them")
+                       f"over its max_unread_bytes ({self.limit:,}); this caller held the most ({held:,} bytes), "
+                       f"and its streams left unread for {BLOCKED_S:g} s or more ({len(streams)}) were ended to "
+                       f"free them")
             for h in streams:
                 self._end(h)
                 self.ended += 1

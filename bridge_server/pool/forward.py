@@ -159,9 +159,15 @@ class Forwarder:
             raise
 
     def _hold(self, context: grpc.aio.ServicerContext, caller: str, label: str, size: int) -> None:
-        """A unary reply counts in the backlog until its RPC ends (the caller read it, or went)."""
+        """A unary reply counts in the backlog until its RPC ends (the caller read it, or went), if
+        it fits (else RESOURCE_EXHAUSTED)."""
         h = self.backlog.open(caller, label)
-        self.backlog.writing(h, size, queued=False)
+        try:
+            self.backlog.take(h, size, label)
+        except BridgeError:
+            self.backlog.close(h)
+            raise
+        self.backlog.writing(h, size)
         context.add_done_callback(lambda _: self.backlog.close(h))
 
     @staticmethod
@@ -291,7 +297,8 @@ class Forwarder:
                         item = pb.StreamItemView(index=index, value=event.value).SerializeToString()
                     else:
                         item = pb.StreamItemView(index=index, patch=event.patch).SerializeToString()
-                    self.backlog.writing(holding, len(item), queued=False)
+                    self.backlog.take(holding, len(item), "Stream")     # else the stream ends
+                    self.backlog.writing(holding, len(item))
                     await self.stall.wait(context.write(item), "Stream", stall_s)
                     self.backlog.written(holding, len(item))
                     index += 1

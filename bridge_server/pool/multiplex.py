@@ -12,9 +12,9 @@ stream without one gets the router's window, credited as its replies are written
 a slow client holds at most a window of items per stream in the router, and holds up nobody else on
 the worker's lane. Unary results have no window: once a stream's unwritten replies pass
 MAX_UNWRITTEN_BYTES, or MAX_UNANSWERED of them wait to be written, the router starts none of its calls
-until the client reads. Beyond each stream: what waits to be written counts in the pool server's
-backlog (`backlog.py`), which ends the streams of the caller holding the most past
-`max_unread_bytes`, and a write the client leaves unread is bounded by `reader_stall_s`, as a
+until the client reads. Beyond each stream: every result counts in the pool server's backlog
+(`backlog.py`) until written; one that does not fit ends its call, and a stream left unread may be
+ended to free the others. A write the client leaves unread is bounded by `reader_stall_s`, as a
 Stream's is. A worker that dies ends its calls with "worker crashed", as for plain calls, and the
 client's other calls go on.
 """
@@ -127,11 +127,12 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     defaults = tuple((k, v) for k, v in context.invocation_metadata() or () if k.startswith("x-bridge-"))
     client = client_of(identity, context, multiplex=True)      # every call of the stream is this client's
     # `identity` is the caller's: what the client names in its own options is not (the lane drops it).
-    out: asyncio.Queue[tuple[bytes, list[tuple[_Running, int]], int] | None] = asyncio.Queue()
+    out: asyncio.Queue[tuple[bytes, list[tuple[_Running, int]], int, int] | None] = asyncio.Queue()
     batch = pb.MuxReplyView()
     credit: dict[_Running, int] = {}           # items in `batch` of streams on the router's window
     flushing = False
     unwritten = 0                              # bytes in `out`
+    counted = 0                                # of the results in `batch`, as the backlog counts them
     unanswered: set[int] = set()               # unary calls started, answer not yet in `batch`
     answers = 0                                # answers in `batch` (of calls that were in `unanswered`)
     outstanding = 0                            # unary calls started, answer not yet written
@@ -150,18 +151,16 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     tasks: set[asyncio.Task[None]] = set()
 
     def flush() -> None:
-        nonlocal batch, credit, flushing, unwritten, answers
+        nonlocal batch, credit, flushing, unwritten, answers, counted
         flushing = False
         if batch.events:
             frames = _within_limit(batch)
             for frame in frames[:-1]:
-                out.put_nowait((frame, [], 0))
-            out.put_nowait((frames[-1], list(credit.items()), answers))
+                out.put_nowait((frame, [], 0, 0))
+            out.put_nowait((frames[-1], list(credit.items()), answers, counted))
             batch, credit = pb.MuxReplyView(), {}
-            size = sum(len(frame) for frame in frames)
-            unwritten += size
-            answers = 0
-            backlog.add(holding, size)    # may end this stream (or another caller's) at once
+            unwritten += sum(len(frame) for frame in frames)
+            answers = counted = 0
             check_room()
 
     def add_event(client_id: int) -> Any:
@@ -189,24 +188,35 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             idle.set()
 
     def on_event(run: _Running, event: Any) -> None:
+        nonlocal counted
         if run.ended:
             return
-        ev = add_event(run.client_id)
         kind = event.WhichOneof("kind")
         if kind == "value" or kind == "patch":
+            data = event.value if kind == "value" else event.patch
+            try:
+                backlog.take(holding, len(data), f"Multiplex: call {run.client_id}")
+            except BridgeError as err:     # it does not fit: the call ends (a stream's, too)
+                if run.lc is not None:
+                    run.lc.cancel()
+                refuse(run.client_id, err)
+                end(run)
+                return
+            counted += len(data)
+            ev = add_event(run.client_id)
             if kind == "value":
-                ev.value = event.value
+                ev.value = data
             else:
-                ev.patch = event.patch        # a stream's item as a patch: bytes, as values are
+                ev.patch = data               # a stream's item as a patch: bytes, as values are
             if run.lc is not None and not run.lc.stream:
                 end(run)
             elif run.own_window:
                 credit[run] = credit.get(run, 0) + 1
         elif kind == "end":
-            ev.end.SetInParent()
+            add_event(run.client_id).end.SetInParent()
             end(run)
         else:
-            ev.error.CopyFrom(event.error)
+            add_event(run.client_id).error.CopyFrom(event.error)
             end(run)
 
     def on_lost(run: _Running, reason: str) -> None:
@@ -360,10 +370,10 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     try:
         try:
             while (item := await out.get()) is not None:
-                raw, credits, answered = item
-                backlog.writing(holding, len(raw))
+                raw, credits, answered, results = item
+                backlog.writing(holding, results)
                 await write(raw)
-                backlog.written(holding, len(raw))
+                backlog.written(holding, results)
                 unwritten -= len(raw)
                 outstanding -= answered
                 check_room()

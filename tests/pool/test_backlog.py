@@ -1,83 +1,119 @@
-"""The pool server's bound on unread replies (`pool/backlog.py`), on its own: which caller is
-refused, which streams are ended, and what still counts after they are. (The router's use of it, with
-real callers that never read, is in test_resilience.py.)"""
+"""The pool server's bound on unread replies (`pool/backlog.py`), on its own: which results fit,
+which callers are refused, which streams are ended, and what still counts after they are. (The
+router's use of it, with real callers that never read, is in test_resilience.py.)"""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import grpc
 import pytest
 
-from bridge_server.pool.backlog import Backlog
+from bridge_server.pool.backlog import Backlog, Holding
 from bridge_server.wire.errors import BridgeError
 
 MB = 2**20
 
 
-def ended_into(log: list[tuple[str, BridgeError]], name: str):  # type: ignore[no-untyped-def]
+def ended_into(log: list[tuple[str, BridgeError]], name: str) -> Callable[[BridgeError], None]:
     return lambda err: log.append((name, err))
 
 
-def test_a_caller_over_its_share_is_refused_while_the_bound_is_passed_and_served_once_it_reads() -> None:
+def unread_for(h: Holding, seconds: float) -> None:
+    """As if the write in flight had waited that long for its caller."""
+    h.blocked_since = time.monotonic() - seconds
+
+
+def reply(backlog: Backlog, caller: str, size: int) -> Holding:
+    """A unary reply handed to gRPC, as the router's Call does."""
+    h = backlog.open(caller, "Call")
+    try:
+        backlog.take(h, size, "Call")
+    except BridgeError:
+        backlog.close(h)
+        raise
+    backlog.writing(h, size)
+    return h
+
+
+def test_results_fit_within_the_limit_and_past_it_within_their_caller_s_share_whatever_the_connections() -> None:
     backlog = Backlog(limit=48 * MB)
-    replies = [backlog.open("hoarder", "Call") for _ in range(8)]
-    for h in replies:
-        backlog.writing(h, 7 * MB, queued=False)      # unary replies gRPC holds until read
-    small = backlog.open("reader", "Call")
-    backlog.writing(small, 100_000, queued=False)      # one reply crossing the network
-    assert backlog.total == 56 * MB + 100_000 and backlog.over()
+    held = [reply(backlog, "hoarder", 7 * MB) for _ in range(6)]     # 42 MB: within the limit
     with pytest.raises(BridgeError) as err:
-        backlog.admit("hoarder", "Call")
+        reply(backlog, "hoarder", 7 * MB)                              # past it, and past its share (all of it)
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "unread replies"
-    assert "max_unread_bytes" in err.value.message and "58,720,256 of them are this caller's" in err.value.message
-    backlog.admit("reader", "Call")          # within its share: served
-    backlog.admit("stranger", "Call")        # holds nothing: served
-    for h in replies[:2]:
-        backlog.close(h)                     # read (their RPCs ended)
+    assert "7,340,032 bytes does not fit" in err.value.message and "max_unread_bytes" in err.value.message
+    reader = reply(backlog, "reader", 7 * MB)                          # past the limit, within its share (24 MB)
+    refused = 0
+    for i in range(40):                 # a stranger's connections, each its own caller: the sum stays bounded
+        try:
+            held.append(reply(backlog, f"connection {i}", 7 * MB))
+        except BridgeError:
+            refused += 1
+    assert refused > 30 and backlog.total <= 2 * backlog.limit
+    assert backlog.refused == refused + 1
+    with pytest.raises(BridgeError) as err:
+        backlog.admit("hoarder", "Call")                               # holds more than its share: no new call
+    assert "it gets no new call until it reads them" in err.value.message
+    backlog.admit("a newcomer", "Call")
+    for h in held:
+        backlog.close(h)                                               # read (their RPCs ended)
     assert not backlog.over()
     backlog.admit("hoarder", "Call")
-    for h in [*replies[2:], small]:
-        backlog.close(h)
+    backlog.close(reader)
     assert backlog.total == 0 and not backlog.by_caller and not backlog.holdings
 
 
-def test_past_the_bound_the_streams_of_the_caller_holding_the_most_are_ended_and_their_queues_freed() -> None:
+def test_streams_left_unread_are_ended_first_and_a_stream_that_is_read_never_is() -> None:
     backlog = Backlog(limit=48 * MB)
     ended: list[tuple[str, BridgeError]] = []
     legit = backlog.open("reader", "Multiplex", ended_into(ended, "legit"))
-    backlog.add(legit, 2 * MB)
+    backlog.take(legit, 20 * MB, "Multiplex: call 1")     # a burst it reads as it comes
     backlog.writing(legit, 2 * MB)
     hoards = [backlog.open("hoarder", "Multiplex", ended_into(ended, f"hoard{i}")) for i in range(3)]
-    backlog.add(hoards[0], 7 * MB)
-    backlog.writing(hoards[0], 7 * MB)         # one write gRPC holds: not freed by ending the stream
-    backlog.add(hoards[1], 16 * MB)
-    assert not ended
-    backlog.add(hoards[2], 30 * MB)            # 55 MB in all: past the bound
-    assert sorted(name for name, _ in ended) == ["hoard0", "hoard1", "hoard2"]
+    for h, size in zip(hoards[:2], (7 * MB, 16 * MB)):
+        backlog.take(h, size, "Multiplex: call 1")
+        backlog.writing(h, MB)                 # its first write, which the caller leaves unread
+        unread_for(h, 1.0)
+    assert not ended and backlog.total == 43 * MB
+    backlog.take(hoards[2], 10 * MB, "Multiplex: call 1")   # would pass the bound: the unread streams go first
+    assert sorted(name for name, _ in ended) == ["hoard0", "hoard1"]
     assert all(e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.reason == "unread replies" and
                e.message.startswith("Multiplex: ") for _, e in ended)
-    assert backlog.total == 9 * MB and backlog.by_caller == {"reader": 2 * MB, "hoarder": 7 * MB}
+    assert backlog.total == 32 * MB and backlog.by_caller == {"reader": 20 * MB, "hoarder": 12 * MB}
     backlog.add(hoards[1], 40 * MB)            # an ended stream's late replies are dropped, not counted
-    assert backlog.total == 9 * MB
+    assert backlog.total == 32 * MB
+    with pytest.raises(BridgeError):           # the reader's next 20 MB: past the bound, past its share
+        backlog.take(legit, 20 * MB, "Multiplex: call 2")
+    assert len(ended) == 2                     # ... but its stream, being read, goes on
     for h in hoards:
-        backlog.unwind(h)                      # their handlers ended; the held write still counts
-    assert backlog.by_caller["hoarder"] == 7 * MB
-    backlog.close(hoards[0])                   # ... until its RPC ends
-    assert backlog.by_caller == {"reader": 2 * MB}
+        backlog.unwind(h)                      # their handlers ended; the held writes still count
+    assert backlog.by_caller["hoarder"] == 2 * MB
+    for h in hoards:
+        backlog.close(h)                       # ... until their RPCs end
+    assert backlog.by_caller == {"reader": 20 * MB}
     backlog.written(legit, 2 * MB)
     backlog.close(legit)
-    assert backlog.total == 0 and not backlog.holdings and len(ended) == 3
+    assert backlog.total == 0 and not backlog.holdings and len(ended) == 2
 
 
-def test_what_gRPC_holds_in_writes_ends_nobody() -> None:
-    """Past the bound with nothing queued (every byte in writes gRPC holds), no stream is ended:
-    ending one frees nothing, and a caller holding less is never ended for another's."""
+def test_what_gRPC_holds_in_writes_still_counts_and_ends_nobody_else() -> None:
+    """Past the bound with the hoarder's bytes all in a write gRPC holds: its unread stream is
+    ended (no more of its results come), which frees nothing yet, so the bytes still count, its
+    new calls are refused, and a caller whose stream is read goes on within its share."""
     backlog = Backlog(limit=10 * MB)
     ended: list[tuple[str, BridgeError]] = []
     big = backlog.open("hoarder", "Stream", ended_into(ended, "big"))
-    backlog.writing(big, 12 * MB, queued=False)
+    backlog.take(big, 9 * MB, "Stream")
+    backlog.writing(big, 9 * MB)
+    unread_for(big, 1.0)
     other = backlog.open("reader", "Multiplex", ended_into(ended, "other"))
-    backlog.add(other, MB)
-    assert backlog.over() and not ended
+    backlog.take(other, 2 * MB, "Multiplex: call 1")
+    assert [name for name, _ in ended] == ["big"]
+    assert backlog.over() and backlog.by_caller == {"hoarder": 9 * MB, "reader": 2 * MB}
+    backlog.take(other, MB, "Multiplex: call 2")
+    assert len(ended) == 1
     with pytest.raises(BridgeError):
         backlog.admit("hoarder", "Stream")
     backlog.admit("reader", "Stream")
@@ -86,6 +122,9 @@ def test_what_gRPC_holds_in_writes_ends_nobody() -> None:
 def test_no_bound() -> None:
     backlog = Backlog(limit=0)
     h = backlog.open("c", "Call", lambda err: pytest.fail("ended with no bound"))
-    backlog.add(h, 10**12)
+    backlog.take(h, 10**12, "Call")
+    backlog.writing(h, 10**12)
+    unread_for(h, 10.0)
+    backlog.take(h, 10**12, "Call")
     assert not backlog.over()
     backlog.admit("c", "Call")

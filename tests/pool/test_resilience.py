@@ -449,11 +449,12 @@ def unread(server: PoolServer) -> tuple[float, float]:
 def test_callers_that_never_read_on_many_streams_cannot_grow_the_router(server: PoolServer) -> None:
     """One caller opens 24 Multiplex streams on its connection, and on each starts 4 calls whose
     results are 7 MB, and never reads. Each stream keeps to its own bound (16 MiB unwritten), but
-    together they would hold ~690 MB; past the router's max_unread_bytes (48 MiB here) the streams
-    of the caller that holds the most are ended with RESOURCE_EXHAUSTED ("unread replies"), which
-    frees what they queued (a write gRPC holds stays until the caller reads or goes). Another caller
-    reading the same results over its own connection gets every one of them; the router counted
-    replies read as they came only while they crossed, and nothing once the hoarder went."""
+    together they would hold ~690 MB. Past the router's max_unread_bytes (48 MiB here) its results
+    no longer fit (their calls end with RESOURCE_EXHAUSTED, "unread replies"), and its streams left
+    unread are ended, which frees what they queued (a write gRPC holds stays until the caller reads
+    or goes). Another caller reading the same results over its own connection gets every one of
+    them; the router counted replies read as they came only while they crossed, and nothing once
+    the hoarder went."""
     STREAMS = 24
     import queue
 
@@ -502,17 +503,21 @@ def test_callers_that_never_read_on_many_streams_cannot_grow_the_router(server: 
                 every = STREAMS * 4 * 7_200_000      # what holding every result would take (over 1.2 GB measured)
                 assert grown < 0.75 * every, f"the router grew {grown / 2**20:.0f} MB"
                 assert client.call(f"{D}.divide", 6, 3, pool="p", timeout=10) == 2
-                ended = 0
+                ended = refused = 0       # streams ended; results that did not fit (their calls ended)
                 for out, replies in hoarding:
                     out.put(None)
                     try:
-                        for _ in replies:
-                            pass
+                        for reply in replies:
+                            for e in reply.events:
+                                if e.WhichOneof("kind") == "error":
+                                    assert e.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], e.error
+                                    assert "max_unread_bytes" in e.error.message, e.error
+                                    refused += 1
                     except grpc.RpcError as err:
                         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err   # type: ignore[attr-defined]
                         assert "max_unread_bytes" in err.details(), err   # type: ignore[attr-defined]
                         ended += 1
-                assert ended >= 4, ended
+                assert refused >= 48, (ended, refused)     # of its 96: about 7 fit in 48 MiB
             finally:
                 for out, replies in hoarding:
                     out.put(None)
