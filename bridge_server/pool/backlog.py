@@ -88,18 +88,21 @@ class Backlog:
                 f"over its max_unread_bytes ({self.limit:,}), and {held:,} of them are this caller's: it gets "
                 f"no new call until it reads them", reason="unread replies")
 
-    def take(self, h: Holding, n: int, label: str) -> None:
-        """Counts a result of n bytes that has arrived for the caller (queued until written), or
-        raises RESOURCE_EXHAUSTED if it does not fit (see the module's doc); the call ends then."""
+    def take(self, h: Holding, n: int, label: str) -> BridgeError | None:
+        """Counts a result of n bytes that has arrived for the caller (queued until written); or,
+        if it does not fit (see the module's doc), counts nothing and returns the RESOURCE_EXHAUSTED
+        that ends its call. Returned, not raised: the caller drops the result before raising, so no
+        traceback keeps megabytes alive until the cycle collector comes."""
         if 0 < self.limit < self.total + n and not self._fits(h.caller, n):
             self.refused += 1
             held = self.by_caller.get(h.caller, 0)
-            raise BridgeError(
+            return BridgeError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, "pool",
                 f"{label}: its result of {n:,} bytes does not fit: the pool server holds {self.total:,} bytes of "
                 f"replies that their callers have not read (max_unread_bytes {self.limit:,}), {held:,} of them "
                 f"this caller's; read them, or start fewer calls at once", reason="unread replies")
         self.add(h, n)
+        return None
 
     def _fits(self, caller: str, n: int) -> bool:
         self._shed(n)              # what unread streams queue goes first

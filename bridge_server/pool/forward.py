@@ -158,17 +158,17 @@ class Forwarder:
                 raise asyncio.CancelledError from None     # gRPC ends the handler quietly
             raise
 
-    def _hold(self, context: grpc.aio.ServicerContext, caller: str, label: str, size: int) -> None:
+    def _hold(self, context: grpc.aio.ServicerContext, caller: str, label: str, size: int) -> BridgeError | None:
         """A unary reply counts in the backlog until its RPC ends (the caller read it, or went), if
-        it fits (else RESOURCE_EXHAUSTED)."""
+        it fits; else the RESOURCE_EXHAUSTED to end the call with."""
         h = self.backlog.open(caller, label)
-        try:
-            self.backlog.take(h, size, label)
-        except BridgeError:
+        refused = self.backlog.take(h, size, label)
+        if refused is not None:
             self.backlog.close(h)
-            raise
+            return refused
         self.backlog.writing(h, size)
         context.add_done_callback(lambda _: self.backlog.close(h))
+        return None
 
     @staticmethod
     async def _lane_error(err: pb.MuxError, context: grpc.aio.ServicerContext, out: _Outcome) -> None:
@@ -217,7 +217,10 @@ class Forwarder:
                     out.code = "OK"
                     reply: bytes = pb.CallReplyView(value=event.value).SerializeToString()
                     if len(reply) >= COUNTED_REPLY_BYTES:     # gRPC holds it until the caller reads it
-                        self._hold(context, client_of(identity, context), "Call", len(reply))
+                        refused = self._hold(context, client_of(identity, context), "Call", len(reply))
+                        if refused is not None:
+                            del reply, event      # not kept by the traceback
+                            raise refused
                     return reply
                 await self._lane_error(event.error, context, out)
                 raise AssertionError("unreachable: abort raises")
@@ -297,7 +300,10 @@ class Forwarder:
                         item = pb.StreamItemView(index=index, value=event.value).SerializeToString()
                     else:
                         item = pb.StreamItemView(index=index, patch=event.patch).SerializeToString()
-                    self.backlog.take(holding, len(item), "Stream")     # else the stream ends
+                    refused = self.backlog.take(holding, len(item), "Stream")
+                    if refused is not None:      # it does not fit: the stream ends
+                        del item, event           # not kept by the traceback
+                        raise refused
                     self.backlog.writing(holding, len(item))
                     await self.stall.wait(context.write(item), "Stream", stall_s)
                     self.backlog.written(holding, len(item))

@@ -194,12 +194,11 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         kind = event.WhichOneof("kind")
         if kind == "value" or kind == "patch":
             data = event.value if kind == "value" else event.patch
-            try:
-                backlog.take(holding, len(data), f"Multiplex: call {run.client_id}")
-            except BridgeError as err:     # it does not fit: the call ends (a stream's, too)
+            refused = backlog.take(holding, len(data), f"Multiplex: call {run.client_id}")
+            if refused is not None:      # it does not fit: the call ends (a stream's, too)
                 if run.lc is not None:
                     run.lc.cancel()
-                refuse(run.client_id, err)
+                refuse(run.client_id, refused)
                 end(run)
                 return
             counted += len(data)

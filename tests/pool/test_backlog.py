@@ -28,11 +28,10 @@ def unread_for(h: Holding, seconds: float) -> None:
 def reply(backlog: Backlog, caller: str, size: int) -> Holding:
     """A unary reply handed to gRPC, as the router's Call does."""
     h = backlog.open(caller, "Call")
-    try:
-        backlog.take(h, size, "Call")
-    except BridgeError:
+    refused = backlog.take(h, size, "Call")
+    if refused is not None:
         backlog.close(h)
-        raise
+        raise refused
     backlog.writing(h, size)
     return h
 
@@ -69,23 +68,24 @@ def test_streams_left_unread_are_ended_first_and_a_stream_that_is_read_never_is(
     backlog = Backlog(limit=48 * MB)
     ended: list[tuple[str, BridgeError]] = []
     legit = backlog.open("reader", "Multiplex", ended_into(ended, "legit"))
-    backlog.take(legit, 20 * MB, "Multiplex: call 1")     # a burst it reads as it comes
+    assert backlog.take(legit, 20 * MB, "Multiplex: call 1") is None     # a burst it reads as it comes
     backlog.writing(legit, 2 * MB)
     hoards = [backlog.open("hoarder", "Multiplex", ended_into(ended, f"hoard{i}")) for i in range(3)]
     for h, size in zip(hoards[:2], (7 * MB, 16 * MB)):
-        backlog.take(h, size, "Multiplex: call 1")
+        assert backlog.take(h, size, "Multiplex: call 1") is None
         backlog.writing(h, MB)                 # its first write, which the caller leaves unread
         unread_for(h, 1.0)
     assert not ended and backlog.total == 43 * MB
-    backlog.take(hoards[2], 10 * MB, "Multiplex: call 1")   # would pass the bound: the unread streams go first
+    assert backlog.take(hoards[2], 10 * MB, "Multiplex: call 1") is None   # the unread streams go first
     assert sorted(name for name, _ in ended) == ["hoard0", "hoard1"]
     assert all(e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.reason == "unread replies" and
                e.message.startswith("Multiplex: ") for _, e in ended)
     assert backlog.total == 32 * MB and backlog.by_caller == {"reader": 20 * MB, "hoarder": 12 * MB}
     backlog.add(hoards[1], 40 * MB)            # an ended stream's late replies are dropped, not counted
     assert backlog.total == 32 * MB
-    with pytest.raises(BridgeError):           # the reader's next 20 MB: past the bound, past its share
-        backlog.take(legit, 20 * MB, "Multiplex: call 2")
+    refused = backlog.take(legit, 20 * MB, "Multiplex: call 2")    # past the bound, past its share
+    assert refused is not None and refused.reason == "unread replies" and refused.message.startswith(
+        "Multiplex: call 2: its result of 20,971,520 bytes does not fit")
     assert len(ended) == 2                     # ... but its stream, being read, goes on
     for h in hoards:
         backlog.unwind(h)                      # their handlers ended; the held writes still count
@@ -105,14 +105,14 @@ def test_what_gRPC_holds_in_writes_still_counts_and_ends_nobody_else() -> None:
     backlog = Backlog(limit=10 * MB)
     ended: list[tuple[str, BridgeError]] = []
     big = backlog.open("hoarder", "Stream", ended_into(ended, "big"))
-    backlog.take(big, 9 * MB, "Stream")
+    assert backlog.take(big, 9 * MB, "Stream") is None
     backlog.writing(big, 9 * MB)
     unread_for(big, 1.0)
     other = backlog.open("reader", "Multiplex", ended_into(ended, "other"))
-    backlog.take(other, 2 * MB, "Multiplex: call 1")
+    assert backlog.take(other, 2 * MB, "Multiplex: call 1") is None
     assert [name for name, _ in ended] == ["big"]
     assert backlog.over() and backlog.by_caller == {"hoarder": 9 * MB, "reader": 2 * MB}
-    backlog.take(other, MB, "Multiplex: call 2")
+    assert backlog.take(other, MB, "Multiplex: call 2") is None
     assert len(ended) == 1
     with pytest.raises(BridgeError):
         backlog.admit("hoarder", "Stream")
@@ -122,9 +122,9 @@ def test_what_gRPC_holds_in_writes_still_counts_and_ends_nobody_else() -> None:
 def test_no_bound() -> None:
     backlog = Backlog(limit=0)
     h = backlog.open("c", "Call", lambda err: pytest.fail("ended with no bound"))
-    backlog.take(h, 10**12, "Call")
+    assert backlog.take(h, 10**12, "Call") is None
     backlog.writing(h, 10**12)
     unread_for(h, 10.0)
-    backlog.take(h, 10**12, "Call")
+    assert backlog.take(h, 10**12, "Call") is None
     assert not backlog.over()
     backlog.admit("c", "Call")
