@@ -5,8 +5,9 @@ does not read (a unary one, or a stream's message in a write that flow control h
 caller reads it, resets the call, or its connection closes: nothing on the server's side frees it.
 Each stream bounds what it queues (a Multiplex stream MAX_UNWRITTEN_BYTES), but a caller may start
 any number of calls and streams, over any number of connections, and a pool server out of memory
-fails every caller at once. So every reply's bytes count in one `Backlog` from the moment they
-arrive until they are really gone, and `max_unread_bytes` bounds them:
+fails every caller at once. So replies' bytes count in one `Backlog` from the moment they arrive
+until they are really gone (a Multiplex stream's all; a Call's and a Stream item's from 64 KiB up, as
+smaller ones are one per call at most), and `max_unread_bytes` bounds them:
 
 - A result is taken only if it fits: within the limit, or, past it, within its caller's share (the
   limit over the callers holding anything) and within twice the limit. One that does not fit ends
@@ -80,7 +81,7 @@ class Backlog:
         if not 0 < self.limit < self.total:
             return
         held = self.by_caller.get(caller, 0)
-        if held > self.limit // len(self.by_caller):
+        if held > self._share(caller):
             self.refused += 1
             raise BridgeError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, "pool",
@@ -108,8 +109,11 @@ class Backlog:
         self._shed(n)              # what unread streams queue goes first
         if self.total + n <= self.limit:
             return True
-        callers = len(self.by_caller) + (caller not in self.by_caller)
-        return self.by_caller.get(caller, 0) + n <= self.limit // callers and self.total + n <= 2 * self.limit
+        return self.by_caller.get(caller, 0) + n <= self._share(caller) and self.total + n <= 2 * self.limit
+
+    def _share(self, caller: str) -> int:
+        """The limit over the callers holding anything, this one among them."""
+        return self.limit // (len(self.by_caller) + (caller not in self.by_caller))
 
     # ---------------------------------------------------------------------------- the accounts
     def open(self, caller: str, label: str, end: Callable[[BridgeError], None] | None = None) -> Holding:

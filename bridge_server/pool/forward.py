@@ -49,7 +49,7 @@ _TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc
                     grpc.StatusCode.UNKNOWN)
 _DEATH_WAIT_S = 0.5
 _CREDIT_EVERY = STREAM_WINDOW // 2   # stream items given back to the worker at a time
-COUNTED_REPLY_BYTES = 64 * 1024      # unary replies this large count in the backlog until read
+COUNTED_REPLY_BYTES = 64 * 1024      # replies (a Stream's items) this large count in the backlog until read
 
 
 def make_stubs(channel: grpc.aio.Channel) -> dict[str, Any]:
@@ -300,13 +300,16 @@ class Forwarder:
                         item = pb.StreamItemView(index=index, value=event.value).SerializeToString()
                     else:
                         item = pb.StreamItemView(index=index, patch=event.patch).SerializeToString()
-                    refused = self.backlog.take(holding, len(item), "Stream")
-                    if refused is not None:      # it does not fit: the stream ends
-                        del item, event           # not kept by the traceback
-                        raise refused
-                    self.backlog.writing(holding, len(item))
-                    await self.stall.wait(context.write(item), "Stream", stall_s)
-                    self.backlog.written(holding, len(item))
+                    if len(item) < COUNTED_REPLY_BYTES:      # a token's item: nothing worth counting
+                        await self.stall.wait(context.write(item), "Stream", stall_s)
+                    else:
+                        refused = self.backlog.take(holding, len(item), "Stream")
+                        if refused is not None:      # it does not fit: the stream ends
+                            del item, event           # not kept by the traceback
+                            raise refused
+                        self.backlog.writing(holding, len(item))
+                        await self.stall.wait(context.write(item), "Stream", stall_s)
+                        self.backlog.written(holding, len(item))
                     index += 1
                     taken += 1
                     if taken == _CREDIT_EVERY:
