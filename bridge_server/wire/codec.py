@@ -22,8 +22,8 @@ import torch
 
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-__all__ = ["SCALAR_WRITERS", "TORCH_DTYPES", "CodecError", "Encoder", "FieldReader", "field_reader", "qualified_name",
-           "short_repr"]
+__all__ = ["SCALAR_WRITERS", "TORCH_DTYPES", "CodecError", "Encoder", "FieldReader", "TooCostly", "field_reader",
+           "qualified_name", "short_repr"]
 
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
@@ -36,6 +36,14 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 # Numpy dtypes whose names and byte layout are those of the torch dtype of the same name.
 _NUMPY_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                            "float16", "float32", "float64", "complex64", "complex128"})
+
+
+class TooCostly(Exception):
+    """An encode stopped at its `work_limit`: the result is to be encoded in its turn."""
+
+    def __init__(self, work: int) -> None:
+        super().__init__(f"encoding took more than its bound of work ({work:,} items so far)")
+        self.work = work
 
 
 class CodecError(ValueError):
@@ -221,6 +229,13 @@ class Encoder:
     # `adapters.spec.Growing`). With a memo, such a list's last encoding is copied (in C) and only
     # its new items are encoded, while it is still the same list; a patch sender compares only them.
     growing_fields: Mapping[type, frozenset[str]] = dataclasses.field(default_factory=dict)
+    # The most work one `encode` may do, counted in items (a container's items, a record's fields;
+    # packed ints at an eighth each, they cost that much less) before it stops with `TooCostly`.
+    # None: no bound. A worker encodes every result on its one event loop, and a 100-byte request
+    # can ask for megabytes: a result past the bound is encoded again when its turn comes
+    # (`worker/turns.py`), so no caller's large results hold the loop that serves everyone.
+    work_limit: int | None = None
+    _work: list[int] = dataclasses.field(default_factory=lambda: [0], repr=False)
 
     def encode(self, obj: object) -> pb.Value:
         return self.encode_into(obj, pb.Value())
@@ -231,8 +246,15 @@ class Encoder:
         if put is not None:
             put(obj, out)
         else:
+            self._work[0] = 0
             self._fill(obj, out, 0, set())
         return out
+
+    def _charge(self, items: int) -> None:
+        assert self.work_limit is not None
+        work = self._work[0] = self._work[0] + items
+        if work > self.work_limit:
+            raise TooCostly(work)
 
     def encode_at(self, obj: object, out: pb.Value, depth: int, active: set[int]) -> None:
         """Fills `out` with obj as the encoder fills it `depth` levels down, inside the containers
@@ -271,12 +293,18 @@ class Encoder:
                 (k for t, k in _CONTAINERS.items() if isinstance(obj, t)), None)
             if kind is None:
                 return self._ref(obj, out)
-        elif kind == "list" and obj and type(obj[0]) is int and set(map(type, obj)) == _INT_ONLY:
-            try:   # token ids: one packed field instead of a Value per int
-                out.ints.values.extend(obj)
-                return None
-            except ValueError:   # an int past 64 bits: those go one by one, as big_int
-                out.ClearField("ints")
+        ints = cls is list and obj and type(obj[0]) is int
+        if self.work_limit is not None:
+            self._charge(len(fields) if fields is not None else len(obj) >> 3 if ints else len(obj))
+        if ints:
+            if set(map(type, obj)) == _INT_ONLY:
+                try:   # token ids: one packed field instead of a Value per int
+                    out.ints.values.extend(obj)
+                    return None
+                except ValueError:   # an int past 64 bits: those go one by one, as big_int
+                    out.ClearField("ints")
+            if self.work_limit is not None:     # one by one after all: the rest of their cost
+                self._charge(len(obj) - (len(obj) >> 3))
         # It holds other values: a deep or cyclic structure goes as a ref instead of recursing forever.
         if depth >= self.max_depth or id(obj) in active:
             return self._ref(obj, out)

@@ -40,7 +40,7 @@ import msgspec
 import pydantic
 
 from adapters.spec import CallContext, Policy
-from bridge_server.wire.codec import Encoder
+from bridge_server.wire.codec import Encoder, TooCostly
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import BridgeError, clip, quote
 from bridge_server.wire.protocol import DEFAULT_SESSION, STREAM_PATCH_V1
@@ -58,6 +58,7 @@ from bridge_server.worker.catalog import Catalog, Entry, Kind
 from bridge_server.worker.deadlines import Deadlines, with_deadline
 from bridge_server.worker.refs import RefRegistry
 from bridge_server.worker.streams import Pace, PutItem, Tee, item_writer, iterate, lazily
+from bridge_server.worker.turns import WORK_LIMIT, Turns
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 _PROTOCOL_METHODS = frozenset({"__enter__", "__exit__", "__aenter__", "__aexit__"})   # context managers
@@ -142,6 +143,7 @@ class Invoker:
         self._decoders: dict[str, Decoder] = {}   # by identity
         self._building = Building(self.catalog.short_types, self.catalog.rule, self.policy)
         self.stall = StallGuard(self.limits.reader_stall_s)   # bounds every wait on a stream's caller
+        self.turns = Turns()      # costly results take turns on the loop
 
     def active_since(self, obj: object, since: float) -> bool:
         """Whether a stream on `obj` yielded an item after `since` (time.monotonic()): progress."""
@@ -389,7 +391,7 @@ class Invoker:
             self.wedged = ""
 
     def encoder(self, caller: Caller, exclusive: bool, stream: bool = False,
-                minted: list[str] | None = None) -> Encoder:
+                minted: list[str] | None = None, work_limit: int | None = None) -> Encoder:
         """Values to protobuf; what cannot go by value becomes a ref the caller owns. Code that the
         catalog does not name is refused, wherever in the result it is."""
         code_ok = self.catalog.code_objects
@@ -406,20 +408,42 @@ class Invoker:
                           type_name=entry.type_name, repr=_short_repr(obj))
         return Encoder(make_ref=make_ref, tensor_max_bytes=self.tensor_max_bytes, records=self.catalog.records,
                        constant_fields=self.catalog.record_constants, memo={} if stream else None,
-                       growing_fields=self.catalog.record_growing)
+                       growing_fields=self.catalog.record_growing, work_limit=work_limit)
 
-    def encode_result(self, plan: Plan, result: Any, caller: Caller) -> pb.Value:
+    def encode_result(self, plan: Plan, result: Any, caller: Caller, out: pb.Value | None = None,
+                      work_limit: int | None = None) -> pb.Value:
+        """The result as a Value (filled into `out` if given). Past `work_limit`: TooCostly, with
+        nothing of the result left behind (`out` cleared, no ref minted)."""
         minted: list[str] = []
-        enc = self.encoder(caller, plan.exclusive, minted=minted)
+        enc = self.encoder(caller, plan.exclusive, minted=minted, work_limit=work_limit)
         if plan.entry is not None and plan.entry.doc is not None:
             result = _as_documented(plan.entry.doc.returns, result)
+        out = pb.Value() if out is None else out
         try:
             if plan.result_ref and result is not None:
-                return pb.Value(ref=enc.make_ref(result))
-            return enc.encode(result)
+                out.ref.CopyFrom(enc.make_ref(result))
+                return out
+            return enc.encode_into(result, out)
         except BaseException:
             self.refs.release(minted)      # nothing of a result that cannot be sent stays behind
+            out.Clear()
             raise
+
+    async def deliver(self, plan: Plan, result: Any, caller: Caller, deadline: float | None,
+                      out: pb.Value | None = None) -> pb.Value:
+        """encode_result for a call's result, which waits for its turn once it costs more than a
+        bound (`turns.py`): the loop that encodes it serves every other call and stream too."""
+        out = pb.Value() if out is None else out
+        try:
+            return self.encode_result(plan, result, caller, out, WORK_LIMIT)
+        except TooCostly:
+            pass
+        await with_deadline(self.turns.acquire(caller.identity or caller.session), deadline, plan.label,
+                            "waiting for its turn to encode a large result")
+        try:
+            return self.encode_result(plan, result, caller, out)
+        finally:
+            self.turns.release()
 
     def _context(self, plan: Plan, caller: Caller) -> CallContext:
         return CallContext(self.policy, caller.identity, plan.published, self.catalog.names, self.world_size)
@@ -486,7 +510,8 @@ class Invoker:
         self._making[identity] -= 1
 
     async def call(self, request: pb.CallRequest, caller: Caller, deadlines: Deadlines,
-                   plan: Plan | None = None) -> pb.Value:
+                   plan: Plan | None = None, out: pb.Value | None = None) -> pb.Value:
+        """Runs a call; its result is encoded into `out` (a reply's value) if given."""
         plan = plan or self.plan(request.target, caller)
         self._admit(plan, caller)
         if plan.streams:
@@ -502,7 +527,7 @@ class Invoker:
             result = None
         elif plan.result_ref and result is not None and self.adopt is not None:
             await with_deadline(self.adopt(result), deadlines.call, plan.label, "warming up what it made")
-        return self.encode_result(plan, result, caller)
+        return await self.deliver(plan, result, caller, deadlines.call, out)
 
     @staticmethod
     def immediate(plan: Plan) -> bool:

@@ -149,7 +149,9 @@ class BridgeService:
         caller = self._caller(context, opts)
         plan = self.invoker.plan(request.target, caller)
         deadlines = resolve_deadlines(opts, context.time_remaining(), plan.profile)
-        return pb.CallReply(value=await self.invoker.call(request, caller, deadlines, plan))
+        reply = pb.CallReply()       # the result is encoded in place: a copy of 9 MB costs the loop ~20 ms
+        await self.invoker.call(request, caller, deadlines, plan, reply.value)
+        return reply
 
     async def Call(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.CallReply:  # noqa: N802
         label = "Call"

@@ -1,0 +1,101 @@
+"""Costly results take turns on the worker's event loop.
+
+Why: a worker encodes every result on its one event loop, and what a result costs is not what its
+request costs. A 100-byte request can ask for a 9 MB attribute, ~60 ms of encoding; sixty of them
+held the loop for seconds, and every other call and token stream of the worker, anyone's, waited
+behind them. A stream's items are already paced (`streams.Pace`); this does the same for results.
+
+A result whose encoding goes past the encoder's `work_limit` stops and waits for a turn. One such
+result is encoded at a time, and after it the next turn waits `REST_FACTOR` times as long as that
+encoding took, so costly results get at most a quarter of the loop, and the loop serves everything
+else in between. Turns go round the callers that wait (their identity, or their session when the
+server has no authentication): one caller's queue of large results does not hold back another's.
+A caller's deadline bounds its wait. Results under the bound never wait: nearly every call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+__all__ = ["REST_FACTOR", "WORK_LIMIT", "Turns"]
+
+WORK_LIMIT = 8192       # items encoded inline at most (~1-3 ms of the loop); past it, a result waits its turn
+REST_FACTOR = 3.0       # after a turn, the loop is left to everything else for this many times its length
+
+
+class Turns:
+    """The turns of one event loop's costly results."""
+
+    def __init__(self, rest_factor: float = REST_FACTOR) -> None:
+        self.rest_factor = rest_factor
+        self._waiting: dict[str, collections.deque[asyncio.Future[None]]] = {}   # caller -> its waits, in turn order
+        self._busy = False
+        self._free_at = 0.0             # time.monotonic() from when the next turn may begin
+        self._timer: asyncio.TimerHandle | None = None
+        self._started = 0.0             # when the turn being taken began
+
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    async def acquire(self, caller: str) -> None:
+        """Waits for `caller`'s turn. The turn lasts until `release`, and its length sets the rest after it."""
+        if not self._busy and not self._waiting and time.monotonic() >= self._free_at:
+            self._take()
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(caller, collections.deque()).append(waiter)
+        self._schedule()
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():     # given the turn, then cancelled: pass it on
+                self._busy = False
+                self._schedule()
+            else:
+                queue = self._waiting.get(caller)
+                if queue is not None and waiter in queue:
+                    queue.remove(waiter)
+                    if not queue:
+                        del self._waiting[caller]
+            raise
+        self._started = time.monotonic()
+
+    def release(self) -> None:
+        now = time.monotonic()
+        self._busy = False
+        self._free_at = now + (now - self._started) * self.rest_factor
+        self._schedule()
+
+    def _take(self) -> None:
+        self._busy = True
+        self._started = time.monotonic()
+
+    def _schedule(self) -> None:
+        if self._busy or not self._waiting or self._timer is not None:
+            return
+        delay = self._free_at - time.monotonic()
+        if delay > 0:
+            self._timer = asyncio.get_running_loop().call_later(delay, self._give)
+        else:
+            self._give()
+
+    def _give(self) -> None:
+        """The next turn, to the first caller in the round (which then goes to the round's end)."""
+        self._timer = None
+        if self._busy:
+            return
+        if time.monotonic() < self._free_at:
+            self._schedule()
+            return
+        while self._waiting:
+            caller = next(iter(self._waiting))
+            queue = self._waiting.pop(caller)
+            waiter = queue.popleft()
+            if queue:
+                self._waiting[caller] = queue
+            if not waiter.done():
+                self._busy = True
+                waiter.set_result(None)
+                return

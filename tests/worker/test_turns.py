@@ -1,0 +1,114 @@
+"""Costly results take turns on the worker's event loop (`worker/turns.py`): one caller's large
+results leave the loop to everyone else between them, and turns go round the callers waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from bridge_server.wire.codec import Encoder, TooCostly
+from bridge_server.worker.turns import Turns
+from tests.conftest import WorkerProcess
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+FC = "vllm.forward_context"
+
+
+def test_turns_go_round_the_callers_and_a_cancelled_wait_gives_up_its_place() -> None:
+    async def run() -> None:
+        turns = Turns(rest_factor=0.0)
+        order: list[str] = []
+
+        async def one(caller: str, tag: str) -> None:
+            await turns.acquire(caller)
+            order.append(tag)
+            await asyncio.sleep(0)       # the turn is held across a loop turn, as an await inside it would
+            turns.release()
+
+        await turns.acquire("holder")    # held while the others line up
+        tasks = {}
+        for caller, tag in [("a", "a1"), ("a", "a2"), ("a", "a3"), ("b", "b1"), ("c", "c1"), ("a", "a4"),
+                            ("c", "c2")]:
+            tasks[tag] = asyncio.get_running_loop().create_task(one(caller, tag))
+            await asyncio.sleep(0)       # each starts waiting in this order
+        tasks["c2"].cancel()             # gives up while waiting
+        turns.release()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        assert order == ["a1", "b1", "c1", "a2", "a3", "a4"]
+        assert turns.waiting() == 0
+
+        # A wait given the turn and cancelled before it ran passes the turn on.
+        await turns.acquire("x")
+        late = asyncio.get_running_loop().create_task(turns.acquire("y"))
+        after = asyncio.get_running_loop().create_task(one("z", "z1"))
+        await asyncio.sleep(0)
+        turns.release()              # the turn goes to "y" ...
+        late.cancel()                # ... which is cancelled before it runs
+        await asyncio.gather(late, return_exceptions=True)
+        await asyncio.wait_for(after, 5)
+        assert order[-1] == "z1"
+
+    asyncio.run(run())
+
+
+def test_the_next_turn_waits_rest_factor_times_the_last_one() -> None:
+    async def run() -> None:
+        turns = Turns(rest_factor=3.0)
+        await turns.acquire("a")
+        time.sleep(0.02)                 # a costly encode holds the loop
+        released = time.monotonic()
+        turns.release()
+        await turns.acquire("b")
+        assert time.monotonic() - released >= 0.06 * 0.99
+        turns.release()
+
+    asyncio.run(run())
+
+
+def test_an_encode_stops_at_its_bound_of_work_and_a_small_one_does_not() -> None:
+    enc = Encoder(make_ref=lambda obj: pb.Ref(id="r"), work_limit=1000)
+    assert list(enc.encode(list(range(7999))).ints.values) == list(range(7999))   # packed ints: an eighth each
+    assert len(enc.encode({i: [str(i)] for i in range(300)}).map.entries) == 300    # 600 items
+    for costly in (list(range(8009)), ["s"] * 1001, [[0, 1.5]] * 600, {"k": [{"v": i} for i in range(999)]}):
+        with pytest.raises(TooCostly):
+            enc.encode(costly)
+
+
+def test_a_caller_s_large_results_leave_the_loop_to_others_between_them(worker: WorkerProcess) -> None:
+    """Twelve 3 MB results, asked for at once: a small call made after the first of them arrived is
+    answered before most of the rest, where it used to wait for all of them."""
+    from bridge_server.client.client import BridgeClient, Target
+
+    sizes = [2**40 + i for i in range(400_000)]          # ~15 ms of encoding each, past the bound
+    with BridgeClient(worker.address) as client:
+        import torch
+        dp = client.call(f"{FC}.DPMetadata", torch.tensor(7), torch.tensor([7]), sizes)
+        get = client.request(Target.get(dp, "local_sizes"), (), None)[0].SerializeToString()
+        small = client.request("vllm.distributed.divide", (6, 3), None)[0].SerializeToString()
+
+        async def run() -> tuple[int, list[bytes]]:
+            async with grpc.aio.insecure_channel(worker.address, options=[
+                    ("grpc.max_receive_message_length", 64 << 20)]) as channel:
+                call = channel.unary_unary("/vllm_bridge.v1.Bridge/Call")
+                done: list[bytes] = []
+
+                async def heavy() -> None:
+                    done.append(await call(get, timeout=60))
+
+                tasks = [asyncio.get_running_loop().create_task(heavy()) for _ in range(12)]
+                while not done:
+                    await asyncio.sleep(0.001)
+                reply = pb.CallReply.FromString(await call(small, timeout=60))
+                assert reply.value.int == 2
+                before = len(done)
+                await asyncio.gather(*tasks)
+                return before, done
+
+        before, done = asyncio.run(run())
+        assert before <= 4, f"{before} of 12 large results went before a small call made after the first"
+        for raw in done:
+            assert list(pb.CallReply.FromString(raw).value.ints.values) == sizes
+        client.release(dp)
