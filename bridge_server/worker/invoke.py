@@ -57,7 +57,7 @@ from bridge_server.worker.binding import (
 from bridge_server.worker.catalog import Catalog, Entry, Kind
 from bridge_server.worker.deadlines import Deadlines, with_deadline
 from bridge_server.worker.refs import RefRegistry
-from bridge_server.worker.streams import Pace, PutItem, Tee, item_writer, iterate, lazily
+from bridge_server.worker.streams import Pace, PutItem, Tee, item_writer, iterable, iterate, lazily
 from bridge_server.worker.turns import WORK_LIMIT, Turns
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -274,6 +274,11 @@ class Invoker:
                               f"{label}: members of a {type(obj).__name__} cannot be reached through a ref",
                               target=label)
         if kind == pb.Target.ITERATE:     # Stream's only: as a Call it would hand out a ref to the receiver
+            if not iterable(obj):         # said here, whichever RPC: each would send the caller to the other
+                raise BridgeError.validation(
+                    f"{label}: ITERATE streams the items of a list, tuple, set, tensor or iterator, and a "
+                    f"{type(obj).__qualname__} is none of them (read it whole with a Call)", target=label,
+                    parameter="target.kind")
             return Plan(label=label, fn=None, read=lambda: lazily(obj), exclusive=exclusive, receiver=obj,
                         streams=True, published=published)
         entry = self._reachable(obj, name, kind)

@@ -19,7 +19,8 @@ from bridge_server.wire.protocol import STREAM_PATCH_V1
 from bridge_server.worker.deadlines import Deadlines, Watchdog
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-__all__ = ["PACE_FACTOR", "PACE_MIN_S", "Pace", "PutItem", "Tee", "item_writer", "iterate", "lazily", "next_deadline"]
+__all__ = ["PACE_FACTOR", "PACE_MIN_S", "Pace", "PutItem", "Tee", "item_writer", "iterable", "iterate", "lazily",
+           "next_deadline"]
 
 # Puts a stream item into the message that carries it (`StreamItem` or `MuxEvent`: both have `value`
 # and `patch`).
@@ -90,12 +91,12 @@ async def iterate(source: Any, label: str, deadlines: Deadlines,
     """The items of what a streaming call returned (an async generator, or an iterator stepped in a
     thread by `in_thread`), within the stream's deadlines, coalesced to one per `interval_s`, and
     paced by what putting them costs (`pace`, filled by the stream's put)."""
-    if hasattr(source, "__anext__") or hasattr(source, "__aiter__"):
+    if is_async_iterable(source):
         agen = source.__aiter__()
         step: Callable[[], Any] = agen.__anext__
         done_exc: type[BaseException] = StopAsyncIteration
         close = getattr(agen, "aclose", None)
-    elif hasattr(source, "__iter__") and not isinstance(source, (str, bytes, dict)):
+    elif iterable(source):
         it = iter(source)
         sentinel = object()
         step = lambda: in_thread(lambda: next(it, sentinel))  # noqa: E731
@@ -152,6 +153,15 @@ async def iterate(source: Any, label: str, deadlines: Deadlines,
                     await result
             except Exception:  # closing is best effort: the stream's outcome is already decided
                 pass
+
+
+def is_async_iterable(obj: object) -> bool:
+    return hasattr(obj, "__anext__") or hasattr(obj, "__aiter__")
+
+
+def iterable(obj: object) -> bool:
+    """Whether a stream can walk obj's items (text, bytes and maps go whole, with Call)."""
+    return is_async_iterable(obj) or (hasattr(obj, "__iter__") and not isinstance(obj, (str, bytes, dict)))
 
 
 def lazily(obj: object) -> object:

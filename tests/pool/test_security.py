@@ -638,11 +638,15 @@ def test_engine_constructors_refuse_what_calls_back_or_connects_and_take_the_def
     client.release(config)
 
 
-def test_iterate_is_for_streams_only(client: BridgeClient) -> None:
-    """ITERATE called with Call gave back a ref to its receiver, the published engine included."""
-    with pytest.raises(CallError) as err:
-        client.call(Target(pb.Target(kind=pb.Target.ITERATE, object="engine")), timeout=10)
-    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and err.value.reason == "use Stream", err.value
+def test_iterate_on_the_engine_hands_out_nothing_and_says_why(client: BridgeClient) -> None:
+    """ITERATE called with Call gave back a ref to its receiver, the published engine included; then
+    Call said to use Stream, and Stream to use Call."""
+    target = Target(pb.Target(kind=pb.Target.ITERATE, object="engine"))
+    for attempt in (lambda: client.call(target, timeout=10), lambda: list(client.stream(target, timeout=10))):
+        with pytest.raises(CallError) as err:
+            attempt()
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "ITERATE streams the items" in err.value.details and "AsyncLLM is none of them" in err.value.details
 
 
 def test_an_operator_lifts_a_ceiling_by_allowing_the_argument() -> None:

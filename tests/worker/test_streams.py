@@ -102,3 +102,38 @@ def test_a_put_that_fails_still_counts() -> None:
             pace.timed(put)(1, None)
         rest = pace.rest_s()
     assert rest >= PACE_MIN_S * 1.5 * PACE_FACTOR
+
+
+def test_iterate_sends_a_caller_to_stream_only_for_what_a_stream_can_walk() -> None:
+    """ITERATE on an iterable receiver is Stream's (a Call of it says so); on one that is not, both
+    RPCs say why, instead of each sending the caller to the other."""
+    import grpc
+
+    from bridge_server.wire.errors import BridgeError
+    from bridge_server.worker.catalog import Catalog
+    from bridge_server.worker.invoke import Caller, Invoker
+    from bridge_server.worker.refs import RefRegistry
+    from vllm_bridge.v1 import bridge_pb2 as pb
+
+    async def run() -> None:
+        invoker = Invoker(Catalog(), RefRegistry("w-test"))
+
+        def iterate_request(obj: object) -> pb.CallRequest:
+            ref = invoker.refs.put(obj, Caller().session)
+            return pb.CallRequest(target=pb.Target(kind=pb.Target.ITERATE, ref=pb.Ref(id=ref.id)))
+
+        with pytest.raises(BridgeError) as err:
+            await invoker.call(iterate_request([1, 2, 3]), Caller(), NO_DEADLINES)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and err.value.reason == "use Stream"
+        items = invoker.stream(iterate_request([1, 2, 3]), Caller(), NO_DEADLINES)
+        assert [item async for item, _ in items] == [1, 2, 3]
+        for whole in (object(), "text", {"a": 1}):
+            for run_it in (lambda r: invoker.call(r, Caller(), NO_DEADLINES),
+                           lambda r: invoker.stream(r, Caller(), NO_DEADLINES).__anext__()):
+                with pytest.raises(BridgeError) as err:
+                    await run_it(iterate_request(whole))
+                assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+                assert "ITERATE streams the items" in err.value.message and "use Stream" not in err.value.message
+        invoker.close()
+
+    asyncio.run(run())
