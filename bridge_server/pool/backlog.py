@@ -9,17 +9,22 @@ fails every caller at once. So replies' bytes count in one `Backlog` from the mo
 until they are really gone (a Multiplex stream's all; a Call's and a Stream item's from 64 KiB up, as
 smaller ones are one per call at most), and `max_unread_bytes` bounds them:
 
-- A result is taken only if it fits: within the limit, or, past it, within its caller's share (the
-  limit over the callers holding anything) and within twice the limit. One that does not fit ends
-  its call with RESOURCE_EXHAUSTED (reason "unread replies"): the bound holds however many
-  connections a stranger opens, and past the limit each caller still gets its share.
+- A result is taken only if it fits: within the limit, or, past it, within its caller's share and
+  within twice the limit. One that does not fit ends its call with RESOURCE_EXHAUSTED (reason
+  "unread replies"): the bound holds however many connections a stranger opens, and past the limit
+  each caller still gets its share.
+- Shares are taken in two steps, so that more connections buy no more of the server: the limit is
+  shared between the hosts holding anything (or identities, where the server authenticates), and a
+  host's share between its connections. A stranger's many connections from one host then hold at
+  most one host's share past the limit, and a caller on another host always has its own.
 - Past the limit, a caller holding more than its share gets no new call until it reads.
 - Streams that are not being read (a write blocked for BLOCKED_S) are ended, those of the caller
   holding the most first, which frees what they queued; a stream whose writes go out is never
   ended for what it queues.
 
 Callers are told apart as the router's queue knows them: their identity where the server
-authenticates, else their connection. A caller's many calls and streams count together.
+authenticates, else their connection (its peer address, `ipv4:HOST:PORT`, from which the host is
+read). A caller's many calls and streams count together.
 """
 
 from __future__ import annotations
@@ -34,12 +39,22 @@ import grpc
 
 from bridge_server.wire.errors import BridgeError
 
-__all__ = ["BLOCKED_S", "DEFAULT_MAX_UNREAD_BYTES", "Backlog", "Holding"]
+__all__ = ["BLOCKED_S", "DEFAULT_MAX_UNREAD_BYTES", "Backlog", "Holding", "host_of"]
 
 log = logging.getLogger("vllm_bridge.router")
 
 DEFAULT_MAX_UNREAD_BYTES = 1 << 30
 BLOCKED_S = 0.5     # a stream whose write has waited this long for its caller is not being read
+
+
+def host_of(caller: str) -> str:
+    """The host a caller's connection comes from (`ipv4:10.0.0.1:5000`, `ipv6:[::1]:5000`, with a
+    Multiplex stream's suffix or not): its peer address less the port. Any other caller (an
+    identity, a Unix socket's peer) is its own host."""
+    if caller.startswith(("ipv4:", "ipv6:")):
+        address = caller.split(" ", 1)[0]
+        return address.rsplit(":", 1)[0]
+    return caller
 
 
 @dataclass(eq=False)
@@ -65,6 +80,8 @@ class Backlog:
     limit: int = DEFAULT_MAX_UNREAD_BYTES
     total: int = 0
     by_caller: dict[str, int] = field(default_factory=dict)
+    by_host: dict[str, int] = field(default_factory=dict)         # the same, summed by host
+    callers_of: dict[str, int] = field(default_factory=dict)      # a host's callers holding anything
     holdings: dict[str, set[Holding]] = field(default_factory=dict)
     writing_streams: set[Holding] = field(default_factory=set)   # streams with a write in flight
     ended: int = 0            # streams ended for their caller's backlog, since the start
@@ -109,11 +126,18 @@ class Backlog:
         self._shed(n)              # what unread streams queue goes first
         if self.total + n <= self.limit:
             return True
-        return self.by_caller.get(caller, 0) + n <= self._share(caller) and self.total + n <= 2 * self.limit
+        host = host_of(caller)
+        return (self.total + n <= 2 * self.limit and self.by_host.get(host, 0) + n <= self._host_share(host)
+                and self.by_caller.get(caller, 0) + n <= self._share(caller))
+
+    def _host_share(self, host: str) -> int:
+        """The limit over the hosts holding anything, this one among them."""
+        return self.limit // (len(self.by_host) + (host not in self.by_host))
 
     def _share(self, caller: str) -> int:
-        """The limit over the callers holding anything, this one among them."""
-        return self.limit // (len(self.by_caller) + (caller not in self.by_caller))
+        """The caller's host's share over that host's callers holding anything, this one among them."""
+        host = host_of(caller)
+        return self._host_share(host) // (self.callers_of.get(host, 0) + (caller not in self.by_caller))
 
     # ---------------------------------------------------------------------------- the accounts
     def open(self, caller: str, label: str, end: Callable[[BridgeError], None] | None = None) -> Holding:
@@ -175,12 +199,27 @@ class Backlog:
 
     # ---------------------------------------------------------------------------------- inside
     def _count(self, caller: str, n: int) -> None:
+        if not n:
+            return
         self.total += n
-        left = self.by_caller.get(caller, 0) + n
+        host = host_of(caller)
+        was = self.by_caller.get(caller, 0)
+        left = was + n
         if left > 0:
             self.by_caller[caller] = left
         else:
             self.by_caller.pop(caller, None)
+        if (left > 0) != (was > 0):
+            callers = self.callers_of.get(host, 0) + (1 if left > 0 else -1)
+            if callers > 0:
+                self.callers_of[host] = callers
+            else:
+                self.callers_of.pop(host, None)
+        on_host = self.by_host.get(host, 0) + n
+        if on_host > 0:
+            self.by_host[host] = on_host
+        else:
+            self.by_host.pop(host, None)
 
     def _end(self, h: Holding) -> None:
         h.ended = True

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from bridge_server.pool.backlog import Backlog, Holding
+from bridge_server.pool.backlog import Backlog, Holding, host_of
 from bridge_server.wire.errors import BridgeError
 
 MB = 2**20
@@ -128,3 +128,33 @@ def test_no_bound() -> None:
     assert backlog.take(h, 10**12, "Call") is None
     assert not backlog.over()
     backlog.admit("c", "Call")
+
+
+def test_a_stranger_s_connections_from_one_host_hold_one_host_s_share_and_other_hosts_keep_theirs() -> None:
+    """Each connection had its own share, so a stranger's connections from one host together held
+    twice the limit, and every other caller's large result was refused for as long as they stayed
+    open (gRPC keeps an unread reply until its caller reads or goes)."""
+    backlog = Backlog(limit=48 * MB)
+    refused = 0
+    for i in range(40):
+        try:
+            reply(backlog, f"ipv4:10.0.0.66:{40000 + i} multiplex {i}" if i % 2 else f"ipv4:10.0.0.66:{40000 + i}",
+                  7 * MB)
+        except BridgeError:
+            refused += 1
+    assert refused == 34 and backlog.total == 42 * MB         # the limit, no more: the host's whole share
+    # Another host: half of the limit (a second host), then a third host: a third.
+    for other, fit in (("ipv6:[2001:db8::7]:5000", 3), ("ipv4:10.0.0.67:5000", 2)):
+        for _ in range(fit):
+            reply(backlog, other, 7 * MB)
+        with pytest.raises(BridgeError):
+            reply(backlog, other, 7 * MB)
+    assert backlog.total <= 2 * backlog.limit
+    assert backlog.by_host == {"ipv4:10.0.0.66": 42 * MB, "ipv6:[2001:db8::7]": 21 * MB, "ipv4:10.0.0.67": 14 * MB}
+    assert backlog.callers_of["ipv4:10.0.0.66"] == 6
+
+
+def test_the_host_of_a_caller_is_its_peer_address_less_the_port() -> None:
+    assert host_of("ipv4:127.0.0.1:5000") == host_of("ipv4:127.0.0.1:6000 multiplex 3") == "ipv4:127.0.0.1"
+    assert host_of("ipv6:[::1]:5000") == "ipv6:[::1]"
+    assert host_of("unix:/tmp/x.sock") == "unix:/tmp/x.sock" and host_of("alice") == "alice"
