@@ -19,15 +19,17 @@ MAX_SP_TOKENS = 1 << 20      # entries the sequence-parallel helpers may make (r
 
 def _bounded_sp(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
     """The sequence-parallel helpers make a tensor and a list of one entry per rank and sequence-
-    parallel slot: 30 bytes asking for a size of 10**8 took 2.3 GB and 10 s of the worker."""
-    sp = args.get("sequence_parallel_size")
-    tokens = args.get("num_tokens_across_dp_cpu")
+    parallel slot: 30 bytes asking for a size of 10**8 took 2.3 GB and 10 s of the worker. The same
+    holds for DPMetadata's methods (`cu_tokens_across_sp(10**9)`: 16 GB), on the ranks it holds."""
+    key = "sp_size" if "sp_size" in args else "sequence_parallel_size"
+    sp = args.get(key)
+    tokens = args.get("num_tokens_across_dp_cpu", getattr(receiver, "num_tokens_across_dp_cpu", None))
     numel = getattr(tokens, "numel", None)
     if type(sp) is int and callable(numel) and max(sp, 1) * numel() > MAX_SP_TOKENS:
-        label = f"{MODULE}: parameter sequence_parallel_size"
+        label = f"{MODULE}: parameter {key}"
         raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
                           f"{label}: {sp:,} slots for each of {numel():,} ranks is over this server's limit of "
-                          f"{MAX_SP_TOKENS:,} entries", parameter="sequence_parallel_size", reason="too large")
+                          f"{MAX_SP_TOKENS:,} entries", parameter=key, reason="too large")
 
 FORWARD_CONTEXT = AdapterSpec(
     surface="forward_context",
@@ -66,4 +68,5 @@ DP_METADATA = AdapterSpec(
     module=MODULE,
     cls="DPMetadata",
     exclusive=False,
+    guards={"cu_tokens_across_sp": _bounded_sp, "sp_local_sizes": _bounded_sp, "chunked_sizes": _bounded_sp},
 )

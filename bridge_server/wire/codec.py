@@ -230,7 +230,8 @@ class Encoder:
     # its new items are encoded, while it is still the same list; a patch sender compares only them.
     growing_fields: Mapping[type, frozenset[str]] = dataclasses.field(default_factory=dict)
     # The most work one `encode` may do, counted in items (a container's items, a record's fields;
-    # packed ints at an eighth each, they cost that much less) before it stops with `TooCostly`.
+    # packed ints at an eighth each, they cost that much less; a tensor, or a result of text or
+    # bytes, one per 512 bytes) before it stops with `TooCostly`.
     # None: no bound. A worker encodes every result on its one event loop, and a 100-byte request
     # can ask for megabytes: a result past the bound is encoded again when its turn comes
     # (`worker/turns.py`), so no caller's large results hold the loop that serves everyone.
@@ -243,10 +244,12 @@ class Encoder:
     def encode_into(self, obj: object, out: pb.Value) -> pb.Value:
         """Fills `out` (e.g. the value field of a reply being built), saving a copy of the tree."""
         put = _SCALARS.get(type(obj))
+        self._work[0] = 0
         if put is not None:
+            if self.work_limit is not None and isinstance(obj, (str, bytes)):
+                self._charge(len(obj) >> 9)      # text and bytes by the 512 bytes, like a tensor
             put(obj, out)
         else:
-            self._work[0] = 0
             self._fill(obj, out, 0, set())
         return out
 
@@ -421,6 +424,8 @@ class Encoder:
         if (t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta"
                 or t.nbytes > self.tensor_max_bytes):
             return self._ref(t, out)
+        if self.work_limit is not None:
+            self._charge(1 + (t.nbytes >> 9))    # its bytes are copied four times on their way out
         t = t.detach().cpu().resolve_conj().resolve_neg()  # lazy conj/neg bits are not in the bytes
         out.tensor.dtype = str(t.dtype).removeprefix("torch.")
         out.tensor.shape.extend(t.shape)
@@ -430,6 +435,8 @@ class Encoder:
     def _ndarray(self, a: np.ndarray, out: pb.Value) -> None:
         if a.dtype.name not in _NUMPY_DTYPES or a.nbytes > self.tensor_max_bytes or np.ma.isMaskedArray(a):
             return self._ref(a, out)
+        if self.work_limit is not None:
+            self._charge(1 + (a.nbytes >> 9))
         out.tensor.dtype = a.dtype.name
         out.tensor.shape.extend(a.shape)
         out.tensor.data = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()

@@ -58,7 +58,7 @@ from bridge_server.worker.catalog import Catalog, Entry, Kind
 from bridge_server.worker.deadlines import Deadlines, with_deadline
 from bridge_server.worker.refs import RefRegistry
 from bridge_server.worker.streams import Pace, PutItem, Tee, item_writer, iterable, iterate, lazily
-from bridge_server.worker.turns import WORK_LIMIT, Turns
+from bridge_server.worker.turns import MAX_RESULT_WORK, WORK_LIMIT, Turns
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 _PROTOCOL_METHODS = frozenset({"__enter__", "__exit__", "__aenter__", "__aexit__"})   # context managers
@@ -446,7 +446,12 @@ class Invoker:
         await with_deadline(self.turns.acquire(caller.identity or caller.session), deadline, plan.label,
                             "waiting for its turn to encode a large result")
         try:
-            return self.encode_result(plan, result, caller, out)
+            return self.encode_result(plan, result, caller, out, MAX_RESULT_WORK)
+        except TooCostly:
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                              f"{plan.label}: its result is too large to send by value (over {MAX_RESULT_WORK:,} "
+                              f"items, or the bytes of as many): one turn of the worker's event loop encodes it, "
+                              f"while every other call waits", target=plan.label, reason="result too large") from None
         finally:
             self.turns.release()
 
@@ -540,7 +545,7 @@ class Invoker:
         (inline), with no exclusive lane to wait for and no guard to await."""
         return plan.inline and not plan.is_async and not plan.exclusive and plan.fn is not None and \
             not plan.operator_only and (
-            plan.entry is None or plan.entry.guard is None)
+            plan.entry is None or plan.entry.guard is None or not inspect.iscoroutinefunction(plan.entry.guard))
 
     def call_now(self, request: pb.CallRequest, caller: Caller, plan: Plan) -> pb.Value:
         """`call` for an `immediate` plan, synchronously: a Multiplex or lane request for a trivial
@@ -548,6 +553,12 @@ class Invoker:
         than the helper. Deadlines do not apply: an inline helper is never pre-empted anyway."""
         args, kwargs = self.bind(plan, *self.decode(request, caller, plan.label))
         assert plan.fn is not None
+        if plan.entry is not None and plan.entry.guard is not None:     # a plain function (see `immediate`)
+            refused = plan.entry.guard(plan.receiver, _bound_map(plan, args, kwargs), self._context(plan, caller))
+            if inspect.iscoroutine(refused):     # a plain function that returned a coroutine after all
+                refused.close()
+                raise BridgeError(grpc.StatusCode.INTERNAL, "python", f"{plan.label}: its guard is not a plain "
+                                  f"function, and an inline call cannot await it", target=plan.label)
         try:
             result = plan.fn(*args, **kwargs)
         except BridgeError:

@@ -10,7 +10,10 @@ result is encoded at a time, and after it the next turn waits `REST_FACTOR` time
 encoding took, so costly results get at most a quarter of the loop, and the loop serves everything
 else in between. Turns go round the callers that wait (their identity, or their session when the
 server has no authentication): one caller's queue of large results does not hold back another's.
-A caller's deadline bounds its wait. Results under the bound never wait: nearly every call.
+A caller's deadline bounds its wait. Results under the bound never wait: nearly every call. A turn
+is bounded too: a result past MAX_RESULT_WORK is refused (RESOURCE_EXHAUSTED, "result too large"),
+as a request past max_prompt_chars items is, or one turn could hold the loop for as long as it takes
+(3 million tensor views held it 26 s).
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import asyncio
 import collections
 import time
 
-__all__ = ["REST_FACTOR", "WORK_LIMIT", "Turns"]
+__all__ = ["MAX_RESULT_WORK", "REST_FACTOR", "WORK_LIMIT", "Turns"]
 
 WORK_LIMIT = 8192       # items encoded inline at most (~1-3 ms of the loop); past it, a result waits its turn
+MAX_RESULT_WORK = 1 << 20   # items one turn encodes at most (~0.3 s): a larger result is refused, not sent
 REST_FACTOR = 3.0       # after a turn, the loop is left to everything else for this many times its length
 
 

@@ -154,3 +154,29 @@ def test_iterate_walks_a_tensor_row_by_row_as_asked() -> None:
     assert [r.tolist() for r in lazily(torch.arange(6).reshape(3, 2))] == [[0, 1], [2, 3], [4, 5]]
     scalar, plain = torch.tensor(7), [1, 2]
     assert lazily(scalar) is scalar and lazily(plain) is plain      # 0-d: torch's own error when iterated
+
+
+def test_the_inline_helpers_take_only_what_keeps_them_trivial(client: BridgeClient) -> None:
+    """They run on the worker's event loop: divide("%1000000000d", 1) formatted a 1 GB string there,
+    get_pp_indices with pp_size 2**62 made a list until the worker was killed, and DPMetadata's
+    methods sized their lists by a client's number. Over Call and over Multiplex alike."""
+    cases = [((f"{D}.divide", "%1000000000d", 1), grpc.StatusCode.INVALID_ARGUMENT, "numerator"),
+             ((f"{D}.ensure_divisibility", 6, b"x"), grpc.StatusCode.INVALID_ARGUMENT, "denominator"),
+             ((f"{D}.get_pp_indices", 2**62, 2**62 - 1, 2**62), grpc.StatusCode.INVALID_ARGUMENT, "pp_size"),
+             ((f"{D}.get_pp_indices", 32, 4, 4), grpc.StatusCode.INVALID_ARGUMENT, "pp_rank")]
+    with client.multiplex() as mux:
+        for (target, *args), code, parameter in cases:
+            for call in (client.call, mux.call):
+                with pytest.raises(CallError) as err:
+                    call(target, *args, timeout=10)
+                assert err.value.code == code, (target, err.value)
+                assert err.value.detail is not None and err.value.detail.parameter == parameter, err.value
+    assert client.call(f"{D}.divide", 6, 3) == 2 and client.call(f"{D}.divide", 7.5, 2.5) == 3.0
+    assert client.call(f"{D}.get_pp_indices", 32, 3, 4) == (24, 32)
+    dp = client.call(f"{FC}.DPMetadata", torch.tensor(7), torch.tensor([5, 7, 3]))
+    for method in ("cu_tokens_across_sp", "sp_local_sizes"):
+        with pytest.raises(CallError) as err:
+            client.call(Target.method(dp, method), 10**9, timeout=10)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "1,048,576 entries" in err.value.details
+    assert client.call(Target.method(dp, "cu_tokens_across_sp"), 2).tolist() == [3, 6, 10, 14, 16, 18]
+    client.release(dp)

@@ -112,3 +112,30 @@ def test_a_caller_s_large_results_leave_the_loop_to_others_between_them(worker: 
         for raw in done:
             assert list(pb.CallReply.FromString(raw).value.ints.values) == sizes
         client.release(dp)
+
+
+def test_tensors_and_text_count_by_their_bytes() -> None:
+    import torch
+    enc = Encoder(make_ref=lambda obj: pb.Ref(id="r"), work_limit=1000)
+    assert enc.encode(torch.zeros(100_000, dtype=torch.int8)).tensor.data == bytes(100_000)   # 196 items
+    assert enc.encode("x" * 500_000).str == "x" * 500_000
+    for costly in (torch.zeros(130_000, dtype=torch.float32), "x" * 600_000, b"y" * 600_000,
+                   [torch.zeros(1)] * 501):
+        with pytest.raises(TooCostly):
+            enc.encode(costly)
+
+
+def test_a_result_too_large_for_one_turn_is_refused_and_the_worker_serves_on(worker: WorkerProcess) -> None:
+    """3 million tensor views, asked for in 200 bytes, held the loop 26 s in one turn."""
+    import torch
+
+    from bridge_server.client.client import BridgeClient, CallError
+
+    with BridgeClient(worker.address) as client:
+        with pytest.raises(CallError) as err:
+            client.call("vllm.distributed.split_tensor_along_last_dim", torch.zeros(1, 600_000, dtype=torch.int8),
+                        600_000, timeout=60)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "result too large"
+        assert "split_tensor_along_last_dim" in err.value.details and "too large to send by value" in err.value.details
+        parts = client.call("vllm.distributed.split_tensor_along_last_dim", torch.arange(8).reshape(1, 8), 4)
+        assert [p.tolist() for p in parts] == [[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]]
