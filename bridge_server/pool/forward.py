@@ -199,7 +199,8 @@ class Forwarder:
             lane = backend.lane
             try:
                 try:
-                    lc = lane.start(request, md, timeout_s=time_left(route), identity=identity)
+                    lc = lane.start(request, md, timeout_s=time_left(route), identity=identity,
+                                    client=identity or client_of(identity, context))
                     flight.call = lc
                     if lane.framed.paused:
                         await lane.drain()
@@ -288,7 +289,7 @@ class Forwarder:
         try:
             try:
                 lc = lane.start(request, md, stream=True, window=STREAM_WINDOW, timeout_s=time_left(route),
-                                identity=identity)
+                                identity=identity, client=caller)
                 flight.call = lc
                 lc.on_stalled = end
                 index = taken = 0

@@ -21,7 +21,7 @@ from typing import Any
 
 from bridge_server.wire.errors import BridgeError
 from bridge_server.wire.framing import Framed, LaneClosed
-from bridge_server.wire.protocol import CACHED_METADATA_BYTES, MD_IDENTITY, ROUTER_ONLY_KEYS, metadata_bytes
+from bridge_server.wire.protocol import CACHED_METADATA_BYTES, MD_CLIENT, MD_IDENTITY, ROUTER_ONLY_KEYS, metadata_bytes
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["ITEMS", "Lane", "LaneCall", "LaneClosed", "STREAM_WINDOW", "open_lane"]
@@ -34,18 +34,20 @@ ITEMS = frozenset({"value", "patch"})   # the event kinds that carry a stream's 
 # options. A parser merges repeated occurrences of a message field, so the parts concatenated read
 # as one `MuxRequest`, and the options part, which callers repeat call after call, is encoded once
 # per distinct set instead of once per call.
-def _options_part(metadata: tuple[tuple[str, str | bytes], ...], identity: str) -> bytes:
+def _options_part(metadata: tuple[tuple[str, str | bytes], ...], identity: str, client: str = "") -> bytes:
     if metadata_bytes(metadata) > CACHED_METADATA_BYTES:   # rare and large: not worth remembering
-        return _encode_options(metadata, identity)
-    return _cached_options(metadata, identity)
+        return _encode_options(metadata, identity, client)
+    return _cached_options(metadata, identity, client)
 
 
-def _encode_options(metadata: tuple[tuple[str, str | bytes], ...], identity: str) -> bytes:
+def _encode_options(metadata: tuple[tuple[str, str | bytes], ...], identity: str, client: str = "") -> bytes:
     """A call's options for the worker: its x-bridge-* metadata, but for the keys only the pool
-    server may set, and the client's identity, which the worker takes from nobody else."""
+    server may set, and the client's identity and queue key, which the worker takes from nobody else."""
     options = {k: v for k, v in metadata if k.startswith("x-bridge-") and isinstance(v, str) and k not in ROUTER_ONLY_KEYS}
     if identity:
         options[MD_IDENTITY] = identity
+    if client and client != identity:
+        options[MD_CLIENT] = client
     part: bytes = pb.MuxRequestView(start=pb.MuxStartView(metadata=options)).SerializeToString()
     return part
 
@@ -163,7 +165,7 @@ class Lane:
 
     def start(self, call: bytes, metadata: Iterable[tuple[str, str | bytes]], stream: bool = False, window: int = 0,
               timeout_s: float | None = None, on_event: Callable[[Any], None] | None = None,
-              on_lost: Callable[[str], None] | None = None, identity: str = "") -> LaneCall:
+              on_lost: Callable[[str], None] | None = None, identity: str = "", client: str = "") -> LaneCall:
         """Starts a call (a serialized CallRequest) with Call's or Stream's semantics. `metadata` is
         the caller's (only its x-bridge-* options go on); `timeout_s` the time the call has left."""
         self._next_id += 1
@@ -172,7 +174,8 @@ class Lane:
         head = pb.MuxRequestView(start=pb.MuxStartView(id=lc.id, call=call, stream=stream, window=window,
                                                        time_left_ms=0 if timeout_s is None else timeout_s * 1000))
         self.framed.send(head.SerializeToString(),
-                         _options_part(metadata if isinstance(metadata, tuple) else tuple(metadata or ()), identity))
+                         _options_part(metadata if isinstance(metadata, tuple) else tuple(metadata or ()), identity,
+                                       client))
         self.calls[lc.id] = lc
         return lc
 

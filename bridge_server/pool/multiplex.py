@@ -253,7 +253,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         try:
             window = (STREAM_WINDOW if own_window else start.window) if start.stream else 0
             run.lc = backend.lane.start(start.call, md, stream=start.stream, window=window,
-                                        timeout_s=time_left(route), identity=identity,
+                                        timeout_s=time_left(route), identity=identity, client=caller,
                                         on_event=functools.partial(on_event, run),
                                         on_lost=functools.partial(on_lost, run))
             run.lc.on_stalled = functools.partial(stalled, run)

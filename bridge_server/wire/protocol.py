@@ -41,8 +41,11 @@ MD_WORKER_REFS = "x-bridge-worker-refs"
 MD_COLLECTIVE = "x-bridge-collective"
 # Set by the pool server on what it sends its workers: the identity of the client it serves.
 MD_IDENTITY = "x-bridge-identity"
+# Set by the pool server: the client as its queue tells clients apart (the identity, else the
+# connection), for what a worker shares out fairly between callers (turns of costly results).
+MD_CLIENT = "x-bridge-client"
 # Keys only the pool server sets, on what it sends its workers: it drops them from what clients send.
-ROUTER_ONLY_KEYS = frozenset({MD_COLLECTIVE, MD_IDENTITY})
+ROUTER_ONLY_KEYS = frozenset({MD_COLLECTIVE, MD_IDENTITY, MD_CLIENT})
 
 DEFAULT_SESSION = "default"
 
@@ -224,6 +227,7 @@ class RuntimeOptions:
     session_sent: bool = False               # the caller named a session (else it is DEFAULT_SESSION)
     collective: bool = False                 # one rank's share of a Collective (set by the pool server)
     identity: str = ""                       # the client the pool server serves (set by the pool server)
+    client: str = ""                         # the same client as the pool server's queue knows it (set by it)
     # How stream items travel: sent as the caller's list of preferences; parsed, the first name this
     # side knows (None: not asked for, which means STREAM_FULL).
     stream_encoding: str | None = None
@@ -326,6 +330,7 @@ def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
         session_sent=MD_SESSION in md,
         collective=get(MD_COLLECTIVE) == "1",
         identity=get(MD_IDENTITY) or "",
+        client=get(MD_CLIENT) or "",
         stream_encoding=None if encodings is None else stream_encoding(encodings),
         stream_tee=get(MD_STREAM_TEE) in ("1", "true"),
     )

@@ -39,6 +39,7 @@ from bridge_server.wire.protocol import (
 )
 from bridge_server.worker.deadlines import resolve_deadlines, with_deadline
 from bridge_server.worker.invoke import Caller, Invoker
+from bridge_server.worker.turns import TURN_REQUEST_BYTES
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["MuxSession", "Outbox", "multiplex"]
@@ -162,22 +163,22 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def caller_of(opts: RuntimeOptions, identity: str | None) -> Caller:
+def caller_of(opts: RuntimeOptions, identity: str | None, peer: str = "") -> Caller:
     """Whom a call is for. `identity` None: the peer is our pool server (over the lane), which names
-    the client and marks a Collective's share in the call's options; else the RPC's own caller, whose
-    options cannot claim either."""
+    the client (and its connection) and marks a Collective's share in the call's options; else the
+    RPC's own caller (on connection `peer`), whose options cannot claim any of it."""
     if identity is None:
-        return Caller(opts.identity, opts.session_id, opts.collective)
-    return Caller(identity, opts.session_id, False)
+        return Caller(opts.identity, opts.session_id, opts.collective, opts.client or opts.identity)
+    return Caller(identity, opts.session_id, False, identity or peer)
 
 
 async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[str, str | bytes]],
-               rpc_remaining: Callable[[], float | None], out: Outbox, identity: str | None) -> None:
+               rpc_remaining: Callable[[], float | None], out: Outbox, identity: str | None, peer: str = "") -> None:
     """One call, start to last event. Never raises: every outcome becomes an event for its id."""
     label = target_label(start.call.target)
     try:
         opts = parse_metadata((*defaults, *start.metadata.items()))
-        caller = caller_of(opts, identity)
+        caller = caller_of(opts, identity, peer)
         plan = invoker.plan(start.call.target, caller)
         limits = [t for t in (rpc_remaining(), time_left_s(start.time_left_ms)) if t is not None]  # the option too, in there
         deadlines = resolve_deadlines(opts, min(limits) if limits else None, plan.profile)
@@ -218,9 +219,10 @@ class MuxSession:
 
     def __init__(self, invoker: Invoker, defaults: Sequence[tuple[str, str | bytes]],
                  rpc_remaining: Callable[[], float | None], out: Outbox, identity: str | None = "",
-                 max_request_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_request_bytes: int = MAX_MESSAGE_BYTES, peer: str = "") -> None:
         self.invoker = invoker
         self.identity = identity            # None: the peer is our pool server (see caller_of)
+        self.peer = peer                    # the RPC's connection
         self.max_request_bytes = max_request_bytes
         self.defaults = tuple(defaults)
         self.rpc_remaining = rpc_remaining
@@ -296,7 +298,7 @@ class MuxSession:
             if start.window:
                 out.credit[start.id] = start.window
             task = asyncio.create_task(_run(self.invoker, start, self.defaults, self.rpc_remaining, out,
-                                            self.identity))
+                                            self.identity, self.peer))
             self.running[start.id] = task
             self.idle.clear()
             task.add_done_callback(functools.partial(self._finished, start.id))
@@ -321,12 +323,12 @@ class MuxSession:
             plan = self.invoker.plan(target)
         except Exception:          # noqa: BLE001 - `_run` reports it, after any error in the options, as always
             return False
-        if not self.invoker.immediate(plan):
-            return False
+        if not self.invoker.immediate(plan) or start.call.ByteSize() >= TURN_REQUEST_BYTES:
+            return False      # (a large request is decoded in its turn, which only a task can wait for)
         try:
             opts = parse_metadata((*self.defaults, *start.metadata.items()))
             time_left_s(start.time_left_ms)   # checked as `_run` does; a trivial helper is never pre-empted
-            value = self.invoker.call_now(start.call, caller_of(opts, self.identity), plan)
+            value = self.invoker.call_now(start.call, caller_of(opts, self.identity, self.peer), plan)
         except Exception as exc:
             out.add(start.id).error.CopyFrom(server_error(exc, target_label(target)).to_mux_error())
             return True
@@ -356,11 +358,12 @@ class MuxSession:
 async def multiplex(invoker: Invoker, requests: AsyncIterator[bytes],
                     defaults: Sequence[tuple[str, str | bytes]],
                     rpc_remaining: Callable[[], float | None], identity: str | None,
-                    max_request_bytes: int = MAX_MESSAGE_BYTES) -> AsyncIterator[bytes]:
+                    max_request_bytes: int = MAX_MESSAGE_BYTES, peer: str = "") -> AsyncIterator[bytes]:
     """Serves one Multiplex RPC until the client has half-closed and every call has ended.
-    `defaults` are the RPC's metadata, `rpc_remaining` its deadline, `identity` its caller's."""
+    `defaults` are the RPC's metadata, `rpc_remaining` its deadline, `identity` its caller's, on
+    connection `peer`."""
     out = Outbox()
-    session = MuxSession(invoker, defaults, rpc_remaining, out, identity, max_request_bytes)
+    session = MuxSession(invoker, defaults, rpc_remaining, out, identity, max_request_bytes, peer)
     refs = invoker.refs
     # Set while no reply waits for gRPC to take it. A client that does not read blocks the write
     # (flow control); the results of calls it starts meanwhile would pile up in the outbox, unbounded,

@@ -123,7 +123,10 @@ class BridgeService:
         return self.security.identity(context, context.invocation_metadata() if self.trusted else ())
 
     def _caller(self, context: grpc.aio.ServicerContext, opts: RuntimeOptions) -> Caller:
-        return Caller(self._identity(context), opts.session_id, opts.collective and self.trusted)
+        identity = self._identity(context)
+        if self.trusted:     # a pool server's own call (a Collective's share): it names the client
+            return Caller(identity, opts.session_id, opts.collective, opts.client or identity)
+        return Caller(identity, opts.session_id, False, identity or context.peer() or "")
 
     def _read(self, cls: type[M], raw: bytes, rpc: str) -> M:
         return parse_request(cls, raw, rpc, self.max_request_bytes)
@@ -197,7 +200,8 @@ class BridgeService:
         try:
             identity = None if self.trusted else self._identity(context)
             async for reply in multiplex(self.invoker, requests, tuple(context.invocation_metadata() or ()),
-                                         context.time_remaining, identity, self.max_request_bytes):
+                                         context.time_remaining, identity, self.max_request_bytes,
+                                         context.peer() or ""):
                 yield reply
             self._refs_trailer(context)
         except Exception as exc:

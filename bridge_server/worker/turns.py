@@ -13,7 +13,8 @@ server has no authentication): one caller's queue of large results does not hold
 A caller's deadline bounds its wait. Results under the bound never wait: nearly every call. A turn
 is bounded too: a result past MAX_RESULT_WORK is refused (RESOURCE_EXHAUSTED, "result too large"),
 as a request past max_prompt_chars items is, or one turn could hold the loop for as long as it takes
-(3 million tensor views held it 26 s).
+(3 million tensor views held it 26 s). Requests of TURN_REQUEST_BYTES or more are decoded in turns
+as well: decoding a value costs what encoding it does.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import asyncio
 import collections
 import time
 
-__all__ = ["MAX_RESULT_WORK", "REST_FACTOR", "WORK_LIMIT", "Turns"]
+__all__ = ["MAX_RESULT_WORK", "REST_FACTOR", "TURN_REQUEST_BYTES", "WORK_LIMIT", "Turns"]
 
 WORK_LIMIT = 8192       # items encoded inline at most (~1-3 ms of the loop); past it, a result waits its turn
 MAX_RESULT_WORK = 1 << 20   # items one turn encodes at most (~0.3 s): a larger result is refused, not sent
+TURN_REQUEST_BYTES = 256 << 10   # a request this large is decoded in its turn too
 REST_FACTOR = 3.0       # after a turn, the loop is left to everything else for this many times its length
 
 

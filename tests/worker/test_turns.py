@@ -139,3 +139,77 @@ def test_a_result_too_large_for_one_turn_is_refused_and_the_worker_serves_on(wor
         assert "split_tensor_along_last_dim" in err.value.details and "too large to send by value" in err.value.details
         parts = client.call("vllm.distributed.split_tensor_along_last_dim", torch.arange(8).reshape(1, 8), 4)
         assert [p.tolist() for p in parts] == [[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]]
+
+
+def test_turns_go_by_connection_not_by_the_session_a_caller_names(worker: WorkerProcess) -> None:
+    """Turns went round sessions, which a caller names as it likes: a stranger's twelve large results
+    under twelve session names came before another caller's one. They go round connections now."""
+    import torch
+
+    from bridge_server.client.client import BridgeClient, Target
+
+    sizes = [2**40 + i for i in range(400_000)]
+    with BridgeClient(worker.address) as client:
+        dp = client.call(f"{FC}.DPMetadata", torch.tensor(7), torch.tensor([7]), sizes)
+        get = client.request(Target.get(dp, "local_sizes"), (), None)[0].SerializeToString()
+        # Each channel its own connection (gRPC would share one between channels of the same target).
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.use_local_subchannel_pool", 1)]
+
+        async def run() -> tuple[int, int]:
+            async with grpc.aio.insecure_channel(worker.address, options=options) as stranger, \
+                    grpc.aio.insecure_channel(worker.address, options=options) as other:
+                done: list[int] = []
+
+                async def heavy(channel: grpc.aio.Channel, session: str, tag: int) -> None:
+                    await channel.unary_unary("/vllm_bridge.v1.Bridge/Call")(
+                        get, timeout=60, metadata=(("x-bridge-session", session),))
+                    done.append(tag)
+
+                loop = asyncio.get_running_loop()
+                tasks = [loop.create_task(heavy(stranger, f"s{i}", i)) for i in range(12)]
+                while not done:
+                    await asyncio.sleep(0.001)
+                await heavy(other, "default", -1)
+                before = done.index(-1)
+                await asyncio.gather(*tasks)
+                return before, len(done)
+
+        before, total = asyncio.run(run())
+        assert total == 13 and before <= 3, f"{before} of the stranger's 12 results went first"
+        client.release(dp)
+
+
+def test_large_requests_are_decoded_in_turns(worker: WorkerProcess) -> None:
+    """Decoding a request costs the loop what encoding a result does: eight requests of a million
+    strings held it 6.7 s, with every other call behind them. A small call made after the first of
+    eight large ones is answered before most of them."""
+    from bridge_server.client.client import BridgeClient
+
+    with BridgeClient(worker.address) as client:
+        big = client.request("vllm.distributed.divide", (["x"] * 300_000, 1), None)[0].SerializeToString()
+        small = client.request("vllm.distributed.divide", (6, 3), None)[0].SerializeToString()
+
+    async def run() -> tuple[int, list[grpc.StatusCode]]:
+        async with grpc.aio.insecure_channel(worker.address, options=[
+                ("grpc.max_send_message_length", 64 << 20)]) as channel:
+            call = channel.unary_unary("/vllm_bridge.v1.Bridge/Call")
+            done: list[grpc.StatusCode] = []
+
+            async def heavy() -> None:
+                try:
+                    await call(big, timeout=60)
+                    done.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as err:
+                    done.append(err.code())
+
+            tasks = [asyncio.get_running_loop().create_task(heavy()) for _ in range(8)]
+            while not done:
+                await asyncio.sleep(0.001)
+            assert pb.CallReply.FromString(await call(small, timeout=60)).value.int == 2
+            before = len(done)
+            await asyncio.gather(*tasks)
+            return before, done
+
+    before, done = asyncio.run(run())
+    assert before <= 3, f"{before} of 8 large requests went before a small call made after the first"
+    assert done == [grpc.StatusCode.INVALID_ARGUMENT] * 8       # divide takes numbers: refused once decoded
