@@ -15,8 +15,10 @@ smaller ones are one per call at most), and `max_unread_bytes` bounds them:
   each caller still gets its share.
 - Shares are taken in two steps, so that more connections buy no more of the server: the limit is
   shared between the hosts holding anything (or identities, where the server authenticates), and a
-  host's share between its connections. A stranger's many connections from one host then hold at
-  most one host's share past the limit, and a caller on another host always has its own.
+  host's share between its connections. A host's connections together may pass its share by half
+  (HOST_SLACK), so that a connection beside one that hoards on the same host still gets its own
+  share. A stranger's many connections from one host then hold at most 1.5 host shares past the
+  limit, and a caller on another host always has room within twice the limit.
 - Past the limit, a caller holding more than its share gets no new call until it reads.
 - Streams that are not being read (a write blocked for BLOCKED_S) are ended, those of the caller
   holding the most first, which frees what they queued; a stream whose writes go out is never
@@ -45,6 +47,7 @@ log = logging.getLogger("vllm_bridge.router")
 
 DEFAULT_MAX_UNREAD_BYTES = 1 << 30
 BLOCKED_S = 0.5     # a stream whose write has waited this long for its caller is not being read
+HOST_SLACK = 1.5    # what a host's connections may hold together past the limit, in host shares
 
 
 def host_of(caller: str) -> str:
@@ -127,7 +130,8 @@ class Backlog:
         if self.total + n <= self.limit:
             return True
         host = host_of(caller)
-        return (self.total + n <= 2 * self.limit and self.by_host.get(host, 0) + n <= self._host_share(host)
+        return (self.total + n <= 2 * self.limit
+                and self.by_host.get(host, 0) + n <= HOST_SLACK * self._host_share(host)
                 and self.by_caller.get(caller, 0) + n <= self._share(caller))
 
     def _host_share(self, host: str) -> int:

@@ -158,3 +158,16 @@ def test_the_host_of_a_caller_is_its_peer_address_less_the_port() -> None:
     assert host_of("ipv4:127.0.0.1:5000") == host_of("ipv4:127.0.0.1:6000 multiplex 3") == "ipv4:127.0.0.1"
     assert host_of("ipv6:[::1]:5000") == "ipv6:[::1]"
     assert host_of("unix:/tmp/x.sock") == "unix:/tmp/x.sock" and host_of("alice") == "alice"
+
+
+def test_a_connection_beside_one_that_hoards_on_the_same_host_gets_its_own_share() -> None:
+    backlog = Backlog(limit=48 * MB)
+    for _ in range(6):
+        reply(backlog, "ipv4:10.0.0.5:4000", 7 * MB)        # 42 MB, all of one connection
+    with pytest.raises(BridgeError):
+        reply(backlog, "ipv4:10.0.0.5:4000", 7 * MB)        # past the limit and past its share
+    for _ in range(3):                                      # the host's share over 2 connections: 24 MB
+        reply(backlog, "ipv4:10.0.0.5:4001", 7 * MB)
+    with pytest.raises(BridgeError):
+        reply(backlog, "ipv4:10.0.0.5:4001", 7 * MB)
+    assert backlog.by_host == {"ipv4:10.0.0.5": 63 * MB}    # within 1.5 host shares (72 MB)
