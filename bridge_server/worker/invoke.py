@@ -58,7 +58,14 @@ from bridge_server.worker.catalog import Catalog, Entry, Kind
 from bridge_server.worker.deadlines import Deadlines, with_deadline
 from bridge_server.worker.refs import RefRegistry
 from bridge_server.worker.streams import Pace, PutItem, Tee, item_writer, iterable, iterate, lazily
-from bridge_server.worker.turns import MAX_RESULT_WORK, TURN_REQUEST_BYTES, WORK_LIMIT, Turns
+from bridge_server.worker.turns import (
+    MAX_RESULT_WORK,
+    SEND_S_PER_BYTE,
+    TURN_REQUEST_BYTES,
+    TURN_RESULT_BYTES,
+    WORK_LIMIT,
+    Turns,
+)
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 _PROTOCOL_METHODS = frozenset({"__enter__", "__exit__", "__aenter__", "__aexit__"})   # context managers
@@ -432,10 +439,11 @@ class Invoker:
                        growing_fields=self.catalog.record_growing, work_limit=work_limit)
 
     def encode_result(self, plan: Plan, result: Any, caller: Caller, out: pb.Value | None = None,
-                      work_limit: int | None = None) -> pb.Value:
-        """The result as a Value (filled into `out` if given). Past `work_limit`: TooCostly, with
-        nothing of the result left behind (`out` cleared, no ref minted)."""
-        minted: list[str] = []
+                      work_limit: int | None = None, minted: list[str] | None = None) -> pb.Value:
+        """The result as a Value (filled into `out` if given; the refs it mints listed in `minted`).
+        Past `work_limit`: TooCostly, with nothing of the result left behind (`out` cleared, no ref
+        minted)."""
+        minted = [] if minted is None else minted
         enc = self.encoder(caller, plan.exclusive, minted=minted, work_limit=work_limit)
         if plan.entry is not None and plan.entry.doc is not None:
             result = _as_documented(plan.entry.doc.returns, result)
@@ -455,21 +463,39 @@ class Invoker:
         """encode_result for a call's result, which waits for its turn once it costs more than a
         bound (`turns.py`): the loop that encodes it serves every other call and stream too."""
         out = pb.Value() if out is None else out
+        minted: list[str] = []
         try:
-            return self.encode_result(plan, result, caller, out, WORK_LIMIT)
+            self.encode_result(plan, result, caller, out, WORK_LIMIT, minted)
         except TooCostly:
             pass
+        else:
+            size = out.ByteSize()
+            if size < TURN_RESULT_BYTES:
+                return out
+            # Cheap to encode (text, bytes and tensors are copied whole) but not to send: each byte is
+            # copied again on its way out, on this loop. Its turn counts what that costs.
+            try:
+                await with_deadline(self.turns.acquire(caller.client or caller.identity), deadline, plan.label,
+                                    "waiting for its turn to send a large result")
+            except BaseException:
+                self.refs.release(minted)
+                raise
+            self.turns.release(at_least_s=size * SEND_S_PER_BYTE)
+            return out
         await with_deadline(self.turns.acquire(caller.client or caller.identity), deadline, plan.label,
                             "waiting for its turn to encode a large result")
+        sent = 0.0
         try:
-            return self.encode_result(plan, result, caller, out, MAX_RESULT_WORK)
+            self.encode_result(plan, result, caller, out, MAX_RESULT_WORK)
+            sent = out.ByteSize() * SEND_S_PER_BYTE
+            return out
         except TooCostly:
             raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
                               f"{plan.label}: its result is too large to send by value (over {MAX_RESULT_WORK:,} "
                               f"items, or the bytes of as many): one turn of the worker's event loop encodes it, "
                               f"while every other call waits", target=plan.label, reason="result too large") from None
         finally:
-            self.turns.release()
+            self.turns.release(at_least_s=sent)
 
     def _context(self, plan: Plan, caller: Caller) -> CallContext:
         return CallContext(self.policy, caller.identity, plan.published, self.catalog.names, self.world_size)

@@ -14,7 +14,9 @@ A caller's deadline bounds its wait. Results under the bound never wait: nearly 
 is bounded too: a result past MAX_RESULT_WORK is refused (RESOURCE_EXHAUSTED, "result too large"),
 as a request past max_prompt_chars items is, or one turn could hold the loop for as long as it takes
 (3 million tensor views held it 26 s). Requests of TURN_REQUEST_BYTES or more are decoded in turns
-as well: decoding a value costs what encoding it does.
+as well: decoding a value costs what encoding it does. And results of TURN_RESULT_BYTES or more are
+sent in turns, however little they cost to encode: text, bytes and tensors are copied whole, but
+every byte is copied again on its way out (sixty 16 MB results of text held the loop 9 s).
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ import asyncio
 import collections
 import time
 
-__all__ = ["MAX_RESULT_WORK", "REST_FACTOR", "TURN_REQUEST_BYTES", "WORK_LIMIT", "Turns"]
+__all__ = ["MAX_RESULT_WORK", "REST_FACTOR", "SEND_S_PER_BYTE", "TURN_REQUEST_BYTES", "TURN_RESULT_BYTES",
+           "WORK_LIMIT", "Turns"]
 
 WORK_LIMIT = 8192       # items encoded inline at most (~1-3 ms of the loop); past it, a result waits its turn
 MAX_RESULT_WORK = 1 << 20   # items one turn encodes at most (~0.3 s): a larger result is refused, not sent
 TURN_REQUEST_BYTES = 256 << 10   # a request this large is decoded in its turn too
+TURN_RESULT_BYTES = 1 << 20      # a result this large is sent in its turn, however cheap it was to encode
+SEND_S_PER_BYTE = 2e-9           # what sending a result's byte costs the loop (copies), as a turn counts it
 REST_FACTOR = 3.0       # after a turn, the loop is left to everything else for this many times its length
 
 
@@ -68,10 +73,12 @@ class Turns:
             raise
         self._started = time.monotonic()
 
-    def release(self) -> None:
+    def release(self, at_least_s: float = 0.0) -> None:
+        """Ends the turn, which counts as lasting `at_least_s` if it was shorter (work it set going
+        that comes after it: sending a result's bytes)."""
         now = time.monotonic()
         self._busy = False
-        self._free_at = now + (now - self._started) * self.rest_factor
+        self._free_at = now + max(now - self._started, at_least_s) * self.rest_factor
         self._schedule()
 
     def _take(self) -> None:

@@ -213,3 +213,39 @@ def test_large_requests_are_decoded_in_turns(worker: WorkerProcess) -> None:
     before, done = asyncio.run(run())
     assert before <= 3, f"{before} of 8 large requests went before a small call made after the first"
     assert done == [grpc.StatusCode.INVALID_ARGUMENT] * 8       # divide takes numbers: refused once decoded
+
+
+def test_results_cheap_to_encode_but_large_to_send_take_turns_too(worker: WorkerProcess) -> None:
+    """Text is encoded by a copy, so a few strings of a megabyte passed the bound of items unseen;
+    sending each byte costs the loop again: sixty such results held it 9 s."""
+    from bridge_server.client.client import BridgeClient, Target
+
+    layers = {f"k{i}": "a" * 999_000 for i in range(8)}            # 8 MB of text
+    with BridgeClient(worker.address) as client:
+        context = client.call(f"{FC}.ForwardContext", kwargs={"no_compile_layers": layers, "attn_metadata": {},
+                                                             "virtual_engine": 0})
+        get = client.request(Target.get(context, "no_compile_layers"), (), None)[0].SerializeToString()
+        small = client.request("vllm.distributed.divide", (6, 3), None)[0].SerializeToString()
+
+        async def run() -> tuple[int, list[bytes]]:
+            async with grpc.aio.insecure_channel(worker.address, options=[
+                    ("grpc.max_receive_message_length", 64 << 20)]) as channel:
+                call = channel.unary_unary("/vllm_bridge.v1.Bridge/Call")
+                done: list[bytes] = []
+
+                async def heavy() -> None:
+                    done.append(await call(get, timeout=60))
+
+                tasks = [asyncio.get_running_loop().create_task(heavy()) for _ in range(12)]
+                while not done:
+                    await asyncio.sleep(0.001)
+                assert pb.CallReply.FromString(await call(small, timeout=60)).value.int == 2
+                before = len(done)
+                await asyncio.gather(*tasks)
+                return before, done
+
+        before, done = asyncio.run(run())
+        assert before <= 4, f"{before} of 12 large results went before a small call made after the first"
+        got = pb.CallReply.FromString(done[-1]).value.map.entries
+        assert {e.key.str: len(e.value.str) for e in got} == {k: 999_000 for k in layers}
+        client.release(context)
