@@ -36,7 +36,7 @@ def _plain_numbers(receiver: object, args: Mapping[str, object], ctx: CallContex
         value = args.get(key)
         if type(value) not in (int, float):
             raise BridgeError(grpc.StatusCode.INVALID_ARGUMENT, "validation",
-                              f"vllm.distributed: parameter {key}: expected a number (int or float), got "
+                              f"parameter {key}: expected a number (int or float), got "
                               f"{type(value).__name__}", parameter=key, reason="type")
 
 
@@ -47,11 +47,11 @@ def _bounded_stages(receiver: object, args: Mapping[str, object], ctx: CallConte
     size, rank = args.get("pp_size"), args.get("pp_rank")
     if type(size) is int and not 0 < size <= MAX_PP_SIZE:
         raise BridgeError(grpc.StatusCode.INVALID_ARGUMENT, "validation",
-                          f"vllm.distributed.get_pp_indices: parameter pp_size: {size:,} pipeline stages, expected "
+                          f"parameter pp_size: {size:,} pipeline stages, expected "
                           f"1 to {MAX_PP_SIZE:,}", parameter="pp_size", reason="out of range")
     if type(size) is int and type(rank) is int and not 0 <= rank < size:
         raise BridgeError(grpc.StatusCode.INVALID_ARGUMENT, "validation",
-                          f"vllm.distributed.get_pp_indices: parameter pp_rank: {rank:,} is not a stage of "
+                          f"parameter pp_rank: {rank:,} is not a stage of "
                           f"{size:,} (0 to {size - 1:,})", parameter="pp_rank", reason="out of range")
 
 
@@ -91,7 +91,7 @@ def _rendezvous(receiver: object, args: Mapping[str, object], ctx: CallContext) 
         scheme = parts.scheme.lower() if parts is not None else ""
         if scheme not in ("tcp", "env"):
             raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
-                              f"vllm.distributed: parameter distributed_init_method: {quote(method)} is not tcp://HOST:PORT "
+                              f"parameter distributed_init_method: {quote(method)} is not tcp://HOST:PORT "
                               f"(at an allowed host) or env://", parameter="distributed_init_method",
                               reason="init method not allowed")
         if scheme == "tcp":
@@ -104,7 +104,7 @@ def _rendezvous(receiver: object, args: Mapping[str, object], ctx: CallContext) 
         # Its other ranks would have to come from elsewhere: the call waits for them in a thread
         # that no deadline can take back (torch waits 30 minutes), the exclusive lane with it.
         raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
-                          f"vllm.distributed: parameter world_size: a process group of {size:,} ranks, where this "
+                          f"parameter world_size: a process group of {size:,} ranks, where this "
                           f"pool has {ctx.world_size} and lets {ctx.policy.outside_ranks} join from elsewhere (pool "
                           f"config key outside_ranks; a distributed pool has as many ranks as its workers)",
                           parameter="world_size", reason="no such ranks")
@@ -113,7 +113,7 @@ def _rendezvous(receiver: object, args: Mapping[str, object], ctx: CallContext) 
 def _allowed_host(key: str, host: object, hosts: frozenset[str]) -> None:
     if not isinstance(host, str) or host.lower() not in {h.lower() for h in hosts}:
         raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
-                          f"vllm.distributed: parameter {key}: host {quote(host)} is not one this server lets "
+                          f"parameter {key}: host {quote(host)} is not one this server lets "
                           f"process groups meet at ({', '.join(sorted(hosts))}; pool config key rendezvous_hosts)",
                           parameter=key, reason="host not allowed")
 

@@ -26,7 +26,7 @@ def _bounded_sp(receiver: object, args: Mapping[str, object], ctx: CallContext) 
     tokens = args.get("num_tokens_across_dp_cpu", getattr(receiver, "num_tokens_across_dp_cpu", None))
     numel = getattr(tokens, "numel", None)
     if type(sp) is int and callable(numel) and max(sp, 1) * numel() > MAX_SP_TOKENS:
-        label = f"{MODULE}: parameter {key}"
+        label = f"parameter {key}"
         raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
                           f"{label}: {sp:,} slots for each of {numel():,} ranks is over this server's limit of "
                           f"{MAX_SP_TOKENS:,} entries", parameter=key, reason="too large")

@@ -507,8 +507,11 @@ class Invoker:
             raise _not_operator(plan)
         args, kwargs = self.bind(plan, args, kwargs)
         if plan.entry is not None and plan.entry.guard is not None:
-            await _maybe_await(plan.entry.guard(plan.receiver, _bound_map(plan, args, kwargs),
-                                                self._context(plan, caller)))
+            try:
+                await _maybe_await(plan.entry.guard(plan.receiver, _bound_map(plan, args, kwargs),
+                                                    self._context(plan, caller)))
+            except BridgeError as exc:
+                raise _naming(exc, plan.label)
         return args, kwargs
 
     async def run_checked(self, plan: Plan, args: list[Any], kwargs: dict[str, Any], deadline: float | None) -> Any:
@@ -597,7 +600,10 @@ class Invoker:
         args, kwargs = self.bind(plan, *self.decode(request, caller, plan.label))
         assert plan.fn is not None
         if plan.entry is not None and plan.entry.guard is not None:     # a plain function (see `immediate`)
-            refused = plan.entry.guard(plan.receiver, _bound_map(plan, args, kwargs), self._context(plan, caller))
+            try:
+                refused = plan.entry.guard(plan.receiver, _bound_map(plan, args, kwargs), self._context(plan, caller))
+            except BridgeError as exc:
+                raise _naming(exc, plan.label)
             if inspect.iscoroutine(refused):     # a plain function that returned a coroutine after all
                 refused.close()
                 raise BridgeError(grpc.StatusCode.INTERNAL, "python", f"{plan.label}: its guard is not a plain "
@@ -700,6 +706,16 @@ def _declared_fields(cls: type) -> frozenset[str]:
     else:
         names = ()
     return frozenset(n for n in names if not n.startswith("_"))
+
+
+def _naming(exc: BridgeError, label: str) -> BridgeError:
+    """A guard's refusal, naming the call it refused (a guard may serve several entries)."""
+    if not exc.target:
+        exc.target = label
+        if not exc.message.startswith(label):
+            exc.message = f"{label}: {exc.message}"
+            exc.args = (exc.message,)
+    return exc
 
 
 async def _maybe_await(value: Any) -> None:
