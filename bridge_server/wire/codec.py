@@ -230,24 +230,36 @@ class Encoder:
     # its new items are encoded, while it is still the same list; a patch sender compares only them.
     growing_fields: Mapping[type, frozenset[str]] = dataclasses.field(default_factory=dict)
     # The most work one `encode` may do, counted in items (a container's items, a record's fields;
-    # packed ints at an eighth each, they cost that much less; a tensor, or a result of text or
-    # bytes, one per 512 bytes) before it stops with `TooCostly`.
+    # packed ints at an eighth each, they cost that much less; tensors, text and bytes one per 128
+    # bytes) before it stops with `TooCostly`.
     # None: no bound. A worker encodes every result on its one event loop, and a 100-byte request
     # can ask for megabytes: a result past the bound is encoded again when its turn comes
     # (`worker/turns.py`), so no caller's large results hold the loop that serves everyone.
     work_limit: int | None = None
     _work: list[int] = dataclasses.field(default_factory=lambda: [0], repr=False)
+    # How each scalar type is put: with a work limit, text and bytes count one item per 128 bytes
+    # (a copy, but every byte is copied again on its way out).
+    _scalars: Mapping[type, Callable[[Any, pb.Value], None]] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        scalars = _SCALARS
+        if self.work_limit is not None:
+            def by_size(put: Callable[[Any, pb.Value], None]) -> Callable[[Any, pb.Value], None]:
+                def put_counted(obj: Any, out: pb.Value) -> None:
+                    self._charge(len(obj) >> 7)
+                    put(obj, out)
+                return put_counted
+            scalars = {**_SCALARS, str: by_size(_SCALARS[str]), bytes: by_size(_SCALARS[bytes])}
+        object.__setattr__(self, "_scalars", scalars)
 
     def encode(self, obj: object) -> pb.Value:
         return self.encode_into(obj, pb.Value())
 
     def encode_into(self, obj: object, out: pb.Value) -> pb.Value:
         """Fills `out` (e.g. the value field of a reply being built), saving a copy of the tree."""
-        put = _SCALARS.get(type(obj))
+        put = self._scalars.get(type(obj))
         self._work[0] = 0
         if put is not None:
-            if self.work_limit is not None and isinstance(obj, (str, bytes)):
-                self._charge(len(obj) >> 9)      # text and bytes by the 512 bytes, like a tensor
             put(obj, out)
         else:
             self._fill(obj, out, 0, set())
@@ -280,7 +292,7 @@ class Encoder:
 
     def _fill(self, obj: Any, out: pb.Value, depth: int, active: set[int]) -> None:
         cls = type(obj)
-        put = _SCALARS.get(cls)
+        put = self._scalars.get(cls)
         if put is not None:
             return put(obj, out)
         kind, fields = _CONTAINERS.get(cls), None
@@ -313,7 +325,7 @@ class Encoder:
             return self._ref(obj, out)
         active.add(id(obj))
         depth += 1
-        scalars = _SCALARS
+        scalars = self._scalars
         if fields is not None:
             record = out.record
             record.type_name = _type_name_of(cls)
@@ -346,7 +358,7 @@ class Encoder:
 
     def _fill_items(self, items: Any, add: Callable[[], pb.Value], depth: int, active: set[int]) -> None:
         """A list's or tuple's items, at their own depth (their container's id in `active`)."""
-        scalars = _SCALARS
+        scalars = self._scalars
         for item in items:
             put = scalars.get(type(item))  # the scalar case inlined: most items are scalars
             if put is not None:
@@ -425,7 +437,7 @@ class Encoder:
                 or t.nbytes > self.tensor_max_bytes):
             return self._ref(t, out)
         if self.work_limit is not None:
-            self._charge(1 + (t.nbytes >> 9))    # its bytes are copied four times on their way out
+            self._charge(1 + (t.nbytes >> 7))    # its bytes are copied four times on their way out
         t = t.detach().cpu().resolve_conj().resolve_neg()  # lazy conj/neg bits are not in the bytes
         out.tensor.dtype = str(t.dtype).removeprefix("torch.")
         out.tensor.shape.extend(t.shape)
@@ -436,7 +448,7 @@ class Encoder:
         if a.dtype.name not in _NUMPY_DTYPES or a.nbytes > self.tensor_max_bytes or np.ma.isMaskedArray(a):
             return self._ref(a, out)
         if self.work_limit is not None:
-            self._charge(1 + (a.nbytes >> 9))
+            self._charge(1 + (a.nbytes >> 7))
         out.tensor.dtype = a.dtype.name
         out.tensor.shape.extend(a.shape)
         out.tensor.data = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()

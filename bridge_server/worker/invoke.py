@@ -469,19 +469,12 @@ class Invoker:
         except TooCostly:
             pass
         else:
-            size = out.ByteSize()
-            if size < TURN_RESULT_BYTES:
+            if out.ByteSize() < TURN_RESULT_BYTES:
                 return out
-            # Cheap to encode (text, bytes and tensors are copied whole) but not to send: each byte is
-            # copied again on its way out, on this loop. Its turn counts what that costs.
-            try:
-                await with_deadline(self.turns.acquire(caller.client or caller.identity), deadline, plan.label,
-                                    "waiting for its turn to send a large result")
-            except BaseException:
-                self.refs.release(minted)
-                raise
-            self.turns.release(at_least_s=size * SEND_S_PER_BYTE)
-            return out
+            # Cheap to encode but not to send (each byte is copied again on its way out, on this
+            # loop): it is encoded again in its turn, not held meanwhile.
+            out.Clear()
+            self.refs.release(minted)
         await with_deadline(self.turns.acquire(caller.client or caller.identity), deadline, plan.label,
                             "waiting for its turn to encode a large result")
         sent = 0.0

@@ -117,10 +117,10 @@ def test_a_caller_s_large_results_leave_the_loop_to_others_between_them(worker: 
 def test_tensors_and_text_count_by_their_bytes() -> None:
     import torch
     enc = Encoder(make_ref=lambda obj: pb.Ref(id="r"), work_limit=1000)
-    assert enc.encode(torch.zeros(100_000, dtype=torch.int8)).tensor.data == bytes(100_000)   # 196 items
-    assert enc.encode("x" * 500_000).str == "x" * 500_000
-    for costly in (torch.zeros(130_000, dtype=torch.float32), "x" * 600_000, b"y" * 600_000,
-                   [torch.zeros(1)] * 501):
+    assert enc.encode(torch.zeros(100_000, dtype=torch.int8)).tensor.data == bytes(100_000)   # 782 items
+    assert enc.encode({"k": ["x" * 60_000, "y" * 60_000]}).map.entries[0].value.list.items[1].str == "y" * 60_000
+    for costly in (torch.zeros(130_000, dtype=torch.float32), "x" * 130_000, [b"y" * 70_000] * 2,
+                   {"k": {"v": "x" * 130_000}}, [torch.zeros(1)] * 501):
         with pytest.raises(TooCostly):
             enc.encode(costly)
 
