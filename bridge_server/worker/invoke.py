@@ -581,7 +581,8 @@ class Invoker:
     @staticmethod
     def immediate(plan: Plan) -> bool:
         """Whether a call of this plan can finish without the event loop: a trivial pure helper
-        (inline), with no exclusive lane to wait for and no guard to await."""
+        (inline), with no exclusive lane to wait for and no guard to await (a plain function's runs
+        where the call is read)."""
         return plan.inline and not plan.is_async and not plan.exclusive and plan.fn is not None and \
             not plan.operator_only and (
             plan.entry is None or plan.entry.guard is None or not inspect.iscoroutinefunction(plan.entry.guard))

@@ -8,8 +8,9 @@ behind them. A stream's items are already paced (`streams.Pace`); this does the 
 A result whose encoding goes past the encoder's `work_limit` stops and waits for a turn. One such
 result is encoded at a time, and after it the next turn waits `REST_FACTOR` times as long as that
 encoding took, so costly results get at most a quarter of the loop, and the loop serves everything
-else in between. Turns go round the callers that wait (their identity, or their session when the
-server has no authentication): one caller's queue of large results does not hold back another's.
+else in between. Turns go round the callers that wait (their identity, else their connection, as
+the pool server names it; never a session, which a caller names as it likes): one caller's queue of
+large results does not hold back another's.
 A caller's deadline bounds its wait. Results under the bound never wait: nearly every call. A turn
 is bounded too: a result past MAX_RESULT_WORK is refused (RESOURCE_EXHAUSTED, "result too large"),
 as a request past max_prompt_chars items is, or one turn could hold the loop for as long as it takes
@@ -29,7 +30,7 @@ __all__ = ["MAX_RESULT_WORK", "REST_FACTOR", "SEND_S_PER_BYTE", "TURN_REQUEST_BY
            "WORK_LIMIT", "Turns"]
 
 WORK_LIMIT = 8192       # items encoded inline at most (~1-3 ms of the loop); past it, a result waits its turn
-MAX_RESULT_WORK = 1 << 20   # items one turn encodes at most (~0.3 s): a larger result is refused, not sent
+MAX_RESULT_WORK = 1 << 20   # items one turn encodes at most (0.3-0.8 s): a larger result is refused, not sent
 TURN_REQUEST_BYTES = 256 << 10   # a request this large is decoded in its turn too
 TURN_RESULT_BYTES = 1 << 20      # a result this large is sent in its turn, however cheap it was to encode
 SEND_S_PER_BYTE = 2e-9           # what sending a result's byte costs the loop (copies), as a turn counts it
