@@ -17,6 +17,38 @@ from vllm_bridge.v1 import bridge_pb2 as pb
 FC = "vllm.forward_context"
 
 
+def small_call_after_the_first_of(address: str, heavy: bytes, n: int) -> tuple[int, list[bytes | grpc.StatusCode]]:
+    """Starts n Calls of the serialized request `heavy` at once, then, once the first is answered, a
+    small call (divide(6, 3)) on the same connection. Returns how many of the n were answered before
+    the small one, and their outcomes (the reply's bytes, or the status it failed with)."""
+    async def run() -> tuple[int, list[bytes | grpc.StatusCode]]:
+        async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20),
+                                                               ("grpc.max_send_message_length", 64 << 20)]) as ch:
+            call = ch.unary_unary("/vllm_bridge.v1.Bridge/Call")
+            done: list[bytes | grpc.StatusCode] = []
+
+            async def one() -> None:
+                try:
+                    done.append(await call(heavy, timeout=60))
+                except grpc.aio.AioRpcError as err:
+                    done.append(err.code())
+
+            tasks = [asyncio.get_running_loop().create_task(one()) for _ in range(n)]
+            while not done:
+                await asyncio.sleep(0.001)
+            assert pb.CallReply.FromString(await call(SMALL, timeout=60)).value.int == 2
+            before = len(done)
+            await asyncio.gather(*tasks)
+            return before, done
+
+    return asyncio.run(run())
+
+
+# divide(6, 3), as a serialized CallRequest
+SMALL = pb.CallRequest(target=pb.Target(kind=pb.Target.FUNCTION, name="vllm.distributed.divide"),
+                       args=[pb.Value(int=6), pb.Value(int=3)]).SerializeToString()
+
+
 def test_turns_go_round_the_callers_and_a_cancelled_wait_gives_up_its_place() -> None:
     async def run() -> None:
         turns = Turns(rest_factor=0.0)
@@ -80,37 +112,18 @@ def test_an_encode_stops_at_its_bound_of_work_and_a_small_one_does_not() -> None
 def test_a_caller_s_large_results_leave_the_loop_to_others_between_them(worker: WorkerProcess) -> None:
     """Twelve 3 MB results, asked for at once: a small call made after the first of them arrived is
     answered before most of the rest, where it used to wait for all of them."""
+    import torch
+
     from bridge_server.client.client import BridgeClient, Target
 
     sizes = [2**40 + i for i in range(400_000)]          # ~15 ms of encoding each, past the bound
     with BridgeClient(worker.address) as client:
-        import torch
         dp = client.call(f"{FC}.DPMetadata", torch.tensor(7), torch.tensor([7]), sizes)
         get = client.request(Target.get(dp, "local_sizes"), (), None)[0].SerializeToString()
-        small = client.request("vllm.distributed.divide", (6, 3), None)[0].SerializeToString()
-
-        async def run() -> tuple[int, list[bytes]]:
-            async with grpc.aio.insecure_channel(worker.address, options=[
-                    ("grpc.max_receive_message_length", 64 << 20)]) as channel:
-                call = channel.unary_unary("/vllm_bridge.v1.Bridge/Call")
-                done: list[bytes] = []
-
-                async def heavy() -> None:
-                    done.append(await call(get, timeout=60))
-
-                tasks = [asyncio.get_running_loop().create_task(heavy()) for _ in range(12)]
-                while not done:
-                    await asyncio.sleep(0.001)
-                reply = pb.CallReply.FromString(await call(small, timeout=60))
-                assert reply.value.int == 2
-                before = len(done)
-                await asyncio.gather(*tasks)
-                return before, done
-
-        before, done = asyncio.run(run())
+        before, done = small_call_after_the_first_of(worker.address, get, 12)
         assert before <= 4, f"{before} of 12 large results went before a small call made after the first"
         for raw in done:
-            assert list(pb.CallReply.FromString(raw).value.ints.values) == sizes
+            assert isinstance(raw, bytes) and list(pb.CallReply.FromString(raw).value.ints.values) == sizes
         client.release(dp)
 
 
@@ -187,30 +200,7 @@ def test_large_requests_are_decoded_in_turns(worker: WorkerProcess) -> None:
 
     with BridgeClient(worker.address) as client:
         big = client.request("vllm.distributed.divide", (["x"] * 300_000, 1), None)[0].SerializeToString()
-        small = client.request("vllm.distributed.divide", (6, 3), None)[0].SerializeToString()
-
-    async def run() -> tuple[int, list[grpc.StatusCode]]:
-        async with grpc.aio.insecure_channel(worker.address, options=[
-                ("grpc.max_send_message_length", 64 << 20)]) as channel:
-            call = channel.unary_unary("/vllm_bridge.v1.Bridge/Call")
-            done: list[grpc.StatusCode] = []
-
-            async def heavy() -> None:
-                try:
-                    await call(big, timeout=60)
-                    done.append(grpc.StatusCode.OK)
-                except grpc.aio.AioRpcError as err:
-                    done.append(err.code())
-
-            tasks = [asyncio.get_running_loop().create_task(heavy()) for _ in range(8)]
-            while not done:
-                await asyncio.sleep(0.001)
-            assert pb.CallReply.FromString(await call(small, timeout=60)).value.int == 2
-            before = len(done)
-            await asyncio.gather(*tasks)
-            return before, done
-
-    before, done = asyncio.run(run())
+    before, done = small_call_after_the_first_of(worker.address, big, 8)
     assert before <= 3, f"{before} of 8 large requests went before a small call made after the first"
     assert done == [grpc.StatusCode.INVALID_ARGUMENT] * 8       # divide takes numbers: refused once decoded
 
@@ -225,27 +215,10 @@ def test_results_cheap_to_encode_but_large_to_send_take_turns_too(worker: Worker
         context = client.call(f"{FC}.ForwardContext", kwargs={"no_compile_layers": layers, "attn_metadata": {},
                                                              "virtual_engine": 0})
         get = client.request(Target.get(context, "no_compile_layers"), (), None)[0].SerializeToString()
-        small = client.request("vllm.distributed.divide", (6, 3), None)[0].SerializeToString()
-
-        async def run() -> tuple[int, list[bytes]]:
-            async with grpc.aio.insecure_channel(worker.address, options=[
-                    ("grpc.max_receive_message_length", 64 << 20)]) as channel:
-                call = channel.unary_unary("/vllm_bridge.v1.Bridge/Call")
-                done: list[bytes] = []
-
-                async def heavy() -> None:
-                    done.append(await call(get, timeout=60))
-
-                tasks = [asyncio.get_running_loop().create_task(heavy()) for _ in range(12)]
-                while not done:
-                    await asyncio.sleep(0.001)
-                assert pb.CallReply.FromString(await call(small, timeout=60)).value.int == 2
-                before = len(done)
-                await asyncio.gather(*tasks)
-                return before, done
-
-        before, done = asyncio.run(run())
+        before, done = small_call_after_the_first_of(worker.address, get, 12)
         assert before <= 4, f"{before} of 12 large results went before a small call made after the first"
-        got = pb.CallReply.FromString(done[-1]).value.map.entries
+        last = done[-1]
+        assert isinstance(last, bytes)
+        got = pb.CallReply.FromString(last).value.map.entries
         assert {e.key.str: len(e.value.str) for e in got} == {k: 999_000 for k in layers}
         client.release(context)
