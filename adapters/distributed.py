@@ -25,7 +25,9 @@ def _catalog_names_only(receiver: object, args: Mapping[str, object], ctx: CallC
                           parameter="qualname", reason="not allowed")
 
 
-MAX_PP_SIZE = 1 << 16       # pipeline stages get_pp_indices lays out (it makes a list of one entry per stage)
+MAX_PP_SIZE = 1 << 10       # pipeline stages get_pp_indices lays out (a list, and a log line, of one entry each)
+MAX_LAYERS = 1 << 20        # hidden layers it spreads over them
+MAX_VERSION_CHARS = 256     # a version string is_torch_equal_or_newer parses
 
 
 def _plain_numbers(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
@@ -41,18 +43,41 @@ def _plain_numbers(receiver: object, args: Mapping[str, object], ctx: CallContex
 
 
 def _bounded_stages(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
-    """get_pp_indices makes (and logs) a list of one entry per pipeline stage, on the event loop:
-    pp_size 2**62 in 58 bytes held the worker until its supervisor killed it. Stages are at most
-    MAX_PP_SIZE, and pp_rank one of them."""
-    size, rank = args.get("pp_size"), args.get("pp_rank")
-    if type(size) is int and not 0 < size <= MAX_PP_SIZE:
+    """get_pp_indices makes a list of one entry per pipeline stage on the event loop, and when the
+    layers do not divide evenly logs all of them in one line: pp_size 2**62 in 58 bytes held the
+    worker until its supervisor killed it, and a layer count of 4,300 digits made each of 65,536
+    entries 4,300 digits long (17 s and 281 MB of log per call). So every argument is an int, and
+    in range: layers at most MAX_LAYERS, stages at most MAX_PP_SIZE, pp_rank one of them."""
+    for key, low, high in (("num_hidden_layers", 0, MAX_LAYERS), ("pp_size", 1, MAX_PP_SIZE)):
+        value = args.get(key)
+        if type(value) is not int or not low <= value <= high:
+            raise BridgeError(grpc.StatusCode.INVALID_ARGUMENT, "validation",
+                              f"parameter {key}: expected an int from {low:,} to {high:,}, got {_short(value)}",
+                              parameter=key, reason="out of range")
+    size, rank = args["pp_size"], args.get("pp_rank")
+    assert isinstance(size, int)
+    if type(rank) is not int or not 0 <= rank < size:
         raise BridgeError(grpc.StatusCode.INVALID_ARGUMENT, "validation",
-                          f"parameter pp_size: {size:,} pipeline stages, expected "
-                          f"1 to {MAX_PP_SIZE:,}", parameter="pp_size", reason="out of range")
-    if type(size) is int and type(rank) is int and not 0 <= rank < size:
+                          f"parameter pp_rank: expected a stage of {size:,} (0 to {size - 1:,}), got {_short(rank)}",
+                          parameter="pp_rank", reason="out of range")
+
+
+def _short_version(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+    """is_torch_equal_or_newer parses its version string on the event loop: a megabyte of it took
+    0.3 s a call. A version is a few dozen characters."""
+    target = args.get("target")
+    if isinstance(target, str) and len(target) > MAX_VERSION_CHARS:
         raise BridgeError(grpc.StatusCode.INVALID_ARGUMENT, "validation",
-                          f"parameter pp_rank: {rank:,} is not a stage of "
-                          f"{size:,} (0 to {size - 1:,})", parameter="pp_rank", reason="out of range")
+                          f"parameter target: a version string of {len(target):,} characters, expected at most "
+                          f"{MAX_VERSION_CHARS}", parameter="target", reason="too long")
+
+
+def _short(value: object) -> str:
+    """A value as an error names it: an int of thousands of digits by its size (str() of one past
+    4,300 digits fails)."""
+    if type(value) is int and value.bit_length() > 200:
+        return f"an int of {value.bit_length():,} bits"
+    return type(value).__name__ if type(value) is not int else f"{value:,}"
 
 
 MAX_LOGGER_NAME = 200        # characters of a logger's name a client may give
@@ -136,6 +161,7 @@ DISTRIBUTED = AdapterSpec(
     # The inline helpers' guards are plain functions: they run where the call is read (`Invoker.immediate`).
     guards={"resolve_obj_by_qualname": _catalog_names_only, "init_logger": _bounded_logger,
             "divide": _plain_numbers, "ensure_divisibility": _plain_numbers, "get_pp_indices": _bounded_stages,
+            "is_torch_equal_or_newer": _short_version,
             "init_distributed_environment": _rendezvous,
             "stateless_init_torch_distributed_process_group": _rendezvous},
     # Everything that talks to the other ranks of the group (or sets the group up or down, which is

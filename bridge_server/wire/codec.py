@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 import operator
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -236,7 +238,10 @@ class Encoder:
     # can ask for megabytes: a result past the bound is encoded again when its turn comes
     # (`worker/turns.py`), so no caller's large results hold the loop that serves everyone.
     work_limit: int | None = None
-    _work: list[int] = dataclasses.field(default_factory=lambda: [0], repr=False)
+    # With a work limit, also the most time one `encode` may take (what an item costs varies: a
+    # tensor view costs 30 times an int).
+    time_limit_s: float | None = None
+    _work: list[float] = dataclasses.field(default_factory=lambda: [0, math.inf], repr=False)
     # How each scalar type is put: with a work limit, text and bytes count one item per 128 bytes
     # (a copy, but every byte is copied again on its way out).
     _scalars: Mapping[type, Callable[[Any, pb.Value], None]] = dataclasses.field(init=False, repr=False)
@@ -259,6 +264,8 @@ class Encoder:
         """Fills `out` (e.g. the value field of a reply being built), saving a copy of the tree."""
         put = self._scalars.get(type(obj))
         self._work[0] = 0
+        if self.time_limit_s is not None:
+            self._work[1] = time.perf_counter() + self.time_limit_s
         if put is not None:
             put(obj, out)
         else:
@@ -268,8 +275,8 @@ class Encoder:
     def _charge(self, items: int) -> None:
         assert self.work_limit is not None
         work = self._work[0] = self._work[0] + items
-        if work > self.work_limit:
-            raise TooCostly(work)
+        if work > self.work_limit or time.perf_counter() > self._work[1]:
+            raise TooCostly(int(work))
 
     def encode_at(self, obj: object, out: pb.Value, depth: int, active: set[int]) -> None:
         """Fills `out` with obj as the encoder fills it `depth` levels down, inside the containers

@@ -60,6 +60,8 @@ from bridge_server.worker.refs import RefRegistry
 from bridge_server.worker.streams import Pace, PutItem, Tee, item_writer, iterable, iterate, lazily
 from bridge_server.worker.turns import (
     MAX_RESULT_WORK,
+    MAX_TURN_S,
+    WORK_TIME_S,
     SEND_S_PER_BYTE,
     TURN_REQUEST_BYTES,
     TURN_RESULT_BYTES,
@@ -419,7 +421,8 @@ class Invoker:
             self.wedged = ""
 
     def encoder(self, caller: Caller, exclusive: bool, stream: bool = False,
-                minted: list[str] | None = None, work_limit: int | None = None) -> Encoder:
+                minted: list[str] | None = None, work_limit: int | None = None,
+                time_limit_s: float | None = None) -> Encoder:
         """Values to protobuf; what cannot go by value becomes a ref the caller owns. Code that the
         catalog does not name is refused, wherever in the result it is."""
         code_ok = self.catalog.code_objects
@@ -436,15 +439,16 @@ class Invoker:
                           type_name=entry.type_name, repr=_short_repr(obj))
         return Encoder(make_ref=make_ref, tensor_max_bytes=self.tensor_max_bytes, records=self.catalog.records,
                        constant_fields=self.catalog.record_constants, memo={} if stream else None,
-                       growing_fields=self.catalog.record_growing, work_limit=work_limit)
+                       growing_fields=self.catalog.record_growing, work_limit=work_limit, time_limit_s=time_limit_s)
 
     def encode_result(self, plan: Plan, result: Any, caller: Caller, out: pb.Value | None = None,
-                      work_limit: int | None = None, minted: list[str] | None = None) -> pb.Value:
+                      work_limit: int | None = None, minted: list[str] | None = None,
+                      time_limit_s: float | None = None) -> pb.Value:
         """The result as a Value (filled into `out` if given; the refs it mints listed in `minted`).
         Past `work_limit`: TooCostly, with nothing of the result left behind (`out` cleared, no ref
         minted)."""
         minted = [] if minted is None else minted
-        enc = self.encoder(caller, plan.exclusive, minted=minted, work_limit=work_limit)
+        enc = self.encoder(caller, plan.exclusive, minted=minted, work_limit=work_limit, time_limit_s=time_limit_s)
         if plan.entry is not None and plan.entry.doc is not None:
             result = _as_documented(plan.entry.doc.returns, result)
         out = pb.Value() if out is None else out
@@ -465,7 +469,7 @@ class Invoker:
         out = pb.Value() if out is None else out
         minted: list[str] = []
         try:
-            self.encode_result(plan, result, caller, out, WORK_LIMIT, minted)
+            self.encode_result(plan, result, caller, out, WORK_LIMIT, minted, WORK_TIME_S)
         except TooCostly:
             pass
         else:
@@ -479,14 +483,15 @@ class Invoker:
                             "waiting for its turn to encode a large result")
         sent = 0.0
         try:
-            self.encode_result(plan, result, caller, out, MAX_RESULT_WORK)
+            self.encode_result(plan, result, caller, out, MAX_RESULT_WORK, time_limit_s=MAX_TURN_S)
             sent = out.ByteSize() * SEND_S_PER_BYTE
             return out
         except TooCostly:
             raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
                               f"{plan.label}: its result is too large to send by value (over {MAX_RESULT_WORK:,} "
-                              f"items, or the bytes of as many): one turn of the worker's event loop encodes it, "
-                              f"while every other call waits", target=plan.label, reason="result too large") from None
+                              f"items, or the bytes of as many, or {MAX_TURN_S:g} s to encode): one turn of the "
+                              f"worker's event loop encodes it, while every other call waits; ask for it as a ref, "
+                              f"or in parts", target=plan.label, reason="result too large") from None
         finally:
             self.turns.release(at_least_s=sent)
 

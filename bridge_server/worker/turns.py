@@ -26,11 +26,13 @@ import asyncio
 import collections
 import time
 
-__all__ = ["MAX_RESULT_WORK", "REST_FACTOR", "SEND_S_PER_BYTE", "TURN_REQUEST_BYTES", "TURN_RESULT_BYTES",
-           "WORK_LIMIT", "Turns"]
+__all__ = ["MAX_RESULT_WORK", "MAX_TURN_S", "REST_FACTOR", "SEND_S_PER_BYTE", "TURN_REQUEST_BYTES",
+           "TURN_RESULT_BYTES", "WORK_LIMIT", "WORK_TIME_S", "Turns"]
 
 WORK_LIMIT = 8192       # items encoded inline at most (~1-3 ms of the loop); past it, a result waits its turn
+WORK_TIME_S = 0.005     # ... or time: an item's cost varies (a tensor view costs 30 times an int)
 MAX_RESULT_WORK = 1 << 20   # items one turn encodes at most (0.3-0.8 s): a larger result is refused, not sent
+MAX_TURN_S = 1.0            # ... or time
 TURN_REQUEST_BYTES = 256 << 10   # a request this large is decoded in its turn too
 TURN_RESULT_BYTES = 1 << 20      # a result this large is sent in its turn, however cheap it was to encode
 SEND_S_PER_BYTE = 2e-9           # what sending a result's byte costs the loop (copies), as a turn counts it

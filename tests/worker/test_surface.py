@@ -162,8 +162,12 @@ def test_the_inline_helpers_take_only_what_keeps_them_trivial(client: BridgeClie
     methods sized their lists by a client's number. Over Call and over Multiplex alike."""
     cases = [((f"{D}.divide", "%1000000000d", 1), grpc.StatusCode.INVALID_ARGUMENT, "numerator"),
              ((f"{D}.ensure_divisibility", 6, b"x"), grpc.StatusCode.INVALID_ARGUMENT, "denominator"),
-             ((f"{D}.get_pp_indices", 2**62, 2**62 - 1, 2**62), grpc.StatusCode.INVALID_ARGUMENT, "pp_size"),
-             ((f"{D}.get_pp_indices", 32, 4, 4), grpc.StatusCode.INVALID_ARGUMENT, "pp_rank")]
+             ((f"{D}.get_pp_indices", 64, 2**62 - 1, 2**62), grpc.StatusCode.INVALID_ARGUMENT, "pp_size"),
+             ((f"{D}.get_pp_indices", 32, 4, 4), grpc.StatusCode.INVALID_ARGUMENT, "pp_rank"),
+             # a layer count of 4,300 digits, over stages that do not divide it: each logged in full
+             ((f"{D}.get_pp_indices", 10**4299 + 1023, 0, 1024), grpc.StatusCode.INVALID_ARGUMENT, "num_hidden_layers"),
+             ((f"{D}.get_pp_indices", 32, True, 4), grpc.StatusCode.INVALID_ARGUMENT, "pp_rank"),
+             ((f"{D}.is_torch_equal_or_newer", "1.0+" + "a." * 100_000), grpc.StatusCode.INVALID_ARGUMENT, "target")]
     with client.multiplex() as mux:
         for (target, *args), code, parameter in cases:
             for call in (client.call, mux.call):
@@ -173,6 +177,7 @@ def test_the_inline_helpers_take_only_what_keeps_them_trivial(client: BridgeClie
                 assert err.value.detail is not None and err.value.detail.parameter == parameter, err.value
     assert client.call(f"{D}.divide", 6, 3) == 2 and client.call(f"{D}.divide", 7.5, 2.5) == 3.0
     assert client.call(f"{D}.get_pp_indices", 32, 3, 4) == (24, 32)
+    assert client.call(f"{D}.is_torch_equal_or_newer", "1.0") is True
     dp = client.call(f"{FC}.DPMetadata", torch.tensor(7), torch.tensor([5, 7, 3]))
     for method in ("cu_tokens_across_sp", "sp_local_sizes"):
         with pytest.raises(CallError) as err:

@@ -222,3 +222,16 @@ def test_results_cheap_to_encode_but_large_to_send_take_turns_too(worker: Worker
         got = pb.CallReply.FromString(last).value.map.entries
         assert {e.key.str: len(e.value.str) for e in got} == {k: 999_000 for k in layers}
         client.release(context)
+
+
+def test_an_encode_stops_at_its_bound_of_time_too() -> None:
+    """Items differ in cost (a tensor view ~30 times an int), so a count alone let one turn run 4 s."""
+    import torch
+    views = tuple(torch.arange(200_000).split(1))             # 200,000 one-element tensors
+    counted = Encoder(make_ref=lambda obj: pb.Ref(id="r"), work_limit=10**9)
+    started = time.perf_counter()
+    counted.encode(views)
+    whole = time.perf_counter() - started
+    timed = Encoder(make_ref=lambda obj: pb.Ref(id="r"), work_limit=10**9, time_limit_s=whole / 10)
+    with pytest.raises(TooCostly):
+        timed.encode(views)
