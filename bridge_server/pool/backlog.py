@@ -40,24 +40,15 @@ from dataclasses import dataclass, field
 import grpc
 
 from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.protocol import host_of
 
-__all__ = ["BLOCKED_S", "DEFAULT_MAX_UNREAD_BYTES", "Backlog", "Holding", "host_of"]
+__all__ = ["BLOCKED_S", "DEFAULT_MAX_UNREAD_BYTES", "HOST_SLACK", "Backlog", "Holding"]
 
 log = logging.getLogger("vllm_bridge.router")
 
 DEFAULT_MAX_UNREAD_BYTES = 1 << 30
 BLOCKED_S = 0.5     # a stream whose write has waited this long for its caller is not being read
 HOST_SLACK = 1.5    # what a host's connections may hold together past the limit, in host shares
-
-
-def host_of(caller: str) -> str:
-    """The host a caller's connection comes from (`ipv4:10.0.0.1:5000`, `ipv6:[::1]:5000`, with a
-    Multiplex stream's suffix or not): its peer address less the port. Any other caller (an
-    identity, a Unix socket's peer) is its own host."""
-    if caller.startswith(("ipv4:", "ipv6:")):
-        address = caller.split(" ", 1)[0]
-        return address.rsplit(":", 1)[0]
-    return caller
 
 
 @dataclass(eq=False)

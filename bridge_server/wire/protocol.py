@@ -89,6 +89,16 @@ def too_large(size: int, limit: int, rpc: str) -> BridgeError:
                        f"(max_request_bytes)", parameter="request", reason="max_request_bytes")
 
 
+def host_of(caller: str) -> str:
+    """The host a caller's connection comes from (`ipv4:10.0.0.1:5000`, `ipv6:[::1]:5000`, with a
+    Multiplex stream's suffix or not): its peer address less the port. Any other caller (an
+    identity, a Unix socket's peer) is its own host."""
+    if caller.startswith(("ipv4:", "ipv6:")):
+        address = caller.split(" ", 1)[0]
+        return address.rsplit(":", 1)[0]
+    return caller
+
+
 def parse_request(cls: type[M], data: bytes, rpc: str, limit: int | None = None) -> M:
     """A request as read off the wire. Bytes that are not a `cls` (truncated, invalid UTF-8 in a
     string, nested past protobuf's depth limit) are the caller's mistake: INVALID_ARGUMENT naming

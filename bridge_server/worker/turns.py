@@ -8,9 +8,10 @@ behind them. A stream's items are already paced (`streams.Pace`); this does the 
 A result whose encoding goes past the encoder's `work_limit` stops and waits for a turn. One such
 result is encoded at a time, and after it the next turn waits `REST_FACTOR` times as long as that
 encoding took, so costly results get at most a quarter of the loop, and the loop serves everything
-else in between. Turns go round the callers that wait (their identity, else their connection, as
-the pool server names it; never a session, which a caller names as it likes): one caller's queue of
-large results does not hold back another's.
+else in between. Turns go round the hosts that wait, and within a host round its callers (their
+identity, else their connection, as the pool server names it; never a session, which a caller
+names as it likes): one caller's queue of large results does not hold back another's, and a
+stranger's many connections from one host get one host's turns.
 A caller's deadline bounds its wait. Results under the bound never wait: nearly every call. A turn
 is bounded too: a result past MAX_RESULT_WORK is refused (RESOURCE_EXHAUSTED, "result too large"),
 as a request past max_prompt_chars items is, or one turn could hold the loop for as long as it takes
@@ -25,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+
+from bridge_server.wire.protocol import host_of
 
 __all__ = ["MAX_RESULT_WORK", "MAX_TURN_S", "REST_FACTOR", "SEND_S_PER_BYTE", "TURN_REQUEST_BYTES",
            "TURN_RESULT_BYTES", "WORK_LIMIT", "WORK_TIME_S", "Turns"]
@@ -44,14 +47,15 @@ class Turns:
 
     def __init__(self, rest_factor: float = REST_FACTOR) -> None:
         self.rest_factor = rest_factor
-        self._waiting: dict[str, collections.deque[asyncio.Future[None]]] = {}   # caller -> its waits, in turn order
+        # host -> caller -> its waits; dict order is the order of the round, at both levels
+        self._waiting: dict[str, dict[str, collections.deque[asyncio.Future[None]]]] = {}
         self._busy = False
         self._free_at = 0.0             # time.monotonic() from when the next turn may begin
         self._timer: asyncio.TimerHandle | None = None
         self._started = 0.0             # when the turn being taken began
 
     def waiting(self) -> int:
-        return sum(len(q) for q in self._waiting.values())
+        return sum(len(q) for callers in self._waiting.values() for q in callers.values())
 
     async def acquire(self, caller: str) -> None:
         """Waits for `caller`'s turn. The turn lasts until `release`, and its length sets the rest after it."""
@@ -59,7 +63,8 @@ class Turns:
             self._take()
             return
         waiter = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(caller, collections.deque()).append(waiter)
+        host = host_of(caller)
+        self._waiting.setdefault(host, {}).setdefault(caller, collections.deque()).append(waiter)
         self._schedule()
         try:
             await waiter
@@ -68,11 +73,14 @@ class Turns:
                 self._busy = False
                 self._schedule()
             else:
-                queue = self._waiting.get(caller)
+                callers = self._waiting.get(host, {})
+                queue = callers.get(caller)
                 if queue is not None and waiter in queue:
                     queue.remove(waiter)
                     if not queue:
-                        del self._waiting[caller]
+                        del callers[caller]
+                        if not callers:
+                            del self._waiting[host]
             raise
         self._started = time.monotonic()
 
@@ -98,7 +106,8 @@ class Turns:
             self._give()
 
     def _give(self) -> None:
-        """The next turn, to the first caller in the round (which then goes to the round's end)."""
+        """The next turn, to the first caller of the first host in the round (both then go to the
+        round's end)."""
         self._timer = None
         if self._busy:
             return
@@ -106,11 +115,15 @@ class Turns:
             self._schedule()
             return
         while self._waiting:
-            caller = next(iter(self._waiting))
-            queue = self._waiting.pop(caller)
+            host = next(iter(self._waiting))
+            callers = self._waiting.pop(host)
+            caller = next(iter(callers))
+            queue = callers.pop(caller)
             waiter = queue.popleft()
             if queue:
-                self._waiting[caller] = queue
+                callers[caller] = queue
+            if callers:
+                self._waiting[host] = callers
             if not waiter.done():
                 self._busy = True
                 waiter.set_result(None)

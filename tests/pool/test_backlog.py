@@ -10,7 +10,8 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from bridge_server.pool.backlog import Backlog, Holding, host_of
+from bridge_server.pool.backlog import Backlog, Holding
+from bridge_server.wire.protocol import host_of
 from bridge_server.wire.errors import BridgeError
 
 MB = 2**20

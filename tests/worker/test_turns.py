@@ -86,6 +86,32 @@ def test_turns_go_round_the_callers_and_a_cancelled_wait_gives_up_its_place() ->
     asyncio.run(run())
 
 
+def test_turns_go_round_hosts_first_then_their_connections() -> None:
+    """A stranger's many connections from one host get that host's turns, not one each."""
+    async def run() -> None:
+        turns = Turns(rest_factor=0.0)
+        order: list[str] = []
+
+        async def one(caller: str) -> None:
+            await turns.acquire(caller)
+            order.append(caller)
+            await asyncio.sleep(0)
+            turns.release()
+
+        await turns.acquire("holder")
+        tasks = []
+        for caller in ["ipv4:10.0.0.1:1", "ipv4:10.0.0.1:2", "ipv4:10.0.0.1:3", "ipv4:10.0.0.1:1",
+                       "ipv4:10.0.0.2:9", "ipv4:10.0.0.2:9", "alice"]:
+            tasks.append(asyncio.get_running_loop().create_task(one(caller)))
+            await asyncio.sleep(0)
+        turns.release()
+        await asyncio.gather(*tasks)
+        assert order == ["ipv4:10.0.0.1:1", "ipv4:10.0.0.2:9", "alice", "ipv4:10.0.0.1:2", "ipv4:10.0.0.2:9",
+                         "ipv4:10.0.0.1:3", "ipv4:10.0.0.1:1"]
+
+    asyncio.run(run())
+
+
 def test_the_next_turn_waits_rest_factor_times_the_last_one() -> None:
     async def run() -> None:
         turns = Turns(rest_factor=3.0)
