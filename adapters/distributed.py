@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 import grpc
 
+from adapters.engine_requests import clip_int
 from adapters.spec import AdapterSpec, CallContext, Exposure
 from bridge_server.wire.errors import BridgeError, quote
 
@@ -73,11 +74,8 @@ def _short_version(receiver: object, args: Mapping[str, object], ctx: CallContex
 
 
 def _short(value: object) -> str:
-    """A value as an error names it: an int of thousands of digits by its size (str() of one past
-    4,300 digits fails)."""
-    if type(value) is int and value.bit_length() > 200:
-        return f"an int of {value.bit_length():,} bits"
-    return type(value).__name__ if type(value) is not int else f"{value:,}"
+    """A value as an error names it: an int by its digits (or its size, past 200 bits), else its type."""
+    return clip_int(value) if type(value) is int else type(value).__name__
 
 
 MAX_LOGGER_NAME = 200        # characters of a logger's name a client may give

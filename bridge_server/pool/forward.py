@@ -200,7 +200,7 @@ class Forwarder:
             try:
                 try:
                     lc = lane.start(request, md, timeout_s=time_left(route), identity=identity,
-                                    client=identity or client_of(identity, context))
+                                    client=client_of(identity, context))
                     flight.call = lc
                     if lane.framed.paused:
                         await lane.drain()
