@@ -104,6 +104,31 @@ def test_a_put_that_fails_still_counts() -> None:
     assert rest >= PACE_MIN_S * 1.5 * PACE_FACTOR
 
 
+def test_a_dear_item_counts_what_sending_its_bytes_costs_too() -> None:
+    """A 16 MB item of text is put by one copy (~5 ms) and copied again on its way out: the rest
+    after it counts the send, as a turn does for a result."""
+    from bridge_server.worker.turns import SEND_S_PER_BYTE
+    from vllm_bridge.v1 import bridge_pb2 as pb
+
+    text = "x" * 16_000_000
+    for msg, dear in ((pb.StreamItem(), True), (pb.StreamItem(), False)):
+        pace = Pace()
+
+        def put_item(item: str, out: pb.StreamItem, dear: bool = dear) -> None:
+            if dear:
+                _busy(PACE_MIN_S)
+            out.value.str = item
+
+        put = pace.timed(put_item)
+        for _ in range(2):
+            put(text if dear else "x", msg)
+            rest = pace.rest_s()
+        if dear:
+            assert rest >= (PACE_MIN_S + 16_000_000 * SEND_S_PER_BYTE) * PACE_FACTOR
+        else:
+            assert rest == 0.0               # a cheap put is not measured for its bytes: every token's is
+
+
 def test_iterate_sends_a_caller_to_stream_only_for_what_a_stream_can_walk() -> None:
     """ITERATE on an iterable receiver is Stream's (a Call of it says so); on one that is not, both
     RPCs say why, instead of each sending the caller to the other."""
