@@ -334,12 +334,17 @@ class Invoker:
         the loop what encoding does (eight 5 MB requests of a million strings held it 6.7 s)."""
         if request.ByteSize() < TURN_REQUEST_BYTES:
             return self.decode(request, caller, plan.label)
-        await with_deadline(self.turns.acquire(caller.client or caller.identity), deadline, plan.label,
-                            "waiting for its turn to decode a large request")
+        await self._turn(caller, deadline, plan.label, "decode a large request")
         try:
             return self.decode(request, caller, plan.label)
         finally:
             self.turns.release()
+
+    async def _turn(self, caller: Caller, deadline: float | None, label: str, doing: str) -> None:
+        """Waits, within the call's deadline, for the caller's turn (its identity, else its connection);
+        the caller then `self.turns.release()`s it."""
+        await with_deadline(self.turns.acquire(caller.client or caller.identity), deadline, label,
+                            f"waiting for its turn to {doing}")
 
     def decode(self, request: pb.CallRequest, caller: Caller = Caller(),
                label: str = "") -> tuple[list[Any], dict[str, Any]]:
@@ -479,8 +484,7 @@ class Invoker:
             # loop): it is encoded again in its turn, not held meanwhile.
             out.Clear()
             self.refs.release(minted)
-        await with_deadline(self.turns.acquire(caller.client or caller.identity), deadline, plan.label,
-                            "waiting for its turn to encode a large result")
+        await self._turn(caller, deadline, plan.label, "encode a large result")
         sent = 0.0
         try:
             self.encode_result(plan, result, caller, out, MAX_RESULT_WORK, time_limit_s=MAX_TURN_S)
