@@ -133,3 +133,95 @@ def multiplex_batches(address: str, metadata: tuple[tuple[str, str], ...] = ()) 
     assert got[42].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], got[42]
     assert tuple(v.int for v in got[40].value.tuple.items) == (16, 32)
     assert tuple(v.int for v in got[43].value.tuple.items) == (48, 64)
+    # Requests that name no call are refused under id 0, the same refusal once per reply: a batch of
+    # 65,536 empty requests got as many events, 77 times the bytes it took to send them.
+    empty = pb.MuxRequest(batch=pb.MuxBatch(requests=[pb.MuxRequest()] * 1000 + [_pp_start(700, 64, 1, 4)]))
+    with grpc.insecure_channel(address) as channel:
+        replies = list(pb_grpc.BridgeStub(channel).Multiplex(iter([empty]), metadata=metadata, timeout=30))
+    events = [e for r in replies for e in r.events]
+    refusals = [e for e in events if e.id == 0]
+    assert 1 <= len(refusals) <= 1000 // 64 + 1, len(refusals)
+    assert all("must hold start" in e.error.message for e in refusals)
+    assert [e.id for e in events if e.id] == [700]
+    # A start cancelled in the batch that starts it never runs: it is answered CANCELLED all the same
+    # (it went unanswered, holding its worker slot for as long as the connection lived).
+    gone = [pb.MuxRequest(start=pb.MuxStart(id=i, call=_pp_start(i, 64, 1, 4).start.call, stream=True))
+            for i in range(500, 564)]
+    cancels = pb.MuxRequest(batch=pb.MuxBatch(requests=[r for g in gone for r in (g, pb.MuxRequest(cancel=g.start.id))]
+                                              + [_pp_start(600, 64, 2, 4)]))
+    with grpc.insecure_channel(address) as channel:
+        replies = list(pb_grpc.BridgeStub(channel).Multiplex(iter([cancels]), metadata=metadata, timeout=30))
+    got = {e.id: e for r in replies for e in r.events}
+    assert sorted(got) == [*range(500, 564), 600], sorted(got)
+    assert all(got[i].error.code == grpc.StatusCode.CANCELLED.value[0] for i in range(500, 564)), got[500]
+    assert tuple(v.int for v in got[600].value.tuple.items) == (32, 48)
+
+
+def _varint(n: int) -> bytes:
+    out = b""
+    while True:
+        low, n = n & 0x7F, n >> 7
+        if not n:
+            return out + bytes([low])
+        out += bytes([low | 0x80])
+
+
+def large_requests(address: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    """A check for the worker and the pool server alike. A request of LARGE_REQUEST_BYTES or more
+    is not parsed whole where it is read (a message of many tiny values held the reader's loop for
+    seconds): its values are parsed in the caller's turn. So bytes that are not a CallRequest deep
+    inside a large call fail that call alone, in a Multiplex batch as over Call, and the calls
+    beside it in the batch run."""
+    from bridge_server.wire.protocol import LARGE_REQUEST_BYTES
+
+    # args[0]: a list of 150,000 empty values, then one whose length runs past the end
+    items = b"\x0a\x00" * 150_000 + b"\x0a\x05\x01"
+    broken = pb.CallRequest(target=pb.Target(kind=pb.Target.FUNCTION, name="vllm.distributed.divide"))
+    raw = broken.SerializeToString() + b"\x12" + _varint(len(items) + 1 + len(_varint(len(items)))) + \
+        b"\x42" + _varint(len(items)) + items
+    assert len(raw) >= LARGE_REQUEST_BYTES
+    text = pb.CallRequest(target=broken.target, args=[pb.Value(list=pb.Items(items=[pb.Value(str="x")] * 100_000)),
+                                                      pb.Value(int=1)])
+    pp = pb.Target(kind=pb.Target.FUNCTION, name="vllm.distributed.get_pp_indices")
+    calls = [pb.CallRequest(target=pp, args=[pb.Value(int=a) for a in (64, 1, 4)]).SerializeToString(),
+             raw,                             # fails alone, in its turn
+             text.SerializeToString(),        # parsed and decoded in its turn: not a number
+             pb.CallRequest(target=pp, args=[pb.Value(int=a) for a in (64, 3, 4)]).SerializeToString()]
+    # As views: a protobuf message cannot hold the broken call.
+    wire = pb.MuxRequestView(batch=pb.MuxBatchView(requests=[
+        pb.MuxRequestView(start=pb.MuxStartView(id=i, call=call)) for i, call in enumerate(calls, 1)]))
+    with grpc.insecure_channel(address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary("/vllm_bridge.v1.Bridge/Call")(raw, metadata=metadata, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value      # type: ignore[attr-defined]
+        assert "not a valid vllm_bridge.v1.CallRequest" in err.value.details()    # type: ignore[attr-defined]
+        replies = list(channel.stream_stream("/vllm_bridge.v1.Bridge/Multiplex")(
+            iter([wire.SerializeToString()]), metadata=metadata, timeout=60))
+    got = {e.id: e for r in replies for e in pb.MuxReply.FromString(r).events}
+    assert sorted(got) == [1, 2, 3, 4], got
+    assert tuple(v.int for v in got[1].value.tuple.items) == (16, 32)
+    assert tuple(v.int for v in got[4].value.tuple.items) == (48, 64)
+    assert got[2].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], got[2]
+    assert "not a valid vllm_bridge.v1.CallRequest" in got[2].error.message, got[2]
+    assert got[3].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], got[3]
+    assert "numerator" in got[3].error.message, got[3]
+    # A large call of more arguments than MAX_CALL_FIELDS (here: empty ones, 2 bytes each) is refused
+    # before anything parses it; thirty million of them took the pool server to 7 GB.
+    from bridge_server.wire.protocol import MAX_CALL_FIELDS
+    many = broken.SerializeToString() + b"\x12\x00" * (LARGE_REQUEST_BYTES // 2)
+    assert LARGE_REQUEST_BYTES // 2 > MAX_CALL_FIELDS
+    with grpc.insecure_channel(address) as channel:
+        for rpc in ("Call", "Stream"):
+            with pytest.raises(grpc.RpcError) as err:
+                list(channel.unary_stream("/vllm_bridge.v1.Bridge/Stream")(many, metadata=metadata, timeout=30)) \
+                    if rpc == "Stream" else channel.unary_unary("/vllm_bridge.v1.Bridge/Call")(
+                        many, metadata=metadata, timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value      # type: ignore[attr-defined]
+            assert f"more than {MAX_CALL_FIELDS:,} arguments" in err.value.details()    # type: ignore[attr-defined]
+    # A batch of more requests than MUX_MAX_BATCH ends its stream, with none of them handled.
+    from bridge_server.wire.protocol import MUX_MAX_BATCH
+    many = pb.MuxRequest(batch=pb.MuxBatch(requests=[pb.MuxRequest(cancel=i + 1) for i in range(MUX_MAX_BATCH + 1)]))
+    with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as err:
+        list(pb_grpc.BridgeStub(channel).Multiplex(iter([many]), metadata=metadata, timeout=60))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value     # type: ignore[attr-defined]
+    assert f"over the limit of {MUX_MAX_BATCH:,}" in err.value.details()         # type: ignore[attr-defined]

@@ -32,11 +32,19 @@ from bridge_server.pool.lane import ITEMS, STREAM_WINDOW, LaneClosed
 from bridge_server.pool.metrics import Metrics
 from bridge_server.pool.multiplex import forward_multiplex
 from bridge_server.pool.poolstate import Backend, Flight, pool_error
-from bridge_server.pool.router import Router, client_of, read_route, session_key, time_left
+from bridge_server.pool.router import Router, client_of, read_route, routed_request, session_key, time_left
 from bridge_server.wire.errors import STATUS_DETAILS_KEY, BridgeError, caller_gone, mux_error_status, status_code
-from bridge_server.wire.protocol import MD_IDENTITY, MD_WORKER_REFS, ROUTER_ONLY_KEYS, parse_request
+from bridge_server.wire.protocol import (
+    LARGE_REQUEST_BYTES,
+    MD_IDENTITY,
+    MD_WORKER_REFS,
+    ROUTER_ONLY_KEYS,
+    parse_request,
+    read_release,
+)
 from bridge_server.wire.security import MD_AUTHORIZATION, ServerSecurity
 from bridge_server.wire.stall import StallGuard
+from bridge_server.wire.turns import Turns, read_in_turn
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 log = logging.getLogger("vllm_bridge.router")
@@ -69,9 +77,6 @@ async def release_on(backend: Backend, request: pb.ReleaseRequest, metadata: Seq
     if held is not None:
         backend.refs = int(held)
     return int(pb.ReleaseReply.FromString(raw).released)
-
-
-MAX_RELEASE_IDS = 100_000      # ref ids in one Release (a client holds at most max_refs_per_client per worker)
 
 
 def _forwarded(metadata: Sequence[tuple[str, str | bytes]] | None, identity: str = "") -> list[tuple[str, str | bytes]]:
@@ -118,6 +123,7 @@ class Forwarder:
         self.limit = max_request_bytes
         self.stall = StallGuard()         # bounds each write to a Stream's caller (pool key reader_stall_s)
         self.backlog = backlog or Backlog()   # what the streams' callers have not read, in all (max_unread_bytes)
+        self.turns = Turns()              # for parsing large requests, one at a time
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE, {
@@ -187,8 +193,11 @@ class Forwarder:
             identity = self.security.identity(context)
             if self.backlog.over():
                 self.backlog.admit(client_of(identity, context), "Call")
-            route = read_route(md, context.time_remaining(), parse_request(pb.CallRequest, request, "Call", self.limit),
-                               identity)
+            head = routed_request(request, "Call", self.limit, self.router) if len(request) < LARGE_REQUEST_BYTES \
+                else await read_in_turn(self.turns, client_of(identity, context), len(request),
+                                        lambda: routed_request(request, "Call", self.limit, self.router), "Call",
+                                        context.time_remaining())
+            route = read_route(md, context.time_remaining(), head, identity)
             plan = self.router.plan(route)
             pool = plan.pool
             backend = pool.take(plan) or await pool.wait(plan, route.deadline, client_of(identity, context))
@@ -244,7 +253,7 @@ class Forwarder:
             identity = self.security.identity(context)
             out.pool, reply = await run_collective(self.router, request, context,
                                                    _forwarded(context.invocation_metadata(), identity), self.limit,
-                                                   identity)
+                                                   identity, self.turns)
             out.code = "OK"
             return reply
         except BaseException as exc:
@@ -270,8 +279,10 @@ class Forwarder:
         identity = self.security.identity(context)
         caller = client_of(identity, context)
         self.backlog.admit(caller, "Stream")
-        route = read_route(md, context.time_remaining(), parse_request(pb.CallRequest, request, "Stream", self.limit),
-                           identity)
+        head = await read_in_turn(self.turns, caller, len(request),
+                                  lambda: routed_request(request, "Stream", self.limit, self.router), "Stream",
+                                  context.time_remaining())
+        route = read_route(md, context.time_remaining(), head, identity)
         plan = self.router.plan(route)
         pool = plan.pool
         backend = pool.take(plan) or await pool.wait(plan, route.deadline, caller)
@@ -350,7 +361,7 @@ class Forwarder:
             return self.stall.wait(context.write(reply), "Multiplex", stall_s)
         try:
             await forward_multiplex(self.router, requests, context, _lane_failure, write,
-                                    self.security.identity(context), self.limit, self.backlog)
+                                    self.security.identity(context), self.limit, self.backlog, self.turns)
             out.code = "OK"
         except BaseException as exc:
             await self._abort(context, out, exc)
@@ -376,12 +387,9 @@ class Forwarder:
         md = context.invocation_metadata()
         identity = self.security.identity(context)
         route = read_route(md, context.time_remaining(), identity=identity)
-        req = parse_request(pb.ReleaseRequest, request, "Release", self.limit)
-        if len(req.ref_ids) > MAX_RELEASE_IDS:    # grouping millions of ids held the server's loop for seconds
-            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
-                              f"Release: {len(req.ref_ids):,} ref ids in one request is over this server's limit of "
-                              f"{MAX_RELEASE_IDS:,} (release a session to drop all of its refs at once)",
-                              parameter="ref_ids", reason="too many ref ids")
+        # (grouping millions of ids held the server's loop for seconds)
+        req = await read_in_turn(self.turns, client_of(identity, context), len(request),
+                                 lambda: read_release(request, self.limit), "Release", context.time_remaining())
         by_worker: dict[str, list[str]] = {}
         for ref in req.ref_ids:
             by_worker.setdefault(ref.partition(".")[0], []).append(ref)

@@ -32,16 +32,22 @@ import grpc
 from bridge_server.pool.backlog import Backlog
 from bridge_server.pool.lane import STREAM_WINDOW, LaneCall, LaneClosed
 from bridge_server.pool.poolstate import Backend, Flight, Plan, PoolRouter
-from bridge_server.pool.router import Route, Router, client_of, read_route, time_left
+from bridge_server.pool.router import Route, Router, client_of, read_route, routed_request, time_left
 from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.eventloop import never_ran
 from bridge_server.wire.protocol import (
+    LARGE_REQUEST_BYTES,
     MAX_MESSAGE_BYTES,
+    batch_within_limit,
     in_slices,
+    large_batch_within_limit,
     mux_calls_named,
     mux_refusal,
     parse_request,
+    start_options_within_limit,
     time_left_s,
 )
+from bridge_server.wire.turns import Turns
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["forward_multiplex"]
@@ -105,7 +111,8 @@ def _within_limit(batch: Any) -> list[bytes]:
 
 async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
                             failure: Failure, write: Callable[[bytes], Awaitable[object]], identity: str = "",
-                            limit: int = MAX_MESSAGE_BYTES, backlog: Backlog | None = None) -> None:
+                            limit: int = MAX_MESSAGE_BYTES, backlog: Backlog | None = None,
+                            turns: Turns | None = None) -> None:
     """Serves one client Multiplex stream, writing its replies with `write`, until it half-closes and
     every call ends. `failure` says what a call whose worker's lane closed must report, as for plain
     calls. What waits to be written counts in `backlog`, which may end the stream (raises its error)."""
@@ -118,6 +125,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         if task is not None:
             task.cancel()
     backlog = backlog or Backlog(0)
+    turns = turns or Turns()
     caller = client_of(identity, context)      # as the backlog knows callers: all its streams together
     holding = backlog.open(caller, "Multiplex", end_stream)
     context.add_done_callback(lambda _: backlog.close(holding))   # what gRPC holds is gone with the RPC
@@ -129,6 +137,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     # `identity` is the caller's: what the client names in its own options is not (the lane drops it).
     out: asyncio.Queue[tuple[bytes, list[tuple[_Running, int]], int, int] | None] = asyncio.Queue()
     batch = pb.MuxReplyView()
+    said: set[str] = set()                     # refusals under id 0 in `batch`
     credit: dict[_Running, int] = {}           # items in `batch` of streams on the router's window
     flushing = False
     unwritten = 0                              # bytes in `out`
@@ -159,6 +168,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                 out.put_nowait((frame, [], 0, 0))
             out.put_nowait((frames[-1], list(credit.items()), answers, counted))
             batch, credit = pb.MuxReplyView(), {}
+            said.clear()
             unwritten += sum(len(frame) for frame in frames)
             answers = counted = 0
             check_room()
@@ -174,6 +184,10 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         return batch.events.add(id=client_id)
 
     def refuse(client_id: int, err: BridgeError) -> None:
+        if client_id == 0:    # about no call: said once per reply (a batch of 65,536 empty requests got 65,536)
+            if err.message in said:
+                return
+            said.add(err.message)
         add_event(client_id).error.CopyFrom(err.to_mux_error())
 
     def end(run: _Running) -> None:
@@ -296,10 +310,11 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                 f"Multiplex: call id {client_id} is still running; ids must be unique among running calls "
                 f"(this start was refused, the running call goes on)", parameter="start.id"))
             return
-        md = (*defaults, *start.metadata.items())     # the RPC's options, overlaid with the call's
         try:
+            start_options_within_limit(len(start.metadata), client_id)
+            md = (*defaults, *start.metadata.items())     # the RPC's options, overlaid with the call's
             backlog.admit(caller, f"Multiplex: call {client_id}")
-            call = parse_request(pb.CallRequest, start.call, f"Multiplex: call {client_id}", limit)
+            call = routed_request(start.call, f"Multiplex: call {client_id}", limit, router)
             limits = [t for t in (context.time_remaining(), time_left_s(start.time_left_ms)) if t is not None]
             route = read_route(md, min(limits) if limits else None, call, identity, client)
             plan = router.plan(route)
@@ -329,6 +344,12 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             if run is not None and run.lc is not None:
                 run.lc.ask_to_cancel()      # the worker's CANCELLED event ends it
             elif (waiting := queued.get(request.cancel)) is not None:
+                if never_ran(waiting):       # its own refusal and unqueuing would never run
+                    queued.pop(request.cancel, None)
+                    refuse(request.cancel, BridgeError(grpc.StatusCode.CANCELLED, "cancelled",
+                                                       "cancelled by the client", reason="cancelled"))
+                    if not running and not queued:
+                        idle.set()
                 waiting.cancel()
         elif kind == "credit":
             run = running.get(request.credit.id)
@@ -340,14 +361,24 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     async def read() -> None:
         async for raw in requests:
             await room.wait()
+            large = len(raw) >= LARGE_REQUEST_BYTES   # parsed in the connection's turn (`wire/turns.py`)
+            if large:
+                await turns.acquire(caller)
             try:
-                request = parse_request(pb.MuxRequestView, raw, "Multiplex", limit + 64 * 1024)
-            except BridgeError as err:     # each call it names fails (id 0, which no call uses: none)
-                for call_id in mux_calls_named(raw):
-                    if call_id not in running and call_id not in queued:
-                        refuse(call_id, err)
-                continue
+                if large:
+                    large_batch_within_limit(raw)    # counted before any parse; over the limit ends the stream
+                try:
+                    request = parse_request(pb.MuxRequestView, raw, "Multiplex", limit + 64 * 1024)
+                except BridgeError as err:     # each call it names fails (id 0, which no call uses: none)
+                    for call_id in mux_calls_named(raw):
+                        if call_id not in running and call_id not in queued:
+                            refuse(call_id, err)
+                    continue
+            finally:
+                if large:
+                    turns.release()
             if request.WhichOneof("kind") == "batch":
+                batch_within_limit(len(request.batch.requests))
                 await in_slices(request.batch.requests, functools.partial(handle, nested=True), room)
             else:
                 handle(request)
@@ -361,7 +392,9 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         except asyncio.CancelledError:
             raise
         except BaseException as exc:   # a malformed request: the stream ends with its error
-            failed.append(exc)
+            # without its traceback, whose frames hold what was read (a batch of 20 million views:
+            # 900 MB kept for as long as anything held the error)
+            failed.append(exc.with_traceback(None))
         flush()
         out.put_nowait(None)
 

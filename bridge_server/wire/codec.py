@@ -236,7 +236,7 @@ class Encoder:
     # bytes) before it stops with `TooCostly`.
     # None: no bound. A worker encodes every result on its one event loop, and a 100-byte request
     # can ask for megabytes: a result past the bound is encoded again when its turn comes
-    # (`worker/turns.py`), so no caller's large results hold the loop that serves everyone.
+    # (`wire/turns.py`), so no caller's large results hold the loop that serves everyone.
     work_limit: int | None = None
     # With a work limit, also the most time one `encode` may take (what an item costs varies: a
     # tensor view costs 30 times an int).

@@ -185,6 +185,7 @@ class Decoder:
 
     def _record(self, value: pb.Value, path: str) -> object:
         rec = value.record
+        self._within(len(rec.fields), path, "a record")
         fields: dict[str, object] = {}
         for field in rec.fields:
             if field.name in fields:

@@ -105,13 +105,15 @@ class BridgeError(Exception):
         return cls(grpc.StatusCode.DEADLINE_EXCEEDED, "timeout", message, target=target, reason="deadline exceeded")
 
     @classmethod
-    def from_exception(cls, exc: BaseException, target: str) -> BridgeError:
-        """Wraps an exception raised by the called Python code, keeping its type and traceback."""
+    def from_exception(cls, exc: BaseException, target: str, pure: bool = False) -> BridgeError:
+        """Wraps an exception raised by the called Python code, keeping its type and traceback.
+        `pure`: the code is a function of its arguments alone (an inline helper), so a failed
+        assertion is about them (INVALID_ARGUMENT), not about the state of anything."""
         if isinstance(exc, BridgeError):
             return exc
         py_type = type(exc).__name__
         text = str(exc)
-        code = _py_status(exc)
+        code = grpc.StatusCode.INVALID_ARGUMENT if pure and isinstance(exc, AssertionError) else _py_status(exc)
         cause = exc.__cause__
         if not text and cause is not None and not isinstance(cause, BridgeError):
             # A wrapper with nothing to say (vLLM's EngineGenerateError raised `from` what failed):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import gc
+import inspect
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -71,3 +72,11 @@ def return_large_buffers(threshold: int = 1 << 20) -> None:
     except (OSError, AttributeError):
         return
     mallopt(_M_MMAP_THRESHOLD, threshold)
+
+
+def never_ran(task: asyncio.Task[Any]) -> bool:
+    """Whether a task's coroutine has not begun. Cancelled now, it never will: none of its code runs,
+    its `except CancelledError` included, so whatever it would say on the way out (a call's
+    CANCELLED event, giving back its place) must be said by whoever cancels it. A start and its
+    cancel in one Multiplex batch left such calls unanswered, and their worker slots taken for good."""
+    return inspect.getcoroutinestate(task.get_coro()) == inspect.CORO_CREATED  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -52,6 +52,9 @@ DEFAULT_SESSION = "default"
 # Multiplex: a batch's requests handled before the event loop turns (a server handles a batch a
 # slice at a time, so one message of many small starts holds up others no more than many messages).
 MUX_BATCH_SLICE = 64
+# Requests in one MuxBatch at most. Handling 30 million empty requests of one 57 MiB batch, a slice at
+# a time, kept the reader busy for minutes and their parsed views (1.4 GB) alive throughout.
+MUX_MAX_BATCH = 65_536
 
 # Channel and server options shared by every client and server of the protocol: tensors by value
 # can be large, and a port must never be silently shared by two servers.
@@ -99,19 +102,160 @@ def host_of(caller: str) -> str:
     return caller
 
 
-def parse_request(cls: type[M], data: bytes, rpc: str, limit: int | None = None) -> M:
+def parse_request(cls: type[M], data: bytes, rpc: str, limit: int | None = None,
+                  shown: type[Message] | None = None) -> M:
     """A request as read off the wire. Bytes that are not a `cls` (truncated, invalid UTF-8 in a
     string, nested past protobuf's depth limit) are the caller's mistake: INVALID_ARGUMENT naming
-    the RPC and the message type, refused where they are read and never passed on; more bytes than
-    `limit` are RESOURCE_EXHAUSTED, naming the limit."""
+    the RPC and the message type (`shown`'s, for a view of it: the type the caller sent), refused
+    where they are read and never passed on; more bytes than `limit` are RESOURCE_EXHAUSTED, naming
+    the limit."""
     if limit is not None and len(data) > limit:
         raise too_large(len(data), limit, rpc)
     try:
         return cls.FromString(data)
     except (DecodeError, RecursionError, ValueError) as exc:
         raise BridgeError.validation(
-            f"{rpc}: the request is not a valid {cls.DESCRIPTOR.full_name} ({len(data)} bytes): {exc}",
+            f"{rpc}: the request is not a valid {(shown or cls).DESCRIPTOR.full_name} ({len(data)} bytes): {exc}",
             parameter="request") from None
+
+
+def count_fields(data: bytes, at_most: int, start: int = 0, end: int | None = None) -> int:
+    """How many fields the serialized message `data[start:end]` holds at its top level (a group's
+    fields included), read off the wire format without parsing it, and stopping past `at_most`. Why:
+    protobuf parses a message whole, in one call nothing can cut short, and thirty million empty
+    fields (2 bytes each) cost it 1 s and 1.5 GB; this costs ~1 µs per field, up to the bound."""
+    n = 0
+    for _ in _fields(data, start, len(data) if end is None else end):
+        n += 1
+        if n > at_most:
+            break
+    return n
+
+
+def length_delimited(data: bytes, field_number: int, at_most: int = 64) -> list[tuple[int, int]] | None:
+    """Where each top-level field `field_number` (a message; protobuf merges repeats of it into one)
+    lies in `data`, as (start, end), read off the wire without parsing: to count a nested message's
+    fields (`count_fields`) before anything parses it. None when the message has more than
+    `at_most` top-level fields (more than any valid one has)."""
+    found = []
+    for n, (tag, begin, stop) in enumerate(_fields(data, 0, len(data))):
+        if n >= at_most:
+            return None
+        if tag >> 3 == field_number and tag & 7 == 2:
+            found.append((begin, stop))
+    return found
+
+
+def _fields(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+    """Each top-level field of `data[start:end]` as (tag, where its value begins, where it ends), as
+    protobuf reads them (overlong varints; a group's start and end are fields of their own, its
+    fields too). Stops at bytes that run past the end or are no field: the parse refuses those."""
+    i = start
+    while i < end:
+        tag, i = _varint(data, i, end)
+        wire_type = tag & 7
+        begin = i
+        if wire_type == 0:
+            _, i = _varint(data, i, end)
+        elif wire_type == 1:
+            i += 8
+        elif wire_type == 2:
+            length, begin = _varint(data, i, end)
+            i = begin + length
+        elif wire_type == 5:
+            i += 4
+        elif wire_type not in (3, 4):
+            return
+        if i > end:
+            return
+        yield tag, begin, i
+
+
+def _varint(data: bytes, i: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while i < end and shift < 70:
+        b = data[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+    return 0, end + 1      # cut short
+
+
+# Top-level fields of one CallRequest at most: its target, arguments and keyword arguments. A
+# function takes a few dozen; thirty million empty arguments cost the pool server 7 GB to parse, and
+# a worker's decoding of 15 million held its loop 9.5 s.
+MAX_CALL_FIELDS = 4096
+
+
+def call_within_limit(data: bytes, rpc: str) -> None:
+    """Refuses, before any parse, a CallRequest of more than MAX_CALL_FIELDS arguments in all."""
+    if count_fields(data, MAX_CALL_FIELDS) > MAX_CALL_FIELDS:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"{rpc}: a call of more than {MAX_CALL_FIELDS:,} arguments and keyword arguments is over "
+                          f"this server's limit (pass many values as one list)", parameter="args",
+                          reason="too many arguments")
+
+
+# A request this large is not parsed whole where it is read. Protobuf parses a message in one call
+# that holds the reader's loop (and the GIL) throughout, and a message of many tiny values grows ~25
+# times when parsed: 57 MiB of empty values took the pool server's loop 1 s and 1.5 GB per copy, and
+# a few such requests stalled every caller 40 s. Below this size a parse costs under ~5 ms.
+LARGE_REQUEST_BYTES = 256 << 10
+
+
+@dataclass(frozen=True)
+class LargeRequest:
+    """A CallRequest of LARGE_REQUEST_BYTES or more, read for its target only: the worker parses the
+    rest in the caller's turn, together with decoding it, so that one parse at a time holds the loop
+    and each parsed tree is gone once its values are decoded."""
+
+    target: pb.Target
+    raw: bytes
+    rpc: str
+    limit: int | None = None
+
+    def parse(self) -> pb.CallRequest:
+        return parse_request(pb.CallRequest, self.raw, self.rpc, self.limit)
+
+
+def read_call(data: bytes, rpc: str, limit: int | None = None) -> pb.CallRequest | LargeRequest:
+    """A CallRequest as a worker reads it: parsed at once when small, else a `LargeRequest`."""
+    if len(data) < LARGE_REQUEST_BYTES:
+        return parse_request(pb.CallRequest, data, rpc, limit)
+    return LargeRequest(read_large_call(data, rpc, limit, pb.CallTargetView).target, data, rpc, limit)
+
+
+def read_large_call(data: bytes, rpc: str, limit: int | None, view: type[M]) -> M:
+    """A large CallRequest read through `view` (one that leaves its arguments unparsed), once its
+    size and its count of arguments are within bounds; errors name CallRequest, the type sent."""
+    if limit is not None and len(data) > limit:
+        raise too_large(len(data), limit, rpc)
+    call_within_limit(data, rpc)     # counted before the view holds one object for each
+    return parse_request(view, data, rpc, shown=pb.CallRequest)
+
+
+MAX_RELEASE_IDS = 100_000      # ref ids in one Release (a client holds at most max_refs_per_client per worker)
+
+
+def read_release(data: bytes, limit: int | None = None) -> pb.ReleaseRequest:
+    """A ReleaseRequest of at most MAX_RELEASE_IDS ids, counted before the parse when it is large:
+    parsed first and counted after, 30 million empty ids (57 MiB) took the reader's loop 0.9 s and
+    1 GB."""
+    if limit is not None and len(data) > limit:
+        raise too_large(len(data), limit, "Release")
+    # A small one is parsed at once (it holds few fields); a large one is counted first.
+    request = None
+    if len(data) < LARGE_REQUEST_BYTES or count_fields(data, MAX_RELEASE_IDS + 1) <= MAX_RELEASE_IDS + 1:
+        request = parse_request(pb.ReleaseRequest, data, "Release")
+        if len(request.ref_ids) <= MAX_RELEASE_IDS:
+            return request
+    said = f"{len(request.ref_ids):,} ref ids" if request is not None else f"more than {MAX_RELEASE_IDS:,} fields"
+    raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                      f"Release: {said} in one request is over this server's limit of {MAX_RELEASE_IDS:,} ref ids "
+                      f"(release a session to drop all of its refs at once)", parameter="ref_ids",
+                      reason="too many ref ids")
 
 
 # How a unary-request RPC is served: (the servicer's method, the request's message type, whether
@@ -157,6 +301,30 @@ def health_and_status(health: Any, status: Callable[..., Awaitable[object]]) -> 
                            {"Check": (health.Check, request, False), "Watch": (health.Watch, request, True)}),
             parsed_service(pool_pb2.DESCRIPTOR.services_by_name["Pool"].full_name,
                            {"Status": (status, pool_pb2.StatusRequest, False)})]
+
+
+def large_batch_within_limit(data: bytes) -> None:
+    """batch_within_limit for a MuxRequest's bytes, before any parse: a batch of 30 million empty
+    requests cost 1 s and 1.4 GB to parse. A batch given in several parts counts them all (protobuf
+    merges them), and a request of many top-level fields is no MuxRequest."""
+    spans = length_delimited(data, 4)       # MuxRequest.batch
+    if spans is None:
+        batch_within_limit(MUX_MAX_BATCH + 1)
+        return
+    count = 0
+    for start, end in spans:
+        count += count_fields(data, MUX_MAX_BATCH - count, start, end)
+        batch_within_limit(count)
+
+
+def batch_within_limit(count: int) -> None:
+    """Ends the Multiplex stream of a batch over MUX_MAX_BATCH requests: none of them is handled,
+    and the client is told why, instead of a reply for each of millions of requests."""
+    if count > MUX_MAX_BATCH:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"Multiplex: a batch of {count:,} requests is over the limit of {MUX_MAX_BATCH:,} per "
+                          f"message (send them in several batches)", parameter="batch.requests",
+                          reason="batch too large")
 
 
 def mux_refusal(what: str) -> BridgeError:
@@ -262,6 +430,17 @@ def _ms(key: str, raw: str) -> float | None:
 # it waits, and a stream's last item waits out the interval before it (10 s: far past any use).
 MAX_STREAM_INTERVAL_MS = 10_000
 MAX_METADATA_BYTES = 16 * 1024     # a call's options, keys and values together (gRPC's header limit)
+MAX_START_OPTIONS = 1024           # a Multiplex start's options, counted before any is read
+
+
+def start_options_within_limit(count: int, call_id: int) -> None:
+    """Refuses a Multiplex start of more options than MAX_START_OPTIONS, counted in the parsed map
+    before any is turned into Python (4 million of them took the pool server's loop 5 s before the
+    bound of MAX_METADATA_BYTES could refuse them)."""
+    if count > MAX_START_OPTIONS:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"Multiplex: call {call_id} has {count:,} options, over the limit of {MAX_START_OPTIONS:,}",
+                          parameter="metadata", reason="metadata too large")
 CACHED_METADATA_BYTES = 1024       # larger option sets are parsed each time, never remembered
 MAX_SESSION_ID_CHARS = 256
 

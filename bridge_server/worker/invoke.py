@@ -1,4 +1,5 @@
-"""Runs one call: resolve the target, decode and bind the arguments, run, encode the result.
+"""Runs one call: resolve the target, decode and bind the arguments, run; the result is encoded by
+`results.py`.
 
 Where work runs is decided here, once, for every kind of target:
 - coroutines and async generators run on the event loop, so many AsyncLLM calls share one engine;
@@ -13,8 +14,8 @@ The surface is closed here, by construction. On a receiver a client reaches the 
 documents list for its class, the members an adapter declares for an undocumented type that
 documented calls return (`Exposure`), and the context-manager and iteration protocols; nothing
 else (PERMISSION_DENIED, naming the member and the type). No ref to a module, class, function or
-builtin that is not itself a catalog entry leaves the worker, at any depth of a result, and no such
-ref is taken as an argument. Each call is made for a `Caller`: the identity that owns the refs it
+builtin that is not itself a catalog entry leaves the worker, at any depth of a result (`results.py`),
+and no such ref is taken as an argument. Each call is made for a `Caller`: the identity that owns the refs it
 creates (and may use only its own), its session, and whether it is a rank's share of a Collective.
 """
 
@@ -28,11 +29,9 @@ import difflib
 import functools
 import inspect
 import time
-import types
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 import grpc
@@ -40,11 +39,11 @@ import msgspec
 import pydantic
 
 from adapters.spec import CallContext, Policy
-from bridge_server.wire.codec import Encoder, TooCostly
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import BridgeError, clip, quote
-from bridge_server.wire.protocol import DEFAULT_SESSION, STREAM_PATCH_V1
+from bridge_server.wire.protocol import DEFAULT_SESSION, LARGE_REQUEST_BYTES, STREAM_PATCH_V1, LargeRequest
 from bridge_server.wire.stall import READER_STALL_S, StallGuard
+from bridge_server.wire.turns import Turns
 from bridge_server.worker.binding import (
     Building,
     Checks,
@@ -57,17 +56,8 @@ from bridge_server.worker.binding import (
 from bridge_server.worker.catalog import Catalog, Entry, Kind
 from bridge_server.worker.deadlines import Deadlines, with_deadline
 from bridge_server.worker.refs import RefRegistry
-from bridge_server.worker.streams import Pace, PutItem, Tee, item_writer, iterable, iterate, lazily
-from bridge_server.worker.turns import (
-    MAX_RESULT_WORK,
-    MAX_TURN_S,
-    WORK_TIME_S,
-    SEND_S_PER_BYTE,
-    TURN_REQUEST_BYTES,
-    TURN_RESULT_BYTES,
-    WORK_LIMIT,
-    Turns,
-)
+from bridge_server.worker.results import CODE_TYPES, Results, take_turn
+from bridge_server.worker.streams import Pace, PutItem, Tee, iterable, iterate, lazily
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 _PROTOCOL_METHODS = frozenset({"__enter__", "__exit__", "__aenter__", "__aexit__"})   # context managers
@@ -76,12 +66,6 @@ _EXIT_METHODS = frozenset({"__exit__", "__aexit__"})
 # call abandoned at its deadline runs on in its thread, and whatever it holds (an engine being
 # made counts against its client's limit) is held until then.
 _ON_END: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar("on_end", default=None)
-# Code, which a ref must never point to unless the catalog names it: a module, class or function
-# reached through a result would lead anywhere.
-_CODE = (ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.CodeType,
-         types.FrameType, types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType,
-         types.ClassMethodDescriptorType, types.GetSetDescriptorType, types.MemberDescriptorType, functools.partial,
-         staticmethod, classmethod, property)
 
 
 @dataclass(frozen=True)
@@ -155,7 +139,8 @@ class Invoker:
         self._decoders: dict[str, Decoder] = {}   # by identity
         self._building = Building(self.catalog.short_types, self.catalog.rule, self.policy)
         self.stall = StallGuard(self.limits.reader_stall_s)   # bounds every wait on a stream's caller
-        self.turns = Turns()      # costly results take turns on the loop
+        self.turns = Turns()      # costly results and large requests take turns on the loop
+        self.results = Results(self.refs, self.catalog, self.turns, self.tensor_max_bytes)
 
     def active_since(self, obj: object, since: float) -> bool:
         """Whether a stream on `obj` yielded an item after `since` (time.monotonic()): progress."""
@@ -186,7 +171,7 @@ class Invoker:
 
     def _argument_ref(self, identity: str, ref: pb.Ref) -> object:
         obj = self.refs.get(ref.id, identity).obj
-        if isinstance(obj, _CODE):
+        if isinstance(obj, CODE_TYPES):
             raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
                               f"ref {quote(ref.id)} is a {type(obj).__name__}: code can be named (a catalog entry), "
                               f"never passed as an argument", parameter=quote(ref.id), reason="code")
@@ -281,7 +266,7 @@ class Invoker:
     def _plan_member(self, target: pb.Target, obj: object, exclusive: bool, published: bool = False) -> Plan:
         name, kind = target.name, target.kind
         label = f"{type(obj).__qualname__}.{clip(name, 80)}" if name else type(obj).__qualname__
-        if isinstance(obj, _CODE):
+        if isinstance(obj, CODE_TYPES):
             raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
                               f"{label}: members of a {type(obj).__name__} cannot be reached through a ref",
                               target=label)
@@ -328,23 +313,18 @@ class Invoker:
                     fill_exit_args=name in _EXIT_METHODS, result_ref=entry.result_ref if entry else False)
 
     # -------------------------------------------------------------------------------------- binding
-    async def decode_in_turn(self, request: pb.CallRequest, caller: Caller, plan: Plan,
+    async def decode_in_turn(self, request: pb.CallRequest | LargeRequest, caller: Caller, plan: Plan,
                              deadline: float | None) -> tuple[list[Any], dict[str, Any]]:
-        """decode, for a request of TURN_REQUEST_BYTES or more in the caller's turn: decoding costs
-        the loop what encoding does (eight 5 MB requests of a million strings held it 6.7 s)."""
-        if request.ByteSize() < TURN_REQUEST_BYTES:
+        """decode, for a request of LARGE_REQUEST_BYTES or more in the caller's turn: decoding costs
+        the loop what encoding does (eight 5 MB requests of a million strings held it 6.7 s). A
+        `LargeRequest` is parsed in the same turn, and its parsed tree is gone when the turn ends."""
+        if not isinstance(request, LargeRequest) and request.ByteSize() < LARGE_REQUEST_BYTES:
             return self.decode(request, caller, plan.label)
-        await self._turn(caller, deadline, plan.label, "decode a large request")
+        await take_turn(self.turns, caller, deadline, plan.label, "decode a large request")
         try:
-            return self.decode(request, caller, plan.label)
+            return self.decode(request.parse() if isinstance(request, LargeRequest) else request, caller, plan.label)
         finally:
             self.turns.release()
-
-    async def _turn(self, caller: Caller, deadline: float | None, label: str, doing: str) -> None:
-        """Waits, within the call's deadline, for the caller's turn (its identity, else its connection);
-        the caller then `self.turns.release()`s it."""
-        await with_deadline(self.turns.acquire(caller.client or caller.identity), deadline, label,
-                            f"waiting for its turn to {doing}")
 
     def decode(self, request: pb.CallRequest, caller: Caller = Caller(),
                label: str = "") -> tuple[list[Any], dict[str, Any]]:
@@ -425,80 +405,6 @@ class Invoker:
         if exclusive:
             self.wedged = ""
 
-    def encoder(self, caller: Caller, exclusive: bool, stream: bool = False,
-                minted: list[str] | None = None, work_limit: int | None = None,
-                time_limit_s: float | None = None) -> Encoder:
-        """Values to protobuf; what cannot go by value becomes a ref the caller owns. Code that the
-        catalog does not name is refused, wherever in the result it is."""
-        code_ok = self.catalog.code_objects
-
-        def make_ref(obj: object) -> pb.Ref:
-            if isinstance(obj, _CODE) and id(obj) not in code_ok:
-                raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
-                                  f"the result holds a {type(obj).__name__} ({_short_repr(obj)[:80]}), which is not "
-                                  f"part of the documented surface: no ref to it leaves the worker", reason="code")
-            entry = self.refs.put(obj, caller.session, owner=caller.identity, exclusive=exclusive)
-            if minted is not None:
-                minted.append(entry.id)
-            return pb.Ref(id=entry.id, session_id=caller.session, worker_id=self.refs.worker_id,
-                          type_name=entry.type_name, repr=_short_repr(obj))
-        return Encoder(make_ref=make_ref, tensor_max_bytes=self.tensor_max_bytes, records=self.catalog.records,
-                       constant_fields=self.catalog.record_constants, memo={} if stream else None,
-                       growing_fields=self.catalog.record_growing, work_limit=work_limit, time_limit_s=time_limit_s)
-
-    def encode_result(self, plan: Plan, result: Any, caller: Caller, out: pb.Value | None = None,
-                      work_limit: int | None = None, minted: list[str] | None = None,
-                      time_limit_s: float | None = None) -> pb.Value:
-        """The result as a Value (filled into `out` if given; the refs it mints listed in `minted`).
-        Past `work_limit`: TooCostly, with nothing of the result left behind (`out` cleared, no ref
-        minted)."""
-        minted = [] if minted is None else minted
-        enc = self.encoder(caller, plan.exclusive, minted=minted, work_limit=work_limit, time_limit_s=time_limit_s)
-        if plan.entry is not None and plan.entry.doc is not None:
-            result = _as_documented(plan.entry.doc.returns, result)
-        out = pb.Value() if out is None else out
-        try:
-            if plan.result_ref and result is not None:
-                out.ref.CopyFrom(enc.make_ref(result))
-                return out
-            return enc.encode_into(result, out)
-        except BaseException:
-            self.refs.release(minted)      # nothing of a result that cannot be sent stays behind
-            out.Clear()
-            raise
-
-    async def deliver(self, plan: Plan, result: Any, caller: Caller, deadline: float | None,
-                      out: pb.Value | None = None) -> pb.Value:
-        """encode_result for a call's result, which waits for its turn once it costs more than a
-        bound (`turns.py`): the loop that encodes it serves every other call and stream too."""
-        out = pb.Value() if out is None else out
-        minted: list[str] = []
-        try:
-            self.encode_result(plan, result, caller, out, WORK_LIMIT, minted, WORK_TIME_S)
-        except TooCostly:
-            pass
-        else:
-            if out.ByteSize() < TURN_RESULT_BYTES:
-                return out
-            # Cheap to encode but not to send (each byte is copied again on its way out, on this
-            # loop): it is encoded again in its turn, not held meanwhile.
-            out.Clear()
-            self.refs.release(minted)
-        await self._turn(caller, deadline, plan.label, "encode a large result")
-        sent = 0.0
-        try:
-            self.encode_result(plan, result, caller, out, MAX_RESULT_WORK, time_limit_s=MAX_TURN_S)
-            sent = out.ByteSize() * SEND_S_PER_BYTE
-            return out
-        except TooCostly:
-            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
-                              f"{plan.label}: its result is too large to send by value (over {MAX_RESULT_WORK:,} "
-                              f"items, or the bytes of as many, or {MAX_TURN_S:g} s to encode): one turn of the "
-                              f"worker's event loop encodes it, while every other call waits; ask for it as a ref, "
-                              f"or in parts", target=plan.label, reason="result too large") from None
-        finally:
-            self.turns.release(at_least_s=sent)
-
     def _context(self, plan: Plan, caller: Caller) -> CallContext:
         return CallContext(self.policy, caller.identity, plan.published, self.catalog.names, self.world_size)
 
@@ -523,7 +429,7 @@ class Invoker:
         except BridgeError:
             raise
         except Exception as exc:
-            raise BridgeError.from_exception(exc, plan.label) from exc
+            raise BridgeError.from_exception(exc, plan.label, pure=plan.inline) from exc
 
     def _admit(self, plan: Plan, caller: Caller) -> None:
         """Refuses, before anything runs, a call that would block this rank's process group: in a
@@ -566,7 +472,7 @@ class Invoker:
     def _made_one(self, identity: str) -> None:
         self._making[identity] -= 1
 
-    async def call(self, request: pb.CallRequest, caller: Caller, deadlines: Deadlines,
+    async def call(self, request: pb.CallRequest | LargeRequest, caller: Caller, deadlines: Deadlines,
                    plan: Plan | None = None, out: pb.Value | None = None) -> pb.Value:
         """Runs a call; its result is encoded into `out` (a reply's value) if given."""
         plan = plan or self.plan(request.target, caller)
@@ -585,7 +491,7 @@ class Invoker:
             result = None
         elif plan.result_ref and result is not None and self.adopt is not None:
             await with_deadline(self.adopt(result), deadlines.call, plan.label, "warming up what it made")
-        return await self.deliver(plan, result, caller, deadlines.call, out)
+        return await self.results.deliver(plan, result, caller, deadlines.call, out)
 
     @staticmethod
     def immediate(plan: Plan) -> bool:
@@ -616,13 +522,13 @@ class Invoker:
         except BridgeError:
             raise
         except Exception as exc:
-            raise BridgeError.from_exception(exc, plan.label) from exc
+            raise BridgeError.from_exception(exc, plan.label, pure=True) from exc
         if inspect.isawaitable(result):
             if inspect.iscoroutine(result):
                 result.close()
             raise BridgeError(grpc.StatusCode.INTERNAL, "python", f"{plan.label} is declared inline (a trivial "
                               f"pure helper) but returned an awaitable", target=plan.label)
-        return self.encode_result(plan, result, caller)
+        return self.results.encode(plan, result, caller)
 
     async def call_python(self, target: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
         """Runs a catalog entry for the worker itself (start-up work), with Python values in and out."""
@@ -635,7 +541,7 @@ class Invoker:
         self.objects[name] = obj = await self.call_python(target, args, kwargs)
         return obj
 
-    async def stream(self, request: pb.CallRequest, caller: Caller, deadlines: Deadlines,
+    async def stream(self, request: pb.CallRequest | LargeRequest, caller: Caller, deadlines: Deadlines,
                      interval_s: float | None = None, plan: Plan | None = None,
                      encoding: str | None = None, tee: bool = False) -> AsyncGenerator[tuple[Any, PutItem], None]:
         """Yields each item with the function that puts it into the message that carries it (a
@@ -649,14 +555,14 @@ class Invoker:
                                           caller)
         source = await self.run_checked(plan, args, kwargs, deadlines.call)
         pace = Pace()
-        put = pace.timed(self.item_writer(caller, plan.exclusive, encoding))
+        put = pace.timed(self.results.item_writer(caller, plan.exclusive, encoding))
         lane = self._exclusive_lane if plan.exclusive else self._shared_lane
         items = iterate(source, plan.label, deadlines, lambda step: self._in_thread(lane, step, None, plan.label),
                         interval_s, pace)
         activity, receiver = self._activity, id(plan.receiver)
         async with contextlib.aclosing(items):
             if tee and encoding == STREAM_PATCH_V1:
-                both = Tee(put, pace.timed(self.item_writer(caller, plan.exclusive, None)))
+                both = Tee(put, pace.timed(self.results.item_writer(caller, plan.exclusive, None)))
                 async for item in items:
                     activity[receiver] = time.monotonic()
                     yield item, both.first
@@ -666,9 +572,6 @@ class Invoker:
                 activity[receiver] = time.monotonic()
                 yield item, put
 
-    def item_writer(self, caller: Caller, exclusive: bool, encoding: str | None) -> PutItem:
-        return item_writer(lambda stream: self.encoder(caller, exclusive, stream), encoding)
-
 
 def _not_operator(plan: Plan) -> BridgeError:
     return BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
@@ -676,17 +579,6 @@ def _not_operator(plan: Plan) -> BridgeError:
                        f"every client, and this changes it for all of them, which only an operator may do (pool "
                        f"config key operators); a client may make one of its own and do anything documented with it",
                        target=plan.label, reason="published")
-
-
-def _as_documented(returns: str, result: Any) -> Any:
-    """Gives a result the shape its document promises where vLLM's own type drifts (results that
-    cross vLLM's engine IPC come back as lists even when the API returns a tuple or a set)."""
-    if isinstance(result, list):
-        if returns.startswith("{") and returns.endswith("}"):
-            return tuple(result)
-        if returns.startswith("MapSet"):
-            return set(result)
-    return result
 
 
 def _bound_map(plan: Plan, args: list[Any], kwargs: dict[str, Any]) -> Mapping[str, Any]:
@@ -724,11 +616,3 @@ def _naming(exc: BridgeError, label: str) -> BridgeError:
 async def _maybe_await(value: Any) -> None:
     if inspect.isawaitable(value):
         await value
-
-
-def _short_repr(obj: object) -> str:
-    try:
-        text = repr(obj)
-    except Exception:
-        text = f"<{type(obj).__qualname__}>"
-    return text if len(text) <= 200 else text[:197] + "..."

@@ -27,19 +27,27 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from bridge_server.wire.errors import BridgeError, server_error, target_label
+from bridge_server.wire.eventloop import never_ran
 from bridge_server.wire.protocol import (
+    LARGE_REQUEST_BYTES,
     MAX_MESSAGE_BYTES,
+    MUX_BATCH_SLICE,
+    LargeRequest,
     RuntimeOptions,
+    batch_within_limit,
+    call_within_limit,
     in_slices,
+    large_batch_within_limit,
     mux_calls_named,
     mux_refusal,
     parse_metadata,
+    parse_request,
+    start_options_within_limit,
     time_left_s,
     too_large,
 )
 from bridge_server.worker.deadlines import resolve_deadlines, with_deadline
 from bridge_server.worker.invoke import Caller, Invoker
-from bridge_server.worker.turns import TURN_REQUEST_BYTES
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["MuxSession", "Outbox", "multiplex"]
@@ -47,6 +55,7 @@ __all__ = ["MuxSession", "Outbox", "multiplex"]
 MAX_PENDING = 4096   # events gathered for the next reply before every producer waits
 MAX_REPLY_BYTES = MAX_MESSAGE_BYTES   # one reply message (gRPC's limit; the lane's frames allow a little more)
 PER_CALL = 2         # events of one call gathered before that call waits
+SMALL_CALL_BYTES = 16 << 10   # in a large message, a call this small is parsed where it is read
 
 
 @dataclass
@@ -63,6 +72,7 @@ class Outbox:
     on_first: Callable[[], None] | None = None                     # called when an empty reply gets an event
     dropped: set[int] = field(default_factory=set)                 # calls ended for a result over the limit
     max_bytes: int = MAX_REPLY_BYTES                                # one reply message at most
+    said: set[str] = field(default_factory=set)                    # refusals under id 0 in `reply`
 
     def has_room(self, call_id: int) -> bool:
         return (self.pending.get(call_id, 0) < self.per_call and len(self.reply.events) < self.max_pending
@@ -106,6 +116,7 @@ class Outbox:
     def take(self) -> pb.MuxReply:
         reply, self.reply = self.reply, pb.MuxReply()
         self.pending.clear()
+        self.said.clear()
         self.ready.clear()
         self.room.set()
         return reply
@@ -172,22 +183,23 @@ def caller_of(opts: RuntimeOptions, identity: str | None, peer: str = "") -> Cal
     return Caller(identity, opts.session_id, False, identity or peer)
 
 
-async def _run(invoker: Invoker, start: pb.MuxStart, defaults: Sequence[tuple[str, str | bytes]],
-               rpc_remaining: Callable[[], float | None], out: Outbox, identity: str | None, peer: str = "") -> None:
+async def _run(invoker: Invoker, start: pb.MuxStart, call: pb.CallRequest | LargeRequest,
+               defaults: Sequence[tuple[str, str | bytes]], rpc_remaining: Callable[[], float | None], out: Outbox,
+               identity: str | None, peer: str = "") -> None:
     """One call, start to last event. Never raises: every outcome becomes an event for its id."""
-    label = target_label(start.call.target)
+    label = target_label(call.target)
     try:
         opts = parse_metadata((*defaults, *start.metadata.items()))
         caller = caller_of(opts, identity, peer)
-        plan = invoker.plan(start.call.target, caller)
+        plan = invoker.plan(call.target, caller)
         limits = [t for t in (rpc_remaining(), time_left_s(start.time_left_ms)) if t is not None]  # the option too, in there
         deadlines = resolve_deadlines(opts, min(limits) if limits else None, plan.profile)
         if not start.stream:
-            value = await invoker.call(start.call, caller, deadlines, plan)
+            value = await invoker.call(call, caller, deadlines, plan)
             await out.wait_for_room(start.id)
             out.add(start.id).value.CopyFrom(value)
             return
-        items = invoker.stream(start.call, caller, deadlines, opts.stream_interval_s, plan, opts.stream_encoding,
+        items = invoker.stream(call, caller, deadlines, opts.stream_interval_s, plan, opts.stream_encoding,
                                opts.stream_tee)
         async with contextlib.aclosing(items):
             async for item, put in items:
@@ -236,6 +248,11 @@ class MuxSession:
         """Handles one request as read off the wire. Bytes that are not a `MuxRequest` end only the
         call they name (or, when no call id can be read from them, get an error event for id 0,
         which no call uses), so one bad message never takes a shared stream or lane down."""
+        if len(raw) >= LARGE_REQUEST_BYTES:
+            views, nested = self._views(raw)
+            for view in views:
+                self._handle_view(view, nested)
+            return
         request = self.parse(raw)
         if request is not None:
             self.handle(request)
@@ -245,10 +262,26 @@ class MuxSession:
         time, with the loop free between slices, so one message of many thousand small starts
         delays other calls and connections no more than as many messages would. The next message
         is read only after the batch, so requests keep their order."""
+        if len(raw) >= LARGE_REQUEST_BYTES:
+            await self.invoker.turns.acquire(self.identity or self.peer)    # the connection's turn
+            try:
+                large_batch_within_limit(raw)      # counted before any parse: over the limit ends the stream
+                views, nested = self._views(raw)
+            finally:
+                self.invoker.turns.release()
+            batch_within_limit(len(views))
+            parsed = 0
+            for i, view in enumerate(views):
+                if parsed >= LARGE_REQUEST_BYTES or (i and i % MUX_BATCH_SLICE == 0):
+                    await asyncio.sleep(0)
+                    parsed = 0
+                parsed += self._handle_view(view, nested)
+            return
         request = self.parse(raw)
         if request is None:
             return
         if request.WhichOneof("kind") == "batch":
+            batch_within_limit(len(request.batch.requests))
             await in_slices(request.batch.requests, functools.partial(self.handle, nested=True))
         else:
             self.handle(request)
@@ -268,7 +301,66 @@ class MuxSession:
                 self._refuse(call_id, err)
         return None
 
-    def handle(self, request: pb.MuxRequest, nested: bool = False) -> None:
+    def _views(self, raw: bytes) -> tuple[Sequence[pb.MuxRequestView], bool]:
+        """A large message's requests, read with their calls unparsed (see LARGE_REQUEST_BYTES):
+        parsed whole, a message of many tiny values held the loop for seconds and grew 25 times.
+        And whether they came in a batch."""
+        if len(raw) > self.max_request_bytes:
+            err = too_large(len(raw), self.max_request_bytes, "Multiplex")
+        else:
+            try:
+                view = pb.MuxRequestView.FromString(raw)
+            except (DecodeError, RecursionError, ValueError) as exc:
+                err = BridgeError.validation(
+                    f"Multiplex: a request is not a valid vllm_bridge.v1.MuxRequest ({len(raw)} bytes): {exc}",
+                    parameter="request")
+            else:
+                if view.WhichOneof("kind") == "batch":
+                    return view.batch.requests, True      # (counted before any is read: MUX_MAX_BATCH)
+                return [view], False
+        for call_id in mux_calls_named(raw):
+            if call_id not in self.running:
+                self._refuse(call_id, err)
+        return [], False
+
+    def _handle_view(self, view: pb.MuxRequestView, nested: bool) -> int:
+        """handle, for one request of a large message: a start's call is parsed here when it is
+        small, and otherwise in the call's turn (a `LargeRequest`). The bytes it parsed."""
+        kind = view.WhichOneof("kind")
+        if kind != "start":
+            request = pb.MuxRequest()
+            if kind == "batch":
+                request.batch.SetInParent()       # only ever nested here, and refused unread
+            else:
+                request.MergeFromString(view.SerializeToString())   # a cancel, a credit: a few bytes
+            self.handle(request, nested)
+            return 0
+        head = view.start
+        request = pb.MuxRequest()
+        start = request.start
+        rpc = f"Multiplex: call {head.id}"
+        call: LargeRequest | None = None
+        try:
+            start_options_within_limit(len(head.metadata), head.id)
+            start.id, start.stream, start.window = head.id, head.stream, head.window
+            start.time_left_ms = head.time_left_ms
+            start.metadata.update(head.metadata)
+            target = parse_request(pb.CallTargetView, head.call, rpc).target
+            if self.identity is None:     # the pool server's lane: the caller knows its call by another id
+                rpc = target_label(target)
+            if len(head.call) < SMALL_CALL_BYTES:
+                start.call.CopyFrom(parse_request(pb.CallRequest, head.call, rpc))
+            else:
+                call_within_limit(head.call, rpc)
+                start.call.target.CopyFrom(target)
+                call = LargeRequest(target, head.call, rpc)
+        except BridgeError as err:
+            self._refuse(head.id if head.id not in self.running else 0, err)
+            return len(head.call)
+        self.handle(request, nested, call)
+        return len(head.call) if call is None else 0
+
+    def handle(self, request: pb.MuxRequest, nested: bool = False, call: LargeRequest | None = None) -> None:
         kind = request.WhichOneof("kind")
         out = self.out
         if kind == "batch":
@@ -293,18 +385,29 @@ class MuxSession:
                 self._refuse(start.id, BridgeError(grpc.StatusCode.UNAVAILABLE, "worker", self.refusing,
                                                    reason="worker stopping"))
                 return
-            if not start.stream and self._answer_now(start):
+            try:
+                start_options_within_limit(len(start.metadata), start.id)
+            except BridgeError as err:
+                self._refuse(start.id, err)
+                return
+            if not start.stream and call is None and self._answer_now(start):
                 return
             if start.window:
                 out.credit[start.id] = start.window
-            task = asyncio.create_task(_run(self.invoker, start, self.defaults, self.rpc_remaining, out,
-                                            self.identity, self.peer))
+            task = asyncio.create_task(_run(self.invoker, start, start.call if call is None else call, self.defaults,
+                                            self.rpc_remaining, out, self.identity, self.peer))
             self.running[start.id] = task
             self.idle.clear()
             task.add_done_callback(functools.partial(self._finished, start.id))
         elif kind == "cancel":
             target = self.running.get(request.cancel)
             if target is not None:
+                if never_ran(target):       # its own CANCELLED event would never be sent
+                    # (the pool server's lane: its caller knows the call by another id)
+                    named = f"Multiplex: call {request.cancel}: " if self.identity is not None else ""
+                    self.out.add(request.cancel).error.CopyFrom(BridgeError(
+                        grpc.StatusCode.CANCELLED, "cancelled", f"{named}cancelled by the client before it began",
+                        reason="cancelled").to_mux_error())
                 target.cancel()
         elif kind == "credit":
             out.grant(request.credit.id, request.credit.events)
@@ -323,7 +426,7 @@ class MuxSession:
             plan = self.invoker.plan(target)
         except Exception:          # noqa: BLE001 - `_run` reports it, after any error in the options, as always
             return False
-        if not self.invoker.immediate(plan) or start.call.ByteSize() >= TURN_REQUEST_BYTES:
+        if not self.invoker.immediate(plan) or start.call.ByteSize() >= LARGE_REQUEST_BYTES:
             return False      # (a large request is decoded in its turn, which only a task can wait for)
         try:
             opts = parse_metadata((*self.defaults, *start.metadata.items()))
@@ -336,6 +439,10 @@ class MuxSession:
         return True
 
     def _refuse(self, call_id: int, err: BridgeError) -> None:
+        if call_id == 0:      # about no call: said once per reply (a batch of 65,536 empty requests got 65,536)
+            if err.message in self.out.said:
+                return
+            self.out.said.add(err.message)
         self.out.add(call_id).error.CopyFrom(err.to_mux_error())
 
     def _finished(self, call_id: int, task: asyncio.Task[None]) -> None:
@@ -376,7 +483,10 @@ async def multiplex(invoker: Invoker, requests: AsyncIterator[bytes],
             async for raw in requests:
                 while not written.is_set() and out.reply.events:
                     await written.wait()
-                await session.feed(raw)
+                try:
+                    await session.feed(raw)
+                except BridgeError as exc:   # ends the stream, without the frames that hold what was read
+                    raise exc.with_traceback(None) from None
         finally:
             out.ready.set()
 

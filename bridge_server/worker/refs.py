@@ -282,7 +282,9 @@ class RefRegistry:
         ref_id = clip(ref_id, 80)
         if not ref_id.startswith(self.worker_id + "."):
             return RefGone(grpc.StatusCode.NOT_FOUND, "ref",
-                           f"ref {ref_id} is not held by worker {self.worker_id}", reason="wrong worker",
+                           f"ref {ref_id} is not held by worker {self.worker_id} (a pool server sends a call to "
+                           f"the worker of the refs its request carries and of those named in x-bridge-refs)",
+                           reason="wrong worker",
                            parameter=ref_id)
         return RefGone(grpc.StatusCode.NOT_FOUND, "ref", f"ref {ref_id} is unknown to worker {self.worker_id}",
                        reason="unknown ref", parameter=ref_id)

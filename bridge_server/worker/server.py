@@ -35,11 +35,14 @@ from bridge_server.wire.jsonvalue import from_json
 from bridge_server.wire.protocol import (
     MD_WORKER_REFS,
     MIN_PING_INTERVAL_S,
+    LargeRequest,
     M,
     RuntimeOptions,
     health_and_status,
     parse_metadata,
     parse_request,
+    read_call,
+    read_release,
     server_options,
 )
 from bridge_server.wire.security import ServerSecurity, check_exposure
@@ -147,7 +150,7 @@ class BridgeService:
     def _refs_trailer(self, context: grpc.aio.ServicerContext) -> None:
         context.set_trailing_metadata(((MD_WORKER_REFS, str(len(self.invoker.refs))),))
 
-    async def _call(self, request: pb.CallRequest, context: grpc.aio.ServicerContext) -> pb.CallReply:
+    async def _call(self, request: pb.CallRequest | LargeRequest, context: grpc.aio.ServicerContext) -> pb.CallReply:
         opts = parse_metadata(context.invocation_metadata())
         caller = self._caller(context, opts)
         plan = self.invoker.plan(request.target, caller)
@@ -159,7 +162,7 @@ class BridgeService:
     async def Call(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.CallReply:  # noqa: N802
         label = "Call"
         try:
-            request = self._read(pb.CallRequest, raw, "Call")
+            request = read_call(raw, "Call", self.max_request_bytes)
             label = target_label(request.target)
             reply = await self._call(request, context)
             self._refs_trailer(context)
@@ -171,7 +174,7 @@ class BridgeService:
     async def Stream(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         label = "Stream"
         try:
-            request = self._read(pb.CallRequest, raw, "Stream")
+            request = read_call(raw, "Stream", self.max_request_bytes)
             label = target_label(request.target)
             opts = parse_metadata(context.invocation_metadata())
             caller = self._caller(context, opts)
@@ -212,12 +215,13 @@ class BridgeService:
         """A worker on its own is a group of one rank: the call runs once. Pools fan out in the router."""
         label = "Collective"
         try:
-            request = self._read(pb.CollectiveRequest, raw, "Collective")
+            request = self._read(pb.CollectiveRequestView, raw, "Collective")   # calls parsed as Call's are
             if len(request.per_rank) > 1:
                 raise BridgeError.validation(
                     f"Collective: this worker is a group of 1 rank, got calls for {len(request.per_rank)} ranks",
                     parameter="per_rank")
-            call = request.per_rank[0] if request.per_rank else request.call
+            call = read_call(request.per_rank[0] if request.per_rank else request.call, "Collective",
+                             self.max_request_bytes)
             label = target_label(call.target)
             reply = pb.CollectiveReply(results=[await self._call(call, context)])
             self._refs_trailer(context)
@@ -228,7 +232,7 @@ class BridgeService:
 
     async def Release(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ReleaseReply:  # noqa: N802
         try:
-            request = self._read(pb.ReleaseRequest, raw, "Release")
+            request = read_release(raw, self.max_request_bytes)
             identity = self._identity(context)
             refs = self.invoker.refs
             released = refs.release(list(request.ref_ids), identity)

@@ -16,8 +16,8 @@ from bridge_server.wire.codec import Encoder
 from bridge_server.wire.errors import BridgeError
 from bridge_server.wire.patch import Patcher
 from bridge_server.wire.protocol import STREAM_PATCH_V1
+from bridge_server.wire.turns import SEND_S_PER_BYTE
 from bridge_server.worker.deadlines import Deadlines, Watchdog
-from bridge_server.worker.turns import SEND_S_PER_BYTE
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["PACE_FACTOR", "PACE_MIN_S", "Pace", "PutItem", "Tee", "item_writer", "iterable", "iterate", "lazily",
@@ -99,12 +99,18 @@ async def iterate(source: Any, label: str, deadlines: Deadlines,
     thread by `in_thread`), within the stream's deadlines, coalesced to one per `interval_s`, and
     paced by what putting them costs (`pace`, filled by the stream's put)."""
     if is_async_iterable(source):
-        agen = source.__aiter__()
+        try:
+            agen = source.__aiter__()
+        except Exception as exc:    # the called code's own failure, mapped as for Call
+            raise BridgeError.from_exception(exc, label) from exc
         step: Callable[[], Any] = agen.__anext__
         done_exc: type[BaseException] = StopAsyncIteration
         close = getattr(agen, "aclose", None)
     elif iterable(source):
-        it = iter(source)
+        try:
+            it = iter(source)
+        except Exception as exc:
+            raise BridgeError.from_exception(exc, label) from exc
         sentinel = object()
         step = lambda: in_thread(lambda: next(it, sentinel))  # noqa: E731
         done_exc = StopIteration
@@ -163,12 +169,15 @@ async def iterate(source: Any, label: str, deadlines: Deadlines,
 
 
 def is_async_iterable(obj: object) -> bool:
-    return hasattr(obj, "__anext__") or hasattr(obj, "__aiter__")
+    return callable(getattr(type(obj), "__aiter__", None))
 
 
 def iterable(obj: object) -> bool:
-    """Whether a stream can walk obj's items (text, bytes and maps go whole, with Call)."""
-    return is_async_iterable(obj) or (hasattr(obj, "__iter__") and not isinstance(obj, (str, bytes, dict)))
+    """Whether a stream can walk obj's items (text, bytes and maps go whole, with Call). Asked of the
+    type, as `iter()` does: an object whose `__getattr__` answers every name (vLLM's platform
+    object) has every attribute, `__iter__` included, and is still not iterable."""
+    return is_async_iterable(obj) or (callable(getattr(type(obj), "__iter__", None))
+                                      and not isinstance(obj, (str, bytes, dict)))
 
 
 def lazily(obj: object) -> object:

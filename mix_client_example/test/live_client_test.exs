@@ -78,7 +78,7 @@ defmodule VllmBridge.LiveClientTest do
     assert {:error, %Error{}} = D.ensure_divisibility(7, 2)
 
     assert_received {:event, [:vllm_bridge, :call, :stop], _,
-                     %{status: :error, error_category: "python_error", code: :failed_precondition}}
+                     %{status: :error, error_category: "python_error", code: :invalid_argument}}
   end
 
   @tag :engine

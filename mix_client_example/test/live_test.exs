@@ -22,7 +22,7 @@ defmodule VllmBridge.LiveTest do
       assert {:ok, {0, 16}} = D.get_pp_indices(32, 0, 2)
       assert {:ok, true} = D.use_sched_yield() |> then(fn {:ok, b} -> {:ok, is_boolean(b)} end)
 
-      assert {:error, %Error{category: "python_error", python_type: "AssertionError", code: :failed_precondition} = e} =
+      assert {:error, %Error{category: "python_error", python_type: "AssertionError", code: :invalid_argument} = e} =
                D.ensure_divisibility(7, 2)
 
       assert e.message =~ "not divisible" and e.traceback =~ "Traceback"

@@ -122,7 +122,7 @@ def test_a_call_that_fails_on_every_rank_reports_rank_0_and_keeps_the_group(serv
     restarts = server.pool("tp").restarts
     with pytest.raises(CallError) as err:
         tp.collective(f"{D}.ensure_divisibility", 7, 2)
-    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "rank 0" in err.value.details and "7 is not divisible by 2" in err.value.details
     assert err.value.detail.python_type == "AssertionError"
     assert server.pool("tp").restarts == restarts

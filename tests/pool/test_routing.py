@@ -20,9 +20,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bridge_server.client.client import CallError, Target
-from tests.conftest import ROOT, multiplex_batches
+from tests.conftest import ROOT, large_requests, multiplex_batches
 from tests.pool.harness import Gate, PoolServer, in_thread, open_gates, start_pool_server, wait_until
 from vllm_bridge.v1 import bridge_pb2 as pb
+from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
 
 CONFIG = """
 grace_s = 10
@@ -171,6 +172,26 @@ def test_a_call_on_a_ref_reaches_its_worker_without_any_metadata_from_the_client
             assert err.value.code() != grpc.StatusCode.NOT_FOUND, err.value.details()   # type: ignore[attr-defined]
 
 
+def test_a_ref_deep_in_a_large_request_reaches_its_worker(server: PoolServer) -> None:
+    """The pool server reads a request of 256 KiB or more only in part (its first 256 KiB of
+    arguments): a ref inside a larger argument is found in its bytes by its worker's id."""
+    idle(server, "b")
+    refs = []
+    for i in range(8):
+        with server.client(pool="b", session_id=f"deep-{i}") as c:
+            refs.append(c.call(PC, kwargs={"data_parallel_size": i + 1}))
+    assert len({holder(r) for r in refs}) == 2
+    with grpc.insecure_channel(server.address) as ch:
+        call = ch.unary_unary("/vllm_bridge.v1.Bridge/Call")
+        for ref in refs:
+            deep = pb.Value(list=pb.Items(items=[pb.Value(str="x" * 300_000), pb.Value(ref=ref.__class__(id=ref.id))]))
+            request = pb.CallRequest(target=pb.Target(kind=pb.Target.FUNCTION, name=f"{DIVIDE}"), args=[deep, deep])
+            with pytest.raises(grpc.RpcError) as err:     # divide takes numbers: refused once its refs resolve
+                call(request.SerializeToString(), metadata=(("x-bridge-pool", "b"),), timeout=10)
+            code, details = err.value.code(), err.value.details()   # type: ignore[attr-defined]
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+
+
 def test_a_full_queue_and_a_deadline_that_expires_in_the_queue(server: PoolServer) -> None:
     idle(server, "a")
     gates = [Gate(), Gate()]
@@ -310,6 +331,10 @@ def test_multiplex_through_the_pool_routes_each_call_like_a_plain_call(server: P
 
 def test_multiplex_through_the_pool_takes_requests_in_batches(server: PoolServer) -> None:
     multiplex_batches(server.address, (("x-bridge-pool", "b"),))
+
+
+def test_a_large_request_through_the_pool_is_parsed_by_its_worker_in_its_turn(server: PoolServer) -> None:
+    large_requests(server.address, (("x-bridge-pool", "b"),))
     idle(server, "b")
 
 
@@ -368,6 +393,32 @@ def test_multiplex_through_the_pool_refuses_a_start_with_a_running_calls_id_unde
     idle(server, "b")
 
 
+def test_multiplex_through_the_pool_a_call_cancelled_while_queued_before_it_began_is_answered(
+        server: PoolServer) -> None:
+    """A start and its cancel in one batch, while the pool is full: the call's queued task is cancelled
+    before it ever runs, so its own refusal and its leaving the queue never happened, and the stream
+    waited for it for ever. Whoever cancels it answers it now."""
+    idle(server, "a")
+    gates = [Gate(), Gate()]
+    with server.client(pool="a") as c:
+        busy = [in_thread(lambda g=g: c.call(*g.args(), timeout=60)) for g in gates]
+        try:
+            wait_until(lambda: server.pool("a").in_flight == 2, what="both workers of pool a busy")
+            call, _ = c.request(DIVIDE, (9, 3))
+            batch = pb.MuxRequest(batch=pb.MuxBatch(requests=[
+                pb.MuxRequest(start=pb.MuxStart(id=5, call=call, metadata={"x-bridge-pool": "a"})),
+                pb.MuxRequest(cancel=5)]))
+            with grpc.insecure_channel(server.address) as ch:
+                replies = list(pb_grpc.BridgeStub(ch).Multiplex(iter([batch]), timeout=30))   # half-closes at once
+        finally:
+            open_gates(gates)
+        for out in busy:
+            assert out.done.wait(30) and out.error is None, out.error
+    (event,) = [e for r in replies for e in r.events]
+    assert event.id == 5 and event.error.code == grpc.StatusCode.CANCELLED.value[0], event
+    idle(server, "a")
+
+
 def test_multiplex_through_the_pool_a_worker_crash_fails_only_its_calls(server: PoolServer) -> None:
     import os
     import signal
@@ -408,3 +459,27 @@ def test_the_refs_a_request_carries_are_looked_for_within_the_budget_only() -> N
         tracemalloc.stop()
     assert found == ["receiver", "in a map", "near"]
     assert peak < 200 * PAYLOAD_REF_SCAN, f"{peak:,} bytes allocated to look at {PAYLOAD_REF_SCAN} values"
+
+
+def test_a_large_request_is_read_by_the_router_for_its_target_and_first_arguments_only() -> None:
+    """A request of LARGE_REQUEST_BYTES or more is read as a view: its target, and its arguments up
+    to that many bytes, scanned for the refs they carry. A larger argument stays bytes, however it is
+    made (here: not a Value at all), for its worker to parse in the caller's turn; a small request is
+    still parsed whole, and refused where it is read."""
+    from bridge_server.pool.router import payload_refs, routed_request
+    from bridge_server.wire.errors import BridgeError
+    from bridge_server.wire.protocol import LARGE_REQUEST_BYTES
+
+    receiver = pb.Target(kind=pb.Target.METHOD, name="m", ref=pb.Ref(id="receiver"))
+    near = pb.Value(ref=pb.Ref(id="near")).SerializeToString()
+    kw = pb.Value(ref=pb.Ref(id="kw")).SerializeToString()
+    broken = b"\x42\x05\x01"                   # a list whose length runs past its end
+    big = broken + b"\x00" * LARGE_REQUEST_BYTES
+    view = pb.CallRequestView(target=receiver, args=[near, big], kwargs={"k": kw})
+    head = routed_request(view.SerializeToString(), "Call")
+    assert payload_refs(head) == ["receiver", "kw", "near"]
+    assert len(head.args) == 1 and head.target == receiver
+    small = pb.CallRequestView(target=receiver, args=[near, broken]).SerializeToString()
+    with pytest.raises(BridgeError) as err:
+        routed_request(small, "Call")
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid" in err.value.message

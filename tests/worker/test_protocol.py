@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from bridge_server.client.client import BridgeClient, CallError, Target
 from bridge_server.wire.errors import BridgeError
 from bridge_server.wire.protocol import MD_TIMEOUT_PROFILE, parse_metadata
-from tests.conftest import WorkerProcess, free_port, multiplex_batches, start_worker
+from tests.conftest import WorkerProcess, free_port, large_requests, multiplex_batches, start_worker
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
 
@@ -309,6 +309,10 @@ def test_multiplex_runs_calls_together_and_finishes_them_after_the_client_half_c
 
 def test_multiplex_takes_requests_in_batches(worker: WorkerProcess) -> None:
     multiplex_batches(worker.address)
+
+
+def test_a_large_request_is_parsed_in_its_turn_and_a_bad_one_fails_alone(worker: WorkerProcess) -> None:
+    large_requests(worker.address)
 
 
 def test_a_batch_over_the_request_limit_fails_each_call_it_starts_and_the_stream_goes_on(tmp_path: Path) -> None:

@@ -107,7 +107,7 @@ def test_a_put_that_fails_still_counts() -> None:
 def test_a_dear_item_counts_what_sending_its_bytes_costs_too() -> None:
     """A 16 MB item of text is put by one copy (~5 ms) and copied again on its way out: the rest
     after it counts the send, as a turn does for a result."""
-    from bridge_server.worker.turns import SEND_S_PER_BYTE
+    from bridge_server.wire.turns import SEND_S_PER_BYTE
     from vllm_bridge.v1 import bridge_pb2 as pb
 
     text = "x" * 16_000_000
@@ -162,3 +162,31 @@ def test_iterate_sends_a_caller_to_stream_only_for_what_a_stream_can_walk() -> N
         invoker.close()
 
     asyncio.run(run())
+
+
+def test_an_object_that_answers_every_attribute_is_not_taken_for_an_iterable() -> None:
+    """vLLM's platform object answers every attribute name (`__getattr__`), `__iter__` included: a
+    Stream of it tried to iterate it and ended INTERNAL, where it is the caller's mistake."""
+    import grpc
+
+    from bridge_server.wire.errors import BridgeError
+    from bridge_server.worker.streams import iterable
+
+    class Anything:
+        def __getattr__(self, name: str) -> None:
+            return None
+
+    class Broken:
+        def __iter__(self) -> Any:
+            raise TypeError("not today")
+
+    assert hasattr(Anything(), "__iter__") and not iterable(Anything())
+    assert iterable([1]) and iterable(Broken()) and not iterable("text")
+
+    async def first(source: object) -> Any:
+        return await iterate(source, "f", NO_DEADLINES, lambda step: asyncio.to_thread(step)).__anext__()
+
+    for source, said in ((Anything(), "not iterable"), (Broken(), "not today")):
+        with pytest.raises(BridgeError) as err:
+            asyncio.run(first(source))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and said in err.value.message, err.value

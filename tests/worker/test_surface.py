@@ -106,7 +106,7 @@ def test_distributed_pure_helpers(client: BridgeClient) -> None:
     assert type(client.call(f"{D}.divide", 6, 3)) is int
     with pytest.raises(CallError) as err:
         client.call(f"{D}.ensure_divisibility", 7, 2)
-    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.category == "python_error" and err.value.detail.python_type == "AssertionError"
     assert "7 is not divisible by 2" in err.value.details and "ensure_divisibility" in err.value.details
     assert "Traceback" in err.value.detail.traceback

@@ -1,4 +1,4 @@
-"""Costly results take turns on the worker's event loop (`worker/turns.py`): one caller's large
+"""Costly results take turns on the worker's event loop (`wire/turns.py`): one caller's large
 results leave the loop to everyone else between them, and turns go round the callers waiting."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from bridge_server.wire.codec import Encoder, TooCostly
-from bridge_server.worker.turns import Turns
+from bridge_server.wire.turns import Turns
 from tests.conftest import WorkerProcess
 from vllm_bridge.v1 import bridge_pb2 as pb
 

@@ -1,9 +1,11 @@
-"""Costly results take turns on the worker's event loop.
+"""Costly work takes turns on a server's event loop: a worker's large results and requests, and
+the pool server's large Multiplex messages.
 
-Why: a worker encodes every result on its one event loop, and what a result costs is not what its
-request costs. A 100-byte request can ask for a 9 MB attribute, ~60 ms of encoding; sixty of them
-held the loop for seconds, and every other call and token stream of the worker, anyone's, waited
-behind them. A stream's items are already paced (`streams.Pace`); this does the same for results.
+Why: a server does its work on one event loop, and what a result costs is not what its request
+costs. A 100-byte request can ask for a 9 MB attribute, ~60 ms of encoding; sixty of them held a
+worker's loop for seconds, and every other call and token stream of the worker, anyone's, waited
+behind them. A stream's items are already paced (`worker/streams.py`, `Pace`); this does the same for results
+and for large requests.
 
 A result whose encoding goes past the encoder's `work_limit` stops and waits for a turn. One such
 result is encoded at a time, and after it the next turn waits `REST_FACTOR` times as long as that
@@ -15,10 +17,16 @@ stranger's many connections from one host get one host's turns.
 A caller's deadline bounds its wait. Results under the bound never wait: nearly every call. A turn
 is bounded too: a result past MAX_RESULT_WORK is refused (RESOURCE_EXHAUSTED, "result too large"),
 as a request past max_prompt_chars items is, or one turn could hold the loop for as long as it takes
-(3 million tensor views held it 26 s). Requests of TURN_REQUEST_BYTES or more are decoded in turns
-as well: decoding a value costs what encoding it does. And results of TURN_RESULT_BYTES or more are
-sent in turns, however little they cost to encode: text, bytes and tensors are copied whole, but
-every byte is copied again on its way out (sixty 16 MB results of text held the loop 9 s).
+(3 million tensor views held it 26 s). Results of TURN_RESULT_BYTES or more are sent in turns,
+however little they cost to encode: text, bytes and tensors are copied whole, but every byte is
+copied again on its way out (sixty 16 MB results of text held the loop 9 s).
+
+Requests of LARGE_REQUEST_BYTES or more (`wire/protocol.py`) are parsed and decoded in turns too:
+decoding a value costs what encoding it does, and protobuf's parse of a message of many tiny values
+more, in one call nothing can cut short (57 MiB of empty values: 1.6 s of the loop and 1.5 GB). A
+worker parses such a call in its caller's turn, and a Multiplex message of that size in its
+connection's; the pool server, which never decodes a value, parses only its Multiplex messages
+whole (their calls stay bytes), and a large one in its connection's turn.
 """
 
 from __future__ import annotations
@@ -26,17 +34,21 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
-from bridge_server.wire.protocol import host_of
+from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, host_of
 
-__all__ = ["MAX_RESULT_WORK", "MAX_TURN_S", "REST_FACTOR", "SEND_S_PER_BYTE", "TURN_REQUEST_BYTES",
-           "TURN_RESULT_BYTES", "WORK_LIMIT", "WORK_TIME_S", "Turns"]
+T = TypeVar("T")
+
+__all__ = ["MAX_RESULT_WORK", "MAX_TURN_S", "REST_FACTOR", "SEND_S_PER_BYTE", "TURN_RESULT_BYTES",
+           "WORK_LIMIT", "WORK_TIME_S", "Turns", "read_in_turn"]
 
 WORK_LIMIT = 8192       # items encoded inline at most (~1-3 ms of the loop); past it, a result waits its turn
 WORK_TIME_S = 0.005     # ... or time: an item's cost varies (a tensor view costs 30 times an int)
 MAX_RESULT_WORK = 1 << 20   # items one turn encodes at most (0.3-0.8 s): a larger result is refused, not sent
 MAX_TURN_S = 1.0            # ... or time
-TURN_REQUEST_BYTES = 256 << 10   # a request this large is decoded in its turn too
 TURN_RESULT_BYTES = 1 << 20      # a result this large is sent in its turn, however cheap it was to encode
 SEND_S_PER_BYTE = 2e-9           # what sending a result's byte costs the loop (copies), as a turn counts it
 REST_FACTOR = 3.0       # after a turn, the loop is left to everything else for this many times its length
@@ -128,3 +140,21 @@ class Turns:
                 self._busy = True
                 waiter.set_result(None)
                 return
+
+
+async def read_in_turn(turns: Turns, caller: str, size: int, read: Callable[[], T], label: str,
+                       timeout_s: float | None = None) -> T:
+    """`read()` (a request's parse), in the caller's turn when the request is LARGE_REQUEST_BYTES or
+    more: one such parse holds the loop at a time, and the next waits REST_FACTOR times as long.
+    The wait is bounded by the call's time left."""
+    if size < LARGE_REQUEST_BYTES:
+        return read()
+    try:
+        await asyncio.wait_for(turns.acquire(caller), timeout_s)
+    except TimeoutError:
+        raise BridgeError.timeout(f"{label}: deadline exceeded waiting for its turn to read a large request",
+                                  target=label) from None
+    try:
+        return read()
+    finally:
+        turns.release()
