@@ -606,22 +606,31 @@ def test_a_start_with_a_running_calls_id_is_refused_under_id_0_and_the_running_c
     from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
 
     with BridgeClient(engine_worker.address) as client:
-        request, _ = client.request(GENERATE, ("duplicate ids", greedy(200), "dup-first"))
+        # call 1 runs until this test cancels it: nothing it sends can race the second start
+        request, _ = client.request(GENERATE, ("duplicate ids", greedy(2000), "dup-first"))
         again, _ = client.request(GENERATE, ("duplicate ids", greedy(4), "dup-second"))
         outgoing: queue.Queue[Any] = queue.Queue()
         outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=1, stream=True, call=request)))
-        events = []
+        events: list[Any] = []
+        refused_at = None
         for reply in pb_grpc.BridgeStub(client.channel).Multiplex(iter(outgoing.get, None), timeout=120):
             for event in reply.events:
                 events.append(event)
+                kind = event.WhichOneof("kind")
                 if len(events) == 1:            # call 1 runs: start another call 1
                     outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=1, stream=True, call=again)))
-                if event.id == 1 and event.WhichOneof("kind") in ("end", "error"):
+                if event.id == 0 and refused_at is None:
+                    refused_at = len(events)
+                elif event.id == 1 and kind == "value" and refused_at is not None and len(events) == refused_at + 1:
+                    outgoing.put(pb.MuxRequest(cancel=1))           # call 1 went on after the refusal
+                if event.id == 1 and kind in ("end", "error"):
                     outgoing.put(None)
     refused = [e for e in events if e.id == 0]
-    assert len(refused) == 1 and "call id 1 is still running" in refused[0].error.message
+    assert len(refused) == 1 and "call id 1 is still running" in refused[0].error.message, refused
     first = [e.WhichOneof("kind") for e in events if e.id == 1]
-    assert first[-1] == "end" and "error" not in first and len(first) > 4
+    assert refused_at is not None and events[refused_at].id == 1 and first.count("error") == 1, first
+    assert first[-1] == "error" and events[-1].error.code == grpc.StatusCode.CANCELLED.value[0], events[-1]
+    assert set(first[:-1]) == {"value"} and len(first) > 2, first
 
 
 def test_a_coalesced_stream_ends_with_its_finished_item_not_an_interval_later(bridge: BridgeClient) -> None:
