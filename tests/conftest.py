@@ -106,8 +106,9 @@ def _pp_start(call_id: int, *args: int) -> pb.MuxRequest:
 
 
 def multiplex_batches(address: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
-    """A check for the worker's Multiplex and the pool server's alike. Starts sent as MuxBatches run as if each had come alone, a bad request in a batch fails only
-    its own call, and a batch inside a batch is refused (id 0) without harm to the rest."""
+    """A check for the worker's Multiplex and the pool server's alike. Starts sent as MuxBatches run
+    as if each had come alone, a bad request in a batch fails only its own call, and a batch inside a
+    batch is refused (id 0) without harm to the rest."""
     batch = pb.MuxRequest(batch=pb.MuxBatch(requests=[_pp_start(i, 64, i % 4, 4) for i in range(1, 33)]))
     bad = pb.MuxRequest(batch=pb.MuxBatch(requests=[
         _pp_start(40, 64, 1, 4),

@@ -192,7 +192,8 @@ async def _run(invoker: Invoker, start: pb.MuxStart, call: pb.CallRequest | Larg
         opts = parse_metadata((*defaults, *start.metadata.items()))
         caller = caller_of(opts, identity, peer)
         plan = invoker.plan(call.target, caller)
-        limits = [t for t in (rpc_remaining(), time_left_s(start.time_left_ms)) if t is not None]  # the option too, in there
+        # the RPC's deadline and the start's own (time_left_s refuses a negative one)
+        limits = [t for t in (rpc_remaining(), time_left_s(start.time_left_ms)) if t is not None]
         deadlines = resolve_deadlines(opts, min(limits) if limits else None, plan.profile)
         if not start.stream:
             value = await invoker.call(call, caller, deadlines, plan)

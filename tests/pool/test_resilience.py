@@ -467,7 +467,6 @@ def test_callers_that_never_read_on_many_streams_cannot_grow_the_router(server: 
 
     import torch
 
-    from tests.pool.conftest import UNREAD_BYTES
     process = psutil.Process(server.proc.pid)
     md = (("x-bridge-pool", "p"), ("x-bridge-session", "hoards"))
     with BridgeClient(server.address, options=None) as client:
