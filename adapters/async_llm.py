@@ -28,8 +28,9 @@ from typing import Any
 import grpc
 import psutil
 
-from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check_prompt, check_sampling_params,
-                                     check_token_ids, clip_int, pooling_rule, sampling_rule, text_of)
+from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check_engine_types, check_prompt,
+                                     check_sampling_params, check_token_ids, clip_int, pooling_rule, sampling_rule,
+                                     text_of)
 from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Growing, Lifecycle, Policy, RecordRule,
                            RecordType)
 from bridge_server.wire.errors import BridgeError, clip, quote
@@ -239,6 +240,7 @@ def _request_guard(method: str, params_name: str) -> Any:
         check_prompt(engine, label, args.get("prompt"), params, args.get("tokenization_kwargs"), ctx.policy)
         check_token_ids(engine, label, args.get("prompt"))
         check_sampling_params(engine, label, params_name, params)
+        check_engine_types(label, "lora_request", args.get("lora_request"))
         priority = args.get("priority")
         if type(priority) is int and not I64_MIN <= priority <= I64_MAX:
             raise BridgeError.validation(f"{label}: parameter priority: {clip_int(priority)} does not fit in 64 bits",

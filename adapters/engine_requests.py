@@ -10,6 +10,7 @@ vLLM. The adapter (`async_llm.py`) runs these from its request guards and its Sa
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import weakref
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import grpc
+import msgspec
 
 from adapters.spec import Policy
 from bridge_server.wire.errors import BridgeError
@@ -171,12 +173,57 @@ def _check_structured_outputs(label: str, name: str, params: Any) -> None:
                           target=label, parameter=where, reason="schema too large")
 
 
+def check_engine_types(label: str, name: str, value: Any) -> None:
+    """A request's structs (its params, its LoRA request) as vLLM's engine core will decode them:
+    sent through vLLM's own msgpack encoder and decoded, strictly typed, by its own decoder. A field
+    the core's decoder refuses kills the core's input thread, and every request after it hangs while
+    the worker still looks alive; the binding's checks refuse what they know of, and this refuses
+    the rest, whatever field or type it is, for ~2 us a request."""
+    if not isinstance(value, msgspec.Struct):
+        return
+    try:
+        _engine_decoder(type(value)).decode(_engine_encoder().encode(value))
+    except msgspec.ValidationError as exc:       # "Expected `int`, got `bool` - at `$.output_kind`"
+        text = str(exc)
+        at = _field_path(type(value), text.partition(" - at `$")[2].rstrip("`"))
+        where = f"{name}.{at}" if at else name
+        raise BridgeError.validation(f"{label}: parameter {where}: {text.partition(' - at ')[0]} (vLLM's engine core "
+                                     f"decodes {type(value).__name__} strictly)", target=label,
+                                     parameter=where) from None
+    except (msgspec.EncodeError, TypeError, ValueError, OverflowError) as exc:
+        raise BridgeError.validation(f"{label}: parameter {name}: cannot be sent to vLLM's engine core: "
+                                     f"{type(exc).__name__}: {str(exc)[:200]}", target=label, parameter=name) from None
+
+
+def _field_path(cls: type, at: str) -> str:
+    """msgspec's path into a struct (`.seed`; `[1]` for a struct sent as an array) by field names."""
+    fields = getattr(cls, "__struct_fields__", ())
+    if at.startswith("[") and "]" in at:
+        index, _, rest = at[1:].partition("]")
+        if index.isdigit() and int(index) < len(fields):
+            at = f".{fields[int(index)]}{rest}"
+    return at.lstrip(".")
+
+
+@functools.lru_cache(maxsize=1)
+def _engine_encoder() -> Any:
+    from vllm.v1.serial_utils import MsgpackEncoder
+    return MsgpackEncoder()
+
+
+@functools.lru_cache(maxsize=16)
+def _engine_decoder(cls: type) -> Any:
+    from vllm.v1.serial_utils import MsgpackDecoder
+    return MsgpackDecoder(cls)
+
+
 def check_sampling_params(engine: Any, label: str, name: str, params: Any) -> None:
     """What vLLM lets through of sampling (and pooling) params and then pays for. Token ids index the
     logits in the engine core: a stop token id past the vocabulary, with `min_tokens`, kills it (vLLM
     checks stop ids not at all, and `allowed_token_ids` only against the tokenizer's length), so each
     token id field must hold ids from 0 to the model's vocabulary size - 1. And a structured output's
     schema is bounded in depth and in properties."""
+    check_engine_types(label, name, params)
     if type(params).__name__ == "PoolingParams":
         bound = engine.model_config.get_vocab_size()
         ids = getattr(params, "returned_token_ids", None)

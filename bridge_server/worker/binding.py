@@ -124,6 +124,7 @@ class _Check:
     expected: str
     adapter: pydantic.TypeAdapter[Any]
     named: Any = None                  # builds the value from a name, for a type the wire lacks
+    enum: Any = None                   # the enum class the value may be given by value of
 
     def problem(self, value: Any) -> str | None:
         """None when `value` fits; else what is wrong, as "expected ..., got ..." text."""
@@ -132,6 +133,14 @@ class _Check:
         except pydantic.ValidationError as exc:
             return _describe(exc, self.expected, value)
         return None
+
+    def member(self, value: Any) -> Any:
+        """A value that passed, as it is passed on: an enum given by one of its values becomes that
+        member. vLLM compares with members (`output_kind == RequestOutputKind.DELTA`), so a bare 1
+        would be taken for no kind at all, and silently ignored."""
+        if self.enum is not None and type(value) in (int, str):
+            return _members(self.enum).get((type(value), value), value)
+        return value
 
 
 class Checks:
@@ -169,7 +178,8 @@ class Checks:
             problem = check.problem(item)
             if problem is not None:
                 raise BridgeError.validation(f"{label}: parameter {where}: {problem}", target=label, parameter=name)
-        return value
+        variadic = param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        return value if variadic else check.member(value)
 
     def _make(self, param: inspect.Parameter) -> _Check | None:
         annotation = _resolve(param.annotation, self.namespace)
@@ -221,7 +231,24 @@ def _make_check(annotation: Any, top: bool) -> _Check | None:
     members = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, pytypes.UnionType) \
         else (annotation,)
     named = None if str in members else next((f for m in members if (f := _by_name(m)) is not None), None)
-    return _Check(clip(_type_text(annotation), 160), adapter, named)
+    enums = [m for m in members if isinstance(m, type) and issubclass(m, enum.Enum)]
+    return _Check(clip(_type_text(annotation), 160), adapter, named, enums[0] if len(enums) == 1 else None)
+
+
+@functools.lru_cache(maxsize=256)
+def _members(cls: type[enum.Enum]) -> dict[tuple[type, Any], enum.Enum]:
+    """An enum's members by (exact type, value): True is not 1 here, as it is not to msgspec."""
+    return {(type(m.value), m.value): m for m in cls}
+
+
+def _not_a_bool(cls: type[enum.Enum]) -> Any:
+    """pydantic takes True for the literal 1 (they are equal); msgspec, which vLLM's engine core
+    decodes requests with, does not, and its input thread dies on it."""
+    def check(value: Any) -> Any:
+        if type(value) is bool:
+            raise ValueError(f"a bool is not one of {cls.__name__}'s values")
+        return value
+    return pydantic.BeforeValidator(check)
 
 
 def _is_record_class(tp: Any) -> bool:
@@ -236,7 +263,7 @@ def _adapt(tp: Any, nested: bool) -> Any:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         values = tuple(m.value for m in tp)
         if values and all(type(v) in (int, str) for v in values):
-            return typing.Union[tp, typing.Literal[values]]  # type: ignore[valid-type]
+            return typing.Annotated[typing.Union[tp, typing.Literal[values]], _not_a_bool(tp)]  # type: ignore[valid-type]
         return tp
     if isinstance(tp, type) and tp.__module__ != "builtins" and not typing_extensions.is_typeddict(tp):
         # Any other class by isinstance alone: some of vLLM's classes bring pydantic schemas of
@@ -321,6 +348,9 @@ def check_record(label: str, where: str, cls: type, fields: dict[str, Any], buil
         if problem is not None:
             raise BridgeError.validation(f"{what}: field {field}: {problem}", target=label,
                                          parameter=f"{where}.{field}")
+        check = _field_check(cls, field)
+        if check is not None:
+            fields[field] = check.member(item)
     if rule is not None and rule.check is not None:
         rule.check(fields, building.policy)
     return fields

@@ -183,6 +183,9 @@ def test_a_target_of_unknown_kind_and_no_name_is_answered(server: PoolServer, cl
      "prompt_token_ids[1]"),
     ("an int stop string", ("Hi", {"stop": ["a", 1]}, "typed-5"), {}, "stop", "expected str | list[str] | None"),
     ("a float priority", ("Hi", {"max_tokens": 3}, "typed-6"), {"priority": 1.5}, "priority", "expected int"),
+    # True equals 1 (DELTA) and passed as it; vLLM's engine core then refused it and its input thread died
+    ("output_kind: true", ("Hi", {"max_tokens": 3, "output_kind": True}, "typed-7"), {}, "output_kind",
+     "got bool True"),
 ], ids=lambda c: c[0])
 def test_a_wrongly_typed_argument_is_refused_before_vllm_and_the_engine_serves_on(
         server: PoolServer, client: BridgeClient, case: tuple[str, tuple[Any, ...], dict[str, Any], str, str]) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from vllm.sampling_params import RequestOutputKind
 
 from bridge_server.wire.errors import BridgeError
 from bridge_server.worker.binding import (
@@ -116,6 +117,10 @@ REFUSED = [
      "expected a finite number, got inf"),
     ("vllm.AsyncLLMEngine.generate", ("Hi", {"output_kind": 7}, "r"), {}, "sampling_params.output_kind",
      "expected vllm.sampling_params.RequestOutputKind, got int 7"),
+    ("vllm.AsyncLLMEngine.generate", ("Hi", {"output_kind": True}, "r"), {}, "sampling_params.output_kind",
+     "got bool True"),     # equal to 1 (DELTA), but msgspec, and so vLLM's engine core, refuses it (and dies)
+    ("vllm.AsyncLLMEngine.generate", ("Hi", {"output_kind": "DELTA"}, "r"), {}, "sampling_params.output_kind",
+     "got str 'DELTA'"),
     ("vllm.AsyncLLMEngine.generate", ("Hi", {"structured_outputs": {"json": 3}}, "r"), {},
      "sampling_params.structured_outputs.json", "expected str | dict | None, got int 3"),
     ("vllm.AsyncLLMEngine.generate", ("Hi", {}, 7), {}, "request_id", "expected str, got int 7"),
@@ -173,7 +178,8 @@ def test_values_vllm_takes_are_passed_on_as_given(catalog: Catalog) -> None:
                         {"max_tokens": 3, "output_kind": 1, "stop": ["x"], "structured_outputs": {"json": {}}},
                         "r", priority=2)
     params = args[1]
-    assert type(params).__name__ == "SamplingParams" and params.max_tokens == 3 and int(params.output_kind) == 1
+    assert type(params).__name__ == "SamplingParams" and params.max_tokens == 3
+    assert params.output_kind is RequestOutputKind.DELTA      # by value, passed on as the member vLLM compares with
     assert type(params.structured_outputs).__name__ == "StructuredOutputsParams"
     assert args[0] == {"prompt_token_ids": [1, 2, 3]} and kwargs == {"priority": 2}
     (device,), _ = bind(catalog, "vllm.distributed.graph_capture", "cpu")
@@ -181,3 +187,28 @@ def test_values_vllm_takes_are_passed_on_as_given(catalog: Catalog) -> None:
     t = torch.ones(2)
     (same,), _ = bind(catalog, "vllm.distributed.tensor_model_parallel_all_reduce", t)
     assert same is t
+
+
+def test_a_struct_the_engine_core_would_refuse_is_refused_whatever_its_field() -> None:
+    """The last check before vLLM's engine core: its own strict decoding, done in the worker. Built
+    here without the binding (as a constructor's ref or another path could hand one over)."""
+    from vllm import PoolingParams, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from adapters.engine_requests import check_engine_types
+    cases = [(SamplingParams(max_tokens=3, output_kind=True), "sampling_params.output_kind", "got `bool`"),
+             (SamplingParams(max_tokens=3, seed=True), "sampling_params.seed", "got `bool`"),
+             (SamplingParams(max_tokens=3, skip_special_tokens=1), "sampling_params.skip_special_tokens", "got `int`"),
+             (PoolingParams(dimensions="3"), "sampling_params.dimensions", "got `str`")]
+    for params, parameter, expected in cases:
+        with pytest.raises(BridgeError) as err:
+            check_engine_types("vllm.AsyncLLMEngine.generate", "sampling_params", params)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.parameter == parameter, err.value
+        assert expected in err.value.message and "engine core" in err.value.message, err.value.message
+    with pytest.raises(BridgeError) as err:
+        check_engine_types("vllm.AsyncLLMEngine.generate", "lora_request",
+                           LoRARequest(lora_name="a", lora_int_id=1, lora_path="/x", base_model_name=3))  # type: ignore[arg-type]
+    assert err.value.parameter == "lora_request.base_model_name", err.value
+    check_engine_types("g", "sampling_params", SamplingParams(max_tokens=3, output_kind=RequestOutputKind.DELTA,
+                                                              stop=["x"], seed=4))
+    check_engine_types("g", "sampling_params", {"output_kind": True})      # not a struct: the binding's to check

@@ -633,6 +633,16 @@ def test_a_start_with_a_running_calls_id_is_refused_under_id_0_and_the_running_c
     assert set(first[:-1]) == {"value"} and len(first) > 2, first
 
 
+def test_an_enum_given_by_value_is_the_member_vllm_compares_with(bridge: BridgeClient) -> None:
+    """output_kind 2 is FINAL_ONLY: one item, the whole text. Passed on as a bare 2, vLLM took it
+    for no kind it knows (it compares with members) and streamed every token."""
+    final = list(bridge.stream(GENERATE, "by value", {**greedy(5), "output_kind": 2}, "kind-by-value"))
+    assert len(final) == 1 and final[0]["finished"] is True, final
+    assert len(final[0]["outputs"][0]["token_ids"]) == 5
+    delta = list(bridge.stream(GENERATE, "by value", {**greedy(5), "output_kind": 1}, "kind-by-value"))
+    assert [len(item["outputs"][0]["token_ids"]) for item in delta] == [1] * 5, delta     # DELTA: each its own
+
+
 def test_a_coalesced_stream_ends_with_its_finished_item_not_an_interval_later(bridge: BridgeClient) -> None:
     started = time.monotonic()
     items = list(bridge.stream(GENERATE, "short", greedy(3), "interval-end", stream_interval_s=2.0))
