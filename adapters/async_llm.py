@@ -149,23 +149,30 @@ def _kill(engine: Any, cause: str) -> None:
 
 
 async def _warmup(engine: Any) -> None:
-    """One short request through the whole path, so that the first client request does not pay for
-    what vLLM compiles on first use (6-12 s on our CPUs)."""
+    """Short requests through the whole path, so that no client request pays for what vLLM compiles
+    on first use (6-12 s on our CPUs). The engine core compiles as it steps, so every request of the
+    engine would wait meanwhile: a greedy one, and one sampled at random (vLLM's random sampler is
+    compiled at its first unseeded use: 5-6 s here, during which every stream stood still)."""
     from vllm import PoolingParams, SamplingParams
 
     tasks = tuple(await engine.get_supported_tasks())
-    request_id = f"bridge-warmup-{next(_warmups)}"
+    n = next(_warmups)
     if "generate" in tasks:
-        source = engine.generate("Hello, world", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                                 request_id)
+        sources = [engine.generate("Hello, world", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                                   f"bridge-warmup-{n}"),
+                   engine.generate("Hello, world", SamplingParams(max_tokens=2, temperature=1.0, ignore_eos=True),
+                                   f"bridge-warmup-{n}-sampled")]
     else:
         task = next((t for t in ("embed", "classify", "score", "token_embed", "token_classify")
                      if t in tasks), None)
         if task is None:
             return
-        source = engine.encode("Hello, world", PoolingParams(task=task), request_id)  # type: ignore[arg-type]
-    async for _ in source:
-        pass
+        sources = [engine.encode("Hello, world", PoolingParams(task=task), f"bridge-warmup-{n}")]  # type: ignore[arg-type]
+
+    async def drain(source: Any) -> None:
+        async for _ in source:
+            pass
+    await asyncio.gather(*(drain(source) for source in sources))
 
 
 def _started(engine: Any) -> None:

@@ -141,6 +141,18 @@ def in_process_token_ids(model: Path, prompt: str, n: int) -> list[int]:
     return asyncio.run(run())
 
 
+def test_the_first_randomly_sampled_request_finds_the_sampler_compiled(bridge: BridgeClient) -> None:
+    """The first test of this module's engine, on purpose: vLLM compiles its random sampler at the
+    first unseeded sampled request, in the engine core, and every stream of the engine stood still
+    for it (5-7 s). The worker's warm-up samples one, so no client pays for it. (4 tokens take ~0.05 s.)"""
+    started = time.monotonic()
+    items = list(bridge.stream(GENERATE, "the first sampled one", {"temperature": 0.9, "max_tokens": 4,
+                                                                  "ignore_eos": True}, "first-sampled"))
+    took = time.monotonic() - started
+    assert items[-1]["finished"] is True and len(items[-1]["outputs"][0]["token_ids"]) == 4
+    assert took < 2.5, f"the first sampled request took {took:.1f} s: the sampler was compiled on its time"
+
+
 def test_generate_streams_the_same_tokens_as_in_process_vllm(bridge: BridgeClient, model: Path) -> None:
     items = list(bridge.stream(Target.method("engine", "generate"), "The quick brown fox", greedy(24), "same-1"))
     assert len(items) >= 2                       # streamed, not one reply at the end
