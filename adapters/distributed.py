@@ -5,7 +5,12 @@ order on every rank, so everything that touches a group runs in the worker's exc
 arithmetic helpers are pure; the cheapest of them run inline on the event loop.
 """
 
+import ipaddress
+import os
+import resource
+import socket
 from collections.abc import Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
@@ -101,6 +106,74 @@ def _bounded_logger(receiver: object, args: Mapping[str, object], ctx: CallConte
                           f"is made past {MAX_LOGGERS:,}", target=label, parameter="name", reason="too many loggers")
 
 
+# The share of the worker's open-file limit that process groups may take: each holds ~13 sockets and
+# files (a store, gloo's pairs) for as long as its ref lives, and at the limit the worker could no
+# longer accept a connection or rebuild its engine (1,532 groups took one to its 20,000 and it died).
+GROUP_FILES_SHARE = 0.25
+
+
+def _room_for_a_group(label: str) -> None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:      # no /proc: nothing to count with
+        return
+    if used >= soft * GROUP_FILES_SHARE:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "worker",
+                          f"{label}: this worker holds {used:,} open files, and a new process group is made only "
+                          f"while it holds fewer than {int(soft * GROUP_FILES_SHARE):,} (a quarter of its limit of "
+                          f"{soft:,}; each group keeps ~13 until its ref is released)", target=label,
+                          reason="too many open files")
+
+
+def _store_at_its_host(host_name: str, port: int, world_size: int | None = None, is_master: bool = False,
+                       **kwargs: Any) -> Any:
+    """torch's TCPStore, but a store's server listens at the host its rendezvous names only. torch's
+    own listens on every interface, whatever host it is given: a group a client made "at 127.0.0.1"
+    took keys (and pickled objects) from anyone who could reach the machine."""
+    from torch.distributed import TCPStore
+    if is_master and kwargs.get("master_listen_fd") is None and isinstance(host_name, str) and host_name:
+        kwargs["master_listen_fd"] = _listening_at(host_name, port)
+    return TCPStore(host_name, port, world_size, is_master, **kwargs)
+
+
+def _listening_at(host: str, port: int) -> int | None:
+    """A socket listening at (host, port), handed over as its fd (the store closes it); None where
+    it cannot be made, and torch's own error then says why."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError:
+        return None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        return None
+    return sock.detach()
+
+
+def meet_only_where_asked() -> None:
+    """Installed when this adapter loads: rendezvous stores listen at their own host (above)."""
+    import importlib
+    # (the module by its name: `torch.distributed.rendezvous` as an attribute is the function it defines)
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    setattr(rendezvous, "TCPStore", _store_at_its_host)   # noqa: B010 - a module global torch looks up per call
+
+
+def _loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _rendezvous(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
     """A process group meets peers on the network and takes pickled objects from them: only at
     hosts the operator allows (loopback by default). An init method is read as torch reads it
@@ -131,6 +204,11 @@ def _rendezvous(receiver: object, args: Mapping[str, object], ctx: CallContext) 
                           f"pool has {ctx.world_size} and lets {ctx.policy.outside_ranks} join from elsewhere (pool "
                           f"config key outside_ranks; a distributed pool has as many ranks as its workers)",
                           parameter="world_size", reason="no such ranks")
+    _room_for_a_group("vllm.distributed")
+    if all(_loopback(h) for h in hosts):
+        # gloo's own sockets (a pair per peer) listen at the address the machine's name resolves
+        # to, reachable from elsewhere; where every group of this worker meets at loopback, so do they.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
 def _allowed_host(key: str, host: object, hosts: frozenset[str]) -> None:
@@ -140,6 +218,8 @@ def _allowed_host(key: str, host: object, hosts: frozenset[str]) -> None:
                           f"process groups meet at ({', '.join(sorted(hosts))}; pool config key rendezvous_hosts)",
                           parameter=key, reason="host not allowed")
 
+
+meet_only_where_asked()
 
 DISTRIBUTED = AdapterSpec(
     surface="distributed",

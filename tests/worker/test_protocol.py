@@ -96,6 +96,60 @@ def test_a_process_group_has_no_more_ranks_than_the_pool_lets_it(client: BridgeC
     client.call(f"{D}.stateless_destroy_torch_distributed_process_group", group, timeout=30)
 
 
+def test_a_process_group_listens_only_where_it_meets(worker: WorkerProcess, client: BridgeClient) -> None:
+    """torch's rendezvous store listens on every interface whatever host it is given, and gloo at
+    the address the machine's name resolves to: a group made "at 127.0.0.1" took keys from anyone
+    who could reach the machine. Every socket the worker listens on stays at loopback."""
+    import ipaddress
+
+    import psutil
+    port = free_port()
+    group = client.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1", port, 0, 1, "gloo",
+                        timeout=30)
+    try:
+        listening = [c.laddr for c in psutil.Process(worker.proc.pid).net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN]
+        assert any(a.port == port for a in listening), listening
+        mapped = [getattr(ipaddress.ip_address(a.ip), "ipv4_mapped", None) or ipaddress.ip_address(a.ip)
+                  for a in listening]           # gRPC listens at 127.0.0.1 through an IPv6 socket
+        assert all(ip.is_loopback for ip in mapped), (port, listening)
+    finally:
+        client.call(f"{D}.stateless_destroy_torch_distributed_process_group", group, timeout=30)
+        client.release(group)
+
+
+def test_process_groups_take_at_most_a_quarter_of_the_workers_open_files(tmp_path: Path) -> None:
+    """Each group holds ~13 sockets and files while its ref lives; 1,532 of them took a worker to
+    its limit of open files, and it died (its engine could not be rebuilt). Past a quarter of the
+    limit a new group is refused, the worker serves on, and releasing groups makes room again."""
+    import resource
+
+    import psutil
+    w = start_worker(tmp_path, name="groups")
+    try:
+        process = psutil.Process(w.proc.pid)
+        _, hard = resource.prlimit(w.proc.pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(w.proc.pid, resource.RLIMIT_NOFILE, ((process.num_fds() + 40) * 4, hard))
+        with BridgeClient(w.address) as c:
+            groups = []
+            with pytest.raises(CallError) as err:
+                for _ in range(20):
+                    groups.append(c.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1",
+                                         free_port(), 0, 1, "gloo", timeout=30))
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+            assert err.value.reason == "too many open files" and "a quarter of its limit" in err.value.details
+            assert 1 <= len(groups) < 20, len(groups)
+            assert c.call(f"{D}.divide", 10, 5) == 2                      # the worker serves on
+            for group in groups:
+                c.call(f"{D}.stateless_destroy_torch_distributed_process_group", group, timeout=30)
+                c.release(group)
+            again = c.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1", free_port(), 0, 1,
+                           "gloo", timeout=30)
+            assert again is not None
+    finally:
+        w.stop()
+
+
 def _rendezvous_peer(port: int) -> None:
     """Rank 1 of a 2-rank gloo group: completes the rendezvous rank 0 is blocked in."""
     from vllm.distributed import stateless_init_torch_distributed_process_group
