@@ -278,6 +278,10 @@ def sampling_rule(fields: Mapping[str, Any], policy: Policy) -> None:
             raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
                               f"{label}: field {key}: {len(value):,} strings is over this server's limit of {limit:,}",
                               target=label, parameter=key, reason=f"too many {key}")
+    words = fields.get("bad_words")
+    if isinstance(words, (list, tuple)) and "" in words:   # vLLM indexes each word's first token: IndexError
+        raise BridgeError.validation(f"{label}: field bad_words[{list(words).index('')}]: expected a word, got an "
+                                     f"empty string", target=label, parameter=f"bad_words[{list(words).index('')}]")
     n = fields.get("n")
     if type(n) is int and n > MAX_N:
         raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",

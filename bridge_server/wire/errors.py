@@ -67,6 +67,7 @@ _PY_STATUS: dict[str, grpc.StatusCode] = {
     "NotImplementedError": grpc.StatusCode.UNIMPLEMENTED,
     "TimeoutError": grpc.StatusCode.DEADLINE_EXCEEDED,
     "EngineDeadError": grpc.StatusCode.UNAVAILABLE,
+    "DistNetworkError": grpc.StatusCode.FAILED_PRECONDITION,  # a rendezvous' port in use, a peer not there
     "MemoryError": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "ArithmeticError": grpc.StatusCode.INVALID_ARGUMENT,     # division by zero, overflow: of the arguments given
 }

@@ -212,3 +212,11 @@ def test_a_struct_the_engine_core_would_refuse_is_refused_whatever_its_field() -
     check_engine_types("g", "sampling_params", SamplingParams(max_tokens=3, output_kind=RequestOutputKind.DELTA,
                                                               stop=["x"], seed=4))
     check_engine_types("g", "sampling_params", {"output_kind": True})      # not a struct: the binding's to check
+
+
+def test_an_empty_bad_word_is_named(catalog: Catalog) -> None:
+    """vLLM indexes each bad word's first token: an empty one failed as a bare IndexError."""
+    with pytest.raises(BridgeError) as err:
+        bind(catalog, "vllm.AsyncLLMEngine.generate", "Hi", {"bad_words": ["ok", ""]}, "r")
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.parameter == "bad_words[1]", err.value
+    assert "expected a word, got an empty string" in err.value.message

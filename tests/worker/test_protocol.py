@@ -118,6 +118,17 @@ def test_a_process_group_listens_only_where_it_meets(worker: WorkerProcess, clie
         client.release(group)
 
 
+def test_a_process_group_at_a_port_in_use_is_a_failed_precondition(worker: WorkerProcess,
+                                                                    client: BridgeClient) -> None:
+    in_use = int(worker.address.rpartition(":")[2])           # the worker's own
+    with pytest.raises(CallError) as err:
+        client.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1", in_use, 0, 1, "gloo",
+                    timeout=60)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, err.value
+    assert "DistNetworkError" in err.value.details and str(in_use) in err.value.details, err.value.details
+    assert client.call(f"{D}.divide", 10, 5) == 2
+
+
 def test_process_groups_take_at_most_a_quarter_of_the_workers_open_files(tmp_path: Path) -> None:
     """Each group holds ~13 sockets and files while its ref lives; 1,532 of them took a worker to
     its limit of open files, and it died (its engine could not be rebuilt). Past a quarter of the
