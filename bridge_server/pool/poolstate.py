@@ -7,9 +7,11 @@ the call's deadline. Everything here runs on the server's one event loop, so it 
 The queue is fair between clients (`router.client_of`: an identity, or where the server has no
 authentication a connection, and each Multiplex stream on it): a freed slot goes to the waiting
 client served least recently, each client's calls in their order of arrival, and no client may take
-the last quarter of the queue (`client_share`). A client that queues a thousand calls at once then
-neither fills the queue for everyone else nor puts them behind all of its own calls: another
-client's call waits for the next free slot.
+the last quarter of the queue (`client_share`), nor may the clients of one host together (as the
+backlog and the workers' turns count hosts: a stranger opens as many connections as it likes, but
+from the hosts it has). A client that queues a thousand calls at once then neither fills the queue
+for everyone else nor puts them behind all of its own calls: another client's call waits for the
+next free slot; and a second stream of the same stranger finds only what its host has left.
 
 A slot may be held by a stream whose caller reads nothing: the worker has a whole window of items
 out that nobody credits back. That is bounded by `reader_stall_s` (60 s) everywhere; while calls
@@ -31,6 +33,7 @@ import grpc
 
 from bridge_server.pool.config import PoolConfig
 from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.protocol import host_of
 from bridge_server.wire.stall import contended_stall
 
 READY, DRAINING, DEAD = "ready", "draining", "dead"
@@ -132,6 +135,7 @@ class PoolRouter:
         self.backends: list[Backend] = []
         self.queue: deque[Waiter] = deque()
         self.queued: Counter[str] = Counter()     # waiters per client
+        self.queued_by_host: Counter[str] = Counter()   # the same per host (wire.protocol.host_of)
         self.served: dict[str, int] = {}          # client -> when it was last given a slot from the queue
         self._grants = itertools.count()
         self.sessions: OrderedDict[str, Backend] = OrderedDict()
@@ -281,11 +285,12 @@ class PoolRouter:
 
     def _unqueue(self, w: Waiter) -> None:
         self.queue.remove(w)
-        left = self.queued[w.client] - 1
-        if left > 0:
-            self.queued[w.client] = left
-        else:
-            del self.queued[w.client]
+        for counts, key in ((self.queued, w.client), (self.queued_by_host, host_of(w.client))):
+            left = counts[key] - 1
+            if left > 0:
+                counts[key] = left
+            else:
+                del counts[key]
 
     def release(self, backend: Backend) -> None:
         backend.in_flight -= 1
@@ -325,12 +330,22 @@ class PoolRouter:
                              f"queue full: pool {self.name!r} has {len(self.queue)} calls waiting "
                              f"(queue_size {size}) and every slot busy", "queue full")
         share = client_share(size)
+        host = host_of(client)
+        if host != client:
+            if self.queued_by_host[host] >= share:
+                raise pool_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"queue full for this host: {self.queued_by_host[host]} calls from {host} wait in "
+                                 f"pool {self.name!r}'s queue, the most one host's connections may have together "
+                                 f"({share} of queue_size {size}: the last quarter is kept for other hosts), and "
+                                 f"every slot is busy", "host queue full")
+            # within its host, a client takes at most three quarters of what the host's others left
+            share = client_share(share - (self.queued_by_host[host] - self.queued[client]))
         if self.queued[client] >= share:
             raise pool_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"queue full for this client: {self.queued[client]} of its calls wait in pool "
-                             f"{self.name!r}'s queue, the most one client may have ({share} of queue_size "
-                             f"{size}: the last quarter is kept for other clients), and every slot is busy",
-                             "client queue full")
+                             f"{self.name!r}'s queue, the most it may have now ({share} of queue_size {size}: the "
+                             f"last quarter of the queue, and of what its host's other connections left, is kept "
+                             f"for others), and every slot is busy", "client queue full")
         loop = asyncio.get_running_loop()
         waiter = Waiter(required, preferred, loop.create_future(), client)
         timer = None
@@ -339,6 +354,7 @@ class PoolRouter:
             timer = loop.call_later(delay, self._expire, waiter)
         self.queue.append(waiter)
         self.queued[client] += 1
+        self.queued_by_host[host] += 1
         if any(b.has_slot() for b in self.backends):
             # Slots freed since the caller found none (a Multiplex start queues from a task of its own):
             # every release dispatched to an empty queue then, so nothing else would wake this waiter.

@@ -77,6 +77,50 @@ def test_one_client_may_not_fill_the_queue_and_others_still_queue() -> None:
     asyncio.run(main())
 
 
+def test_the_streams_of_one_host_together_leave_the_last_quarter_to_other_hosts() -> None:
+    """Without authentication a client is a connection (or a Multiplex stream on it), and a stranger
+    opens as many as it likes: two floods of 800 starts took 768 and 256 places of 1,024, and every
+    other caller found the queue full. A host's clients together now take at most three quarters,
+    and each of them at most three quarters of what its host's others left it."""
+    async def main() -> None:
+        pool, backend = _pool(slots=1, queue_size=64)
+        pool.take(_anywhere(pool))
+        attacker = [f"ipv4:10.0.0.1:{5000 + i} multiplex {i}" for i in range(6)]
+        taken: list[int] = []
+        waiting: list[asyncio.Task[Backend]] = []
+        for stream in attacker:                     # each stream queues until it is refused
+            n = 0
+            while True:
+                try:
+                    waiting.append(asyncio.create_task(pool.wait(_anywhere(pool), None, stream)))
+                    await asyncio.sleep(0)
+                    if waiting[-1].done():
+                        waiting[-1].result()
+                    n += 1
+                except BridgeError as exc:
+                    waiting.pop()
+                    last = exc
+                    break
+            taken.append(n)
+        assert taken[:4] == [36, 9, 3, 0], taken    # 3/4 of 48, then of 12, then 3 (a quarter of 3 is none)
+        assert sum(taken) == 48 and last.reason == "host queue full", (taken, last)
+        assert "calls from ipv4:10.0.0.1 wait" in last.message
+        same_host = asyncio.create_task(pool.wait(_anywhere(pool), None, "ipv4:10.0.0.1:6000"))
+        other_host = [asyncio.create_task(pool.wait(_anywhere(pool), None, f"ipv4:10.0.0.2:{7000 + i}"))
+                      for i in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(BridgeError) as err:
+            await same_host
+        assert err.value.reason == "host queue full", err.value
+        assert not any(t.done() for t in other_host)       # queued: the last quarter is theirs
+        for t in [*waiting, *other_host]:
+            t.cancel()
+        await asyncio.gather(*waiting, *other_host, return_exceptions=True)
+        assert not pool.queue and not pool.queued and not pool.queued_by_host   # nothing left behind
+
+    asyncio.run(main())
+
+
 def test_a_call_that_queues_after_every_slot_freed_is_served_at_once() -> None:
     """A Multiplex start that finds every slot busy queues from a task of its own: by the time that
     task runs, every running call may have ended, each release finding the queue empty. The waiter
