@@ -318,6 +318,12 @@ class PoolRouter:
             raise self.unavailable_error()
         return None
 
+    def _full(self, whose: str, held: str, share: int, kept: str, reason: str) -> BridgeError:
+        return pool_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"queue full for {whose}: {held} wait in pool {self.name!r}'s queue, the most it may have "
+                          f"now ({share} of queue_size {self.config.queue_size}: {kept}), and every slot is busy",
+                          reason)
+
     async def wait(self, plan: Plan, deadline: float | None, client: str = "") -> Backend:
         """Queues `client`'s call until `take` would succeed; `deadline` (monotonic) bounds the wait."""
         return await self._wait(deadline, plan.required, plan.preferred, client)
@@ -333,19 +339,14 @@ class PoolRouter:
         host = host_of(client)
         if host != client:
             if self.queued_by_host[host] >= share:
-                raise pool_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                 f"queue full for this host: {self.queued_by_host[host]} calls from {host} wait in "
-                                 f"pool {self.name!r}'s queue, the most one host's connections may have together "
-                                 f"({share} of queue_size {size}: the last quarter is kept for other hosts), and "
-                                 f"every slot is busy", "host queue full")
+                raise self._full("this host", f"{self.queued_by_host[host]} calls from {host}", share,
+                                 "the last quarter is kept for other hosts", "host queue full")
             # within its host, a client takes at most three quarters of what the host's others left
             share = client_share(share - (self.queued_by_host[host] - self.queued[client]))
         if self.queued[client] >= share:
-            raise pool_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"queue full for this client: {self.queued[client]} of its calls wait in pool "
-                             f"{self.name!r}'s queue, the most it may have now ({share} of queue_size {size}: the "
-                             f"last quarter of the queue, and of what its host's other connections left, is kept "
-                             f"for others), and every slot is busy", "client queue full")
+            raise self._full("this client", f"{self.queued[client]} of its calls", share,
+                             "the last quarter of the queue, and of what its host's other connections left, is "
+                             "kept for others", "client queue full")
         loop = asyncio.get_running_loop()
         waiter = Waiter(required, preferred, loop.create_future(), client)
         timer = None
