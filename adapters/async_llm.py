@@ -203,10 +203,37 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
     pool = _tokenizing.get(engine)
     if pool is None:
         pool = _tokenizing[engine] = ThreadPoolExecutor(1, thread_name_prefix="bridge-tokenize")
-    return await asyncio.get_running_loop().run_in_executor(
+    request = await asyncio.get_running_loop().run_in_executor(
         pool, lambda: engine.input_processor.process_inputs(
             request_id, prompt, params, kwargs.get("arrival_time"), kwargs.get("lora_request"), tokenization,
             kwargs.get("trace_headers"), kwargs.get("priority", 0), kwargs.get("data_parallel_rank")))
+    _one_grammar_backend(request)
+    return request
+
+
+def _one_grammar_backend(request: Any) -> None:
+    """With structured outputs on `auto` (vLLM's default), vLLM picks a backend per request: xgrammar,
+    or, for what xgrammar cannot take (a choice holding a newline, a regex with lookahead or a
+    backreference, `patternProperties`), guidance or outlines. But its engine core compiles every
+    request with the one backend it started with, xgrammar, and a request it cannot compile kills
+    the core (every stream of the engine fails, ~12 s until it is rebuilt). So on `auto` a request
+    runs only where xgrammar takes it; an engine made with another backend takes what that one does."""
+    so = getattr(getattr(request, "sampling_params", None), "structured_outputs", None)
+    chosen = getattr(so, "_backend", None)
+    if so is None or not getattr(so, "_backend_was_auto", False) or chosen in (None, "xgrammar"):
+        return
+    from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+    try:
+        validate_xgrammar_grammar(request.sampling_params)
+        why = ""
+    except ValueError as exc:
+        why = f" ({clip(str(exc), 200)})"
+    label = f"{PREFIX}.generate"
+    raise BridgeError.validation(
+        f"{label}: parameter sampling_params.structured_outputs: xgrammar, the structured-output backend this "
+        f"engine's core runs (structured_outputs_config backend 'auto'), cannot take it{why}; vLLM would hand this "
+        f"request alone to {chosen}, which that core cannot run (it dies). An engine made with backend "
+        f"{chosen!r} takes it", target=label, parameter="sampling_params.structured_outputs")
 
 
 # ------------------------------------------------------------------------------------------ requests

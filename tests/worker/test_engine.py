@@ -655,6 +655,26 @@ def test_an_enum_given_by_value_is_the_member_vllm_compares_with(bridge: BridgeC
     assert [len(item["outputs"][0]["token_ids"]) for item in delta] == [1] * 5, delta     # DELTA: each its own
 
 
+def test_a_structured_output_only_another_backend_takes_is_refused_and_the_engine_serves_on(
+        bridge: BridgeClient) -> None:
+    """On backend `auto` vLLM hands what xgrammar cannot take to guidance for that request alone, and
+    its engine core, which compiles with xgrammar, died on it (every stream failed ~12 s)."""
+    json_ok = list(bridge.stream(GENERATE, "an object", {**greedy(4), "structured_outputs": {"json": {"type": "object"}}},
+                                 "so-xgrammar"))
+    assert json_ok[-1]["finished"] is True                 # xgrammar's, and the core's, first structured request
+    with pytest.raises(CallError) as err:     # xgrammar refuses a choice holding a newline; guidance takes it
+        list(bridge.stream(GENERATE, "Hello", {**greedy(4), "structured_outputs": {"choice": ["yes\n", "no\n"]}},
+                           "so-other-backend"))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert err.value.detail is not None and err.value.detail.parameter == "sampling_params.structured_outputs"
+    assert "xgrammar" in err.value.details and "guidance" in err.value.details, err.value.details
+    with pytest.raises(CallError) as err:     # what neither takes: vLLM's own refusal, as before
+        list(bridge.stream(GENERATE, "Hello", {**greedy(4), "structured_outputs": {"regex": "(?=a)a"}}, "so-none"))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "look-around" in err.value.details, err.value
+    after = list(bridge.stream(GENERATE, "Hello", greedy(4), "so-after"))
+    assert after[-1]["finished"] is True and len(after[-1]["outputs"][0]["token_ids"]) == 4
+
+
 def test_a_coalesced_stream_ends_with_its_finished_item_not_an_interval_later(bridge: BridgeClient) -> None:
     started = time.monotonic()
     items = list(bridge.stream(GENERATE, "short", greedy(3), "interval-end", stream_interval_s=2.0))
