@@ -165,6 +165,18 @@ def meet_only_where_asked() -> None:
     setattr(rendezvous, "TCPStore", _store_at_its_host)   # noqa: B010 - a module global torch looks up per call
 
 
+def meet_at_loopback(hosts: frozenset[str]) -> None:
+    """At a worker's start, where every host its process groups may meet at is loopback: its engines'
+    own groups and gloo's sockets stay there too. vLLM's engine core makes a group at the address
+    the machine's name resolves to (reachable from elsewhere), and gloo listens there for its peers;
+    `VLLM_HOST_IP` and `GLOO_SOCKET_IFNAME` (the operator's, if set) keep them at loopback. The
+    engine core's store server listens at that host only because the engine core, spawned from the
+    worker, loads this module too (`cli.py`)."""
+    if hosts and all(_loopback(h) for h in hosts):
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
 def _loopback(host: str) -> bool:
     if host.lower() == "localhost":
         return True
@@ -205,10 +217,6 @@ def _rendezvous(receiver: object, args: Mapping[str, object], ctx: CallContext) 
                           f"config key outside_ranks; a distributed pool has as many ranks as its workers)",
                           parameter="world_size", reason="no such ranks")
     _room_for_a_group("vllm.distributed")
-    if all(_loopback(h) for h in hosts):
-        # gloo's own sockets (a pair per peer) listen at the address the machine's name resolves
-        # to, reachable from elsewhere; where every group of this worker meets at loopback, so do they.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
 def _allowed_host(key: str, host: object, hosts: frozenset[str]) -> None:

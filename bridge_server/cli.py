@@ -141,3 +141,7 @@ def _caller_gone_mid_write(record: logging.LogRecord) -> bool:
 
 if __name__ == "__main__":
     sys.exit(main())
+elif __name__ == "__mp_main__":
+    # A process spawned from ours re-imports this module as its main: vLLM's engine core, which makes
+    # a process group of its own. Its store then listens only at the host it names, as the worker's do.
+    import adapters.distributed  # noqa: F401

@@ -157,12 +157,14 @@ def main(args: argparse.Namespace) -> int:
     """Runs a worker until SIGTERM/SIGINT (or SIGHUP: see above); never returns normally."""
     if os.getpgrp() == os.getpid():   # a group of its own (as the supervisor starts it): only ours to kill
         signal.signal(signal.SIGHUP, _take_the_group_down)
+    from adapters.distributed import meet_at_loopback
     from bridge_server.worker.server import serve_worker
     try:
         config = config_from_args(args)
     except SecurityError as exc:
         print(f"vllm-bridge worker: {exc}", file=sys.stderr)
         return 2
+    meet_at_loopback(config.policy.rendezvous_hosts)
     # uvloop by default: fewer syscalls and less Python per loop turn, which a streaming worker makes many of.
     try:
         eventloop.run(serve_worker(config, ready_file=args.ready_file), args.loop)

@@ -675,6 +675,23 @@ def test_a_structured_output_only_another_backend_takes_is_refused_and_the_engin
     assert after[-1]["finished"] is True and len(after[-1]["outputs"][0]["token_ids"]) == 4
 
 
+def test_every_socket_an_engine_listens_on_is_at_loopback(engine_worker: WorkerProcess, bridge: BridgeClient) -> None:
+    """vLLM's engine core makes a process group of its own, at the address the machine's name
+    resolves to, and torch's store server listened on every interface: anyone who reached the
+    machine could write to it. The worker and its engine core listen at loopback only."""
+    import ipaddress
+
+    import psutil
+    assert list(bridge.stream(GENERATE, "Hello", greedy(2), "listening"))[-1]["finished"] is True
+    root = psutil.Process(engine_worker.proc.pid)
+    listening = [(p.pid, p.name(), c.laddr) for p in (root, *root.children(recursive=True))
+                 for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert any(pid != root.pid for pid, _, _ in listening), listening        # the engine core's store
+    for pid, name, addr in listening:
+        ip = ipaddress.ip_address(addr.ip)
+        assert (getattr(ip, "ipv4_mapped", None) or ip).is_loopback, (pid, name, addr)
+
+
 def test_a_coalesced_stream_ends_with_its_finished_item_not_an_interval_later(bridge: BridgeClient) -> None:
     started = time.monotonic()
     items = list(bridge.stream(GENERATE, "short", greedy(3), "interval-end", stream_interval_s=2.0))
