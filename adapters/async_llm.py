@@ -167,7 +167,8 @@ async def _warmup(engine: Any) -> None:
                      if t in tasks), None)
         if task is None:
             return
-        sources = [engine.encode("Hello, world", PoolingParams(task=task), f"bridge-warmup-{n}")]  # type: ignore[arg-type]
+        pooled = PoolingParams(task=task)  # type: ignore[arg-type]
+        sources = [engine.encode("Hello, world", pooled, f"bridge-warmup-{n}")]
 
     async def drain(source: Any) -> None:
         async for _ in source:

@@ -659,8 +659,8 @@ def test_a_structured_output_only_another_backend_takes_is_refused_and_the_engin
         bridge: BridgeClient) -> None:
     """On backend `auto` vLLM hands what xgrammar cannot take to guidance for that request alone, and
     its engine core, which compiles with xgrammar, died on it (every stream failed ~12 s)."""
-    json_ok = list(bridge.stream(GENERATE, "an object", {**greedy(4), "structured_outputs": {"json": {"type": "object"}}},
-                                 "so-xgrammar"))
+    an_object = {**greedy(4), "structured_outputs": {"json": {"type": "object"}}}
+    json_ok = list(bridge.stream(GENERATE, "an object", an_object, "so-xgrammar"))
     assert json_ok[-1]["finished"] is True                 # xgrammar's, and the core's, first structured request
     with pytest.raises(CallError) as err:     # xgrammar refuses a choice holding a newline; guidance takes it
         list(bridge.stream(GENERATE, "Hello", {**greedy(4), "structured_outputs": {"choice": ["yes\n", "no\n"]}},
