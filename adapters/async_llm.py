@@ -28,9 +28,9 @@ from typing import Any
 import grpc
 import psutil
 
-from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check_engine_types, check_prompt,
-                                     check_sampling_params, check_token_ids, clip_int, pooling_rule, sampling_rule,
-                                     text_of)
+from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check_engine_types,
+                                     check_grammar_backend, check_prompt, check_sampling_params, check_token_ids,
+                                     clip_int, pooling_rule, sampling_rule, text_of)
 from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Growing, Lifecycle, Policy, RecordRule,
                            RecordType)
 from bridge_server.wire.errors import BridgeError, clip, quote
@@ -189,7 +189,8 @@ def _started(engine: Any) -> None:
 _tokenizing: weakref.WeakKeyDictionary[Any, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
 
 
-async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwargs: dict[str, Any]) -> Any:
+async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwargs: dict[str, Any],
+                    method: str) -> Any:
     """The prompt to hand to vLLM: as given, or, where building the request costs tokenizer work
     (a long prompt, bad words, structured outputs), the request vLLM builds from it, built off the
     event loop (one thread per engine: its tokenizer is never used by two of ours at once)."""
@@ -208,33 +209,8 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
         pool, lambda: engine.input_processor.process_inputs(
             request_id, prompt, params, kwargs.get("arrival_time"), kwargs.get("lora_request"), tokenization,
             kwargs.get("trace_headers"), kwargs.get("priority", 0), kwargs.get("data_parallel_rank")))
-    _one_grammar_backend(request)
+    check_grammar_backend(f"{PREFIX}.{method}", request)
     return request
-
-
-def _one_grammar_backend(request: Any) -> None:
-    """With structured outputs on `auto` (vLLM's default), vLLM picks a backend per request: xgrammar,
-    or, for what xgrammar cannot take (a choice holding a newline, a regex with lookahead or a
-    backreference, `patternProperties`), guidance or outlines. But its engine core compiles every
-    request with the one backend it started with, xgrammar, and a request it cannot compile kills
-    the core (every stream of the engine fails, ~12 s until it is rebuilt). So on `auto` a request
-    runs only where xgrammar takes it; an engine made with another backend takes what that one does."""
-    so = getattr(getattr(request, "sampling_params", None), "structured_outputs", None)
-    chosen = getattr(so, "_backend", None)
-    if so is None or not getattr(so, "_backend_was_auto", False) or chosen in (None, "xgrammar"):
-        return
-    from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
-    try:
-        validate_xgrammar_grammar(request.sampling_params)
-        why = ""
-    except ValueError as exc:
-        why = f" ({clip(str(exc), 200)})"
-    label = f"{PREFIX}.generate"
-    raise BridgeError.validation(
-        f"{label}: parameter sampling_params.structured_outputs: xgrammar, the structured-output backend this "
-        f"engine's core runs (structured_outputs_config backend 'auto'), cannot take it{why}; vLLM would hand this "
-        f"request alone to {chosen}, which that core cannot run (it dies). An engine made with backend "
-        f"{chosen!r} takes it", target=label, parameter="sampling_params.structured_outputs")
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -320,7 +296,7 @@ async def _generate(engine: Any, prompt: Any, sampling_params: Any, request_id: 
                     **kwargs: Any) -> AsyncGenerator[Any, None]:
     """`generate`, with a long prompt tokenized off the event loop first. Returns vLLM's own
     generator (awaited once, then iterated as is: nothing of ours runs per token)."""
-    prepared = await _prepared(engine, prompt, sampling_params, request_id, kwargs)
+    prepared = await _prepared(engine, prompt, sampling_params, request_id, kwargs, "generate")
     if prepared is not prompt:
         kwargs = {"prompt_text": text_of(prompt), "data_parallel_rank": kwargs.get("data_parallel_rank")}
     result: AsyncGenerator[Any, None] = engine.generate(prepared, sampling_params, request_id, **kwargs)
@@ -333,7 +309,7 @@ async def _encode(engine: Any, prompt: Any, pooling_params: Any, request_id: str
     """`encode`, with the same care for long prompts as `generate` (the guard has run already)."""
     options = dict(lora_request=lora_request, trace_headers=trace_headers, priority=priority,
                    tokenization_kwargs=tokenization_kwargs)
-    prepared = await _prepared(engine, prompt, pooling_params, request_id, options)
+    prepared = await _prepared(engine, prompt, pooling_params, request_id, options, "encode")
     result: AsyncGenerator[Any, None] = engine.encode(prepared, pooling_params, request_id,
                                                       truncate_prompt_tokens=truncate_prompt_tokens, **options)
     return result
@@ -346,7 +322,7 @@ async def _add_request(engine: Any, request_id: str, prompt: Any, params: Any, a
     the event loop)."""
     options = dict(arrival_time=arrival_time, lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
                    trace_headers=trace_headers, priority=priority, data_parallel_rank=data_parallel_rank)
-    prepared = await _prepared(engine, prompt, params, request_id, options)
+    prepared = await _prepared(engine, prompt, params, request_id, options, "add_request")
     if prepared is not prompt:
         return await engine.add_request(request_id, prepared, params, data_parallel_rank=data_parallel_rank,
                                         prompt_text=text_of(prompt))

@@ -217,6 +217,30 @@ def _engine_decoder(cls: type) -> Any:
     return MsgpackDecoder(cls)
 
 
+def check_grammar_backend(label: str, request: Any) -> None:
+    """With structured outputs on `auto` (vLLM's default), vLLM picks a backend per request: xgrammar,
+    or, for what xgrammar cannot take (a choice holding a newline, a regex with lookahead or a
+    backreference, `patternProperties`), guidance or outlines. But its engine core compiles every
+    request with the one backend it started with, xgrammar, and a request it cannot compile kills
+    the core (every stream of the engine fails, ~12 s until it is rebuilt). So on `auto` a request
+    runs only where xgrammar takes it; an engine made with another backend takes what that one does."""
+    so = getattr(getattr(request, "sampling_params", None), "structured_outputs", None)
+    chosen = getattr(so, "_backend", None)
+    if so is None or not getattr(so, "_backend_was_auto", False) or chosen in (None, "xgrammar"):
+        return
+    from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+    try:
+        validate_xgrammar_grammar(request.sampling_params)
+        why = ""
+    except ValueError as exc:
+        why = f" ({str(exc)[:200]})"
+    raise BridgeError.validation(
+        f"{label}: parameter sampling_params.structured_outputs: xgrammar, the structured-output backend this "
+        f"engine's core runs (structured_outputs_config backend 'auto'), cannot take it{why}; vLLM would hand this "
+        f"request alone to {chosen}, which that core cannot run (it dies). An engine made with backend "
+        f"{chosen!r} takes it", target=label, parameter="sampling_params.structured_outputs")
+
+
 def check_sampling_params(engine: Any, label: str, name: str, params: Any) -> None:
     """What vLLM lets through of sampling (and pooling) params and then pays for. Token ids index the
     logits in the engine core: a stop token id past the vocabulary, with `min_tokens`, kills it (vLLM
