@@ -20,6 +20,7 @@ given by value as well as by member, as vLLM's own structs accept; a map for a n
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import functools
@@ -293,7 +294,10 @@ def _describe(exc: pydantic.ValidationError, expected: str, value: Any) -> str:
     """pydantic's findings as one line. Of a union's failures the one that got furthest into the
     value explains it best (a bad item of a list of token ids, rather than "not a str")."""
     errors = exc.errors(include_url=False)
-    best = max(errors, key=lambda e: len(e["loc"]))
+    # (at the same depth, a field of the wrong type says more than a missing one, and the union's
+    # member that the value fits best, with the fewest findings, more than the others)
+    findings = collections.Counter(tuple(e["loc"][:2]) for e in errors)
+    best = max(errors, key=lambda e: (len(e["loc"]), e["type"] != "missing", -findings[tuple(e["loc"][:2])]))
     loc = [p for p in best["loc"][1:] if not (isinstance(p, str) and not p.isidentifier())]
     path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
     got = f"got {type(value).__name__} {quote(value, 60)}"

@@ -125,6 +125,8 @@ REFUSED = [
      "sampling_params.structured_outputs.json", "expected str | dict | None, got int 3"),
     ("vllm.AsyncLLMEngine.generate", ("Hi", {}, 7), {}, "request_id", "expected str, got int 7"),
     ("vllm.AsyncLLMEngine.generate", ({"prompt": 3}, {}, "r"), {}, "prompt", "at TextPrompt.prompt"),
+    ("vllm.AsyncLLMEngine.generate", ({"prompt_token_ids": [1, 2], "cache_salt": 5}, {}, "r"), {}, "prompt",
+     "at TokensPrompt.cache_salt: Input should be a valid string"),      # not TextPrompt's missing `prompt`
     ("vllm.AsyncLLMEngine.generate", ("Hi", {}, "r"), {"lora_request": {"lora_name": "a", "lora_int_id": 1.0,
                                                                        "lora_path": "/x"}},
      "lora_request.lora_int_id", "expected int, got float 1.0"),
