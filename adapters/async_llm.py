@@ -30,7 +30,7 @@ import psutil
 
 from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check_engine_types,
                                      check_grammar_backend, check_prompt, check_sampling_params, check_token_ids,
-                                     clip_int, pooling_rule, sampling_rule, text_of)
+                                     check_tokenization, clip_int, pooling_rule, sampling_rule, text_of)
 from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Growing, Lifecycle, Policy, RecordRule,
                            RecordType)
 from bridge_server.wire.errors import BridgeError, clip, quote
@@ -248,6 +248,7 @@ def _request_guard(method: str, params_name: str) -> Any:
         await _serving(engine, method)
         params = args.get(params_name)
         label = f"{PREFIX}.{method}"
+        check_tokenization(engine, label, args.get("tokenization_kwargs"))
         check_prompt(engine, label, args.get("prompt"), params, args.get("tokenization_kwargs"), ctx.policy)
         check_token_ids(engine, label, args.get("prompt"))
         check_sampling_params(engine, label, params_name, params)

@@ -21,7 +21,7 @@ import grpc
 import msgspec
 
 from adapters.spec import Policy
-from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.errors import BridgeError, quote
 
 __all__ = ["I64_MAX", "I64_MIN", "LONG_PROMPT_CHARS", "MAX_BAD_WORDS", "MAX_N", "MAX_SCHEMA_DEPTH",
            "MAX_STOP_STRINGS", "check_prompt", "check_sampling_params", "check_token_ids", "clip_int",
@@ -77,6 +77,39 @@ def check_prompt(engine: Any, label: str, prompt: Any, params: Any, tokenization
             f"{label}: parameter prompt: a prompt of {len(text):,} characters cannot fit this engine's "
             f"max_model_len of {max_len:,} tokens (each token stands for at most {per_token} characters); "
             f"shorten it, or ask for truncation (truncate_prompt_tokens)", target=label, parameter="prompt")
+
+
+# What a client may pass to the tokenizer with its prompt (`tokenization_kwargs`), and of what type.
+# vLLM hands the map to the tokenizer as keyword arguments: `padding="max_length"` with a `max_length`
+# of a billion made a billion-token list (10 million: 1.3 s; a billion: gigabytes) in the process that
+# serves every client, before the prompt's length was checked; other keys made the tokenizer fail
+# with messages that name nothing (`return_tensors`, a str `add_special_tokens`).
+TOKENIZATION_KWARGS = {"truncation": bool, "max_length": int, "add_special_tokens": bool}
+
+
+def check_tokenization(engine: Any, label: str, kwargs: Any) -> None:
+    if not kwargs:
+        return
+    if not isinstance(kwargs, Mapping):
+        raise BridgeError.validation(f"{label}: parameter tokenization_kwargs: expected a map, got "
+                                     f"{type(kwargs).__name__}", target=label, parameter="tokenization_kwargs")
+    allowed = ", ".join(TOKENIZATION_KWARGS)
+    for key, value in kwargs.items():
+        where = f"tokenization_kwargs[{quote(key)}]"
+        kind = TOKENIZATION_KWARGS.get(key) if isinstance(key, str) else None
+        if kind is None:
+            raise BridgeError(grpc.StatusCode.INVALID_ARGUMENT, "validation",
+                              f"{label}: parameter {where}: not a tokenizer option this server passes on "
+                              f"(it takes {allowed})", target=label, parameter=where, reason="not allowed")
+        if type(value) is not kind:
+            raise BridgeError.validation(f"{label}: parameter {where}: expected {kind.__name__}, got "
+                                         f"{type(value).__name__} {quote(value, 40)}", target=label, parameter=where)
+    bound = engine.model_config.max_model_len
+    length = kwargs.get("max_length")
+    if length is not None and not 1 <= length <= bound:
+        raise BridgeError.validation(f"{label}: parameter tokenization_kwargs['max_length']: expected 1 to this "
+                                     f"engine's max_model_len ({bound:,}), got {clip_int(length)}", target=label,
+                                     parameter="tokenization_kwargs['max_length']")
 
 
 def check_token_ids(engine: Any, label: str, prompt: Any, where: str = "prompt") -> None:

@@ -556,7 +556,14 @@ BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words
     ("a priority past 64 bits", "hi", greedy(2), {"priority": 2**100}, grpc.StatusCode.INVALID_ARGUMENT,
      "parameter priority"),
     ("a tokenizer option of the wrong type", "hi", greedy(2), {"tokenization_kwargs": {"add_special_tokens": "yes"}},
-     grpc.StatusCode.INVALID_ARGUMENT, "EngineGenerateError: TypeError"),
+     grpc.StatusCode.INVALID_ARGUMENT, "tokenization_kwargs['add_special_tokens']: expected bool, got str 'yes'"),
+    # vLLM hands the map to the tokenizer: padded to a billion tokens in the process every client shares
+    ("padding to a billion tokens", "hi", greedy(2),
+     {"tokenization_kwargs": {"padding": "max_length", "max_length": 10**9}}, grpc.StatusCode.INVALID_ARGUMENT,
+     "tokenization_kwargs['padding']: not a tokenizer option this server passes on"),
+    ("a max_length past the model's", "hi", greedy(2), {"tokenization_kwargs": {"truncation": True,
+                                                                                "max_length": 10**9}},
+     grpc.StatusCode.INVALID_ARGUMENT, "expected 1 to this engine's max_model_len (2,048), got 1000000000"),
     # Sampling params' token ids index the logits in the engine core (a stop id past the vocabulary
     # with min_tokens killed it), and their private fields reach it unchecked.
     ("a stop token id past the vocabulary", "hi", {**greedy(4), "min_tokens": 2, "stop_token_ids": [5000]}, {},
