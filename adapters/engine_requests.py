@@ -337,8 +337,9 @@ def sampling_rule(fields: Mapping[str, Any], policy: Policy) -> None:
                               target=label, parameter=key, reason=f"too many {key}")
     words = fields.get("bad_words")
     if isinstance(words, (list, tuple)) and "" in words:   # vLLM indexes each word's first token: IndexError
-        raise BridgeError.validation(f"{label}: field bad_words[{list(words).index('')}]: expected a word, got an "
-                                     f"empty string", target=label, parameter=f"bad_words[{list(words).index('')}]")
+        where = f"bad_words[{list(words).index('')}]"
+        raise BridgeError.validation(f"{label}: field {where}: expected a word, got an empty string", target=label,
+                                     parameter=where)
     n = fields.get("n")
     if type(n) is int and n > MAX_N:
         raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
