@@ -705,8 +705,14 @@ def test_a_coalesced_stream_ends_with_its_finished_item_not_an_interval_later(br
     took = time.monotonic() - started
     assert items[-1]["finished"] is True and len(items[-1]["outputs"][0]["token_ids"]) == 3
     # the first item at once, the finished one an interval later (merged meanwhile), then the end
-    # at once: two intervals would be 4 s
-    assert 1.9 <= took < 3.5, took
+    # at once: two intervals would be 4 s. On a busy machine vLLM may have merged all three tokens
+    # before the first item was asked for: that item is then the finished one, and the end comes at
+    # once, with no interval at all.
+    assert len(items) in (1, 2), items
+    if len(items) == 2:
+        assert 1.9 <= took < 3.5, took
+    else:
+        assert took < 1.9, took
 
 
 def test_streams_of_dear_whole_items_are_paced_and_lose_nothing(bridge: BridgeClient) -> None:
