@@ -154,7 +154,10 @@ def multiplex_batches(address: str, metadata: tuple[tuple[str, str], ...] = ()) 
         replies = list(pb_grpc.BridgeStub(channel).Multiplex(iter([cancels]), metadata=metadata, timeout=30))
     got = {e.id: e for r in replies for e in r.events}
     assert sorted(got) == [*range(500, 564), 600], sorted(got)
-    assert all(got[i].error.code == grpc.StatusCode.CANCELLED.value[0] for i in range(500, 564)), got[500]
+    # (through the pool server a start may reach its worker, and run, before its cancel: then it ends)
+    ended = [i for i in range(500, 564) if got[i].error.code == grpc.StatusCode.CANCELLED.value[0]
+             or got[i].WhichOneof("kind") == "end"]
+    assert ended == list(range(500, 564)), [got[i] for i in range(500, 564) if i not in ended][:1]
     assert tuple(v.int for v in got[600].value.tuple.items) == (32, 48)
 
 
