@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
+import time
 import weakref
 from collections.abc import AsyncGenerator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -31,8 +33,8 @@ import psutil
 from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check_engine_types,
                                      check_grammar_backend, check_prompt, check_sampling_params, check_token_ids,
                                      check_tokenization, clip_int, pooling_rule, sampling_rule, text_of)
-from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Growing, Lifecycle, Policy, RecordRule,
-                           RecordType)
+from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Finalizer, Growing, Lifecycle, Policy,
+                           RecordRule, RecordType)
 from bridge_server.wire.errors import BridgeError, clip, quote
 
 log = logging.getLogger("vllm_bridge.engine")
@@ -98,7 +100,7 @@ def _core_cpu_s(engine: Any) -> float | None:
         for proc in getattr(manager, "processes", None) or ():
             times = psutil.Process(proc.pid).cpu_times()
             total += times.user + times.system
-    except (psutil.Error, AttributeError, TypeError, ValueError):
+    except (psutil.Error, OSError, AttributeError, TypeError, ValueError):   # OSError: none left to open /proc with
         return None
     return total if manager is not None else None
 
@@ -242,8 +244,9 @@ def _own(engine: Any, request_id: Any, identity: str) -> None:
 def _request_guard(method: str, params_name: str) -> Any:
     """For each entry that starts a request (`generate`, `encode`, `add_request`): the engine is
     alive, the prompt within limits and able to fit, a pooling task one the engine supports (its
-    core dies on another), and the request id noted as the caller's."""
-    async def guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
+    core dies on another), the request id noted as the caller's, and on a published engine that
+    schedules by priority, the request's priority set (fair share, below)."""
+    async def guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> Mapping[str, int] | None:
         _alive(engine, args)
         await _serving(engine, method)
         params = args.get(params_name)
@@ -253,14 +256,74 @@ def _request_guard(method: str, params_name: str) -> Any:
         check_token_ids(engine, label, args.get("prompt"))
         check_sampling_params(engine, label, params_name, params)
         check_engine_types(label, "lora_request", args.get("lora_request"))
+        _check_arrival(label, args.get("arrival_time"))
         priority = args.get("priority")
         if type(priority) is int and not I64_MIN <= priority <= I64_MAX:
             raise BridgeError.validation(f"{label}: parameter priority: {clip_int(priority)} does not fit in 64 bits",
                                          target=label, parameter="priority")
         if params is not None and type(params).__name__ == "PoolingParams":
             await _check_task(engine, method, params_name, params)
+        rank = _fair_rank(engine, label, args, params, ctx) if ctx.published else None
         _own(engine, args.get("request_id"), ctx.identity)
+        return None if rank is None else {"priority": rank}
     return guard
+
+
+# ------------------------------------------------------------------------------------ fair share
+# On a published engine that schedules by priority, a request's priority is the server's: the
+# sequences its client has running or waiting there, this request's included, so that vLLM takes a
+# light client's request before a heavy one's queue. In order of arrival, four requests of n=256
+# from one stranger kept every other client's request waiting 24 s behind 1,024 sequences; ranked,
+# it waits for one of the running sequences to end. Per engine: client -> [(request id, sequences)].
+_sequences: weakref.WeakKeyDictionary[Any, dict[str, list[tuple[str, int]]]] = weakref.WeakKeyDictionary()
+MAX_CLIENTS_KEPT = 1024      # past this many clients, those with nothing live are forgotten
+
+
+def _fair_share(engine: Any) -> bool:
+    config = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
+    return getattr(config, "policy", None) == "priority"
+
+
+def _fair_rank(engine: Any, label: str, args: Mapping[str, Any], params: Any, ctx: CallContext) -> int | None:
+    if not _fair_share(engine):
+        return None
+    asked = args.get("priority", 0)
+    if asked not in (0, None):
+        raise BridgeError.validation(f"{label}: parameter priority: this engine is shared, and the server ranks its "
+                                     f"requests by the sequences each client runs there (fair share); expected 0, "
+                                     f"got {clip_int(asked) if type(asked) is int else quote(asked)}",
+                                     target=label, parameter="priority")
+    live = _live_ids(engine)
+    table = _sequences.setdefault(engine, {})
+    mine = [(rid, k) for rid, k in table.get(ctx.client, ()) if live is None or rid in live]
+    n = getattr(params, "n", 1)
+    n = n if type(n) is int and n > 0 else 1
+    rank = sum(k for _, k in mine) + n
+    request_id = args.get("request_id")
+    if isinstance(request_id, str):
+        mine.append((request_id, n))
+    table[ctx.client] = mine
+    if len(table) > MAX_CLIENTS_KEPT:
+        for client in [c for c, held in table.items() if not any(live is None or r in live for r, _ in held)]:
+            del table[client]
+    return rank
+
+
+# How far a request's arrival_time may be from the worker's clock: vLLM measures the request's
+# latencies from it, into the statistics every client's requests share (NaN, or 1e308, made them
+# NaN or absurd).
+ARRIVAL_PAST_S = 86_400.0
+ARRIVAL_FUTURE_S = 60.0
+
+
+def _check_arrival(label: str, arrival: Any) -> None:
+    if not isinstance(arrival, (int, float)) or isinstance(arrival, bool):
+        return
+    now = time.time()
+    if not (math.isfinite(arrival) and now - ARRIVAL_PAST_S <= arrival <= now + ARRIVAL_FUTURE_S):
+        raise BridgeError.validation(f"{label}: parameter arrival_time: expected a time.time() within a day before "
+                                     f"now and a minute after it, got {arrival!r}", target=label,
+                                     parameter="arrival_time")
 
 
 async def _check_task(engine: Any, method: str, params_name: str, params: Any) -> None:
@@ -325,9 +388,42 @@ async def _add_request(engine: Any, request_id: str, prompt: Any, params: Any, a
                    trace_headers=trace_headers, priority=priority, data_parallel_rank=data_parallel_rank)
     prepared = await _prepared(engine, prompt, params, request_id, options, "add_request")
     if prepared is not prompt:
-        return await engine.add_request(request_id, prepared, params, data_parallel_rank=data_parallel_rank,
-                                        prompt_text=text_of(prompt))
-    return await engine.add_request(request_id, prompt, params, prompt_text=prompt_text, **options)
+        collector = await engine.add_request(request_id, prepared, params, data_parallel_rank=data_parallel_rank,
+                                             prompt_text=text_of(prompt))
+    else:
+        collector = await engine.add_request(request_id, prompt, params, prompt_text=prompt_text, **options)
+    _collected[collector] = weakref.ref(engine)
+    return collector
+
+
+# The engine of each collector `add_request` handed out: when the collector's last ref goes, nobody
+# can read its request any more, and the request ends (30 requests of n=256 whose refs were released
+# kept an engine busy for 5 minutes, every other request waiting behind them).
+_collected: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
+_aborting: set[asyncio.Task[None]] = set()
+
+
+def _abort_collected(collector: Any) -> None:
+    """Last ref to a collector released: its request (and, for n > 1, its children) is aborted by the
+    internal id vLLM gave it, which no other request shares."""
+    engine_ref = _collected.pop(collector, None)
+    engine = engine_ref() if engine_ref is not None else None
+    request_id = getattr(collector, "request_id", None)
+    if engine is None or not isinstance(request_id, str) or _dead(engine) is not None:
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    task = loop.create_task(engine.abort(request_id, internal=True))
+    _aborting.add(task)
+    task.add_done_callback(_aborted)
+
+
+def _aborted(task: asyncio.Task[None]) -> None:
+    _aborting.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("%s: aborting a released request failed: %s", PREFIX, task.exception())
 
 
 def _collective_rpc_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
@@ -389,6 +485,9 @@ def _within(path: str, dirs: tuple[str, ...]) -> bool:
 
 
 def _path_rule(label: str, key: str, dirs: tuple[str, ...], config_key: str, path: object) -> None:
+    if isinstance(path, str) and "\0" in path:      # no file has such a name (and realpath raises on it)
+        raise BridgeError.validation(f"{label}: field {key}: expected a path, got text holding a NUL character "
+                                     f"(at {path.index(chr(0))})", target=label, parameter=key)
     if not isinstance(path, str) or not _within(path, dirs):
         raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
                           f"{label}: field {key}: {quote(path)} is not under a directory this server allows "
@@ -560,6 +659,7 @@ ASYNC_LLM = AdapterSpec(
                           "get_supported_tasks", "get_tokenizer", "is_paused", "is_sleeping", "is_tracing_enabled",
                           "from_engine_args", "from_vllm_config"}),
     finalizer=_shutdown,
+    finalizers=(Finalizer("vllm.v1.engine.output_processor", "RequestOutputCollector", _abort_collected),),
     lifecycle=Lifecycle(dead=_dead, answers=_answers, kill=_kill, warmup=_warmup, started=_started),
     record_rules=(
         RecordRule("vllm", "AsyncEngineArgs", check=_engine_args_rule),

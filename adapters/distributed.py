@@ -7,7 +7,6 @@ arithmetic helpers are pure; the cheapest of them run inline on the event loop.
 
 import ipaddress
 import os
-import resource
 import socket
 from collections.abc import Mapping
 from typing import Any
@@ -106,28 +105,6 @@ def _bounded_logger(receiver: object, args: Mapping[str, object], ctx: CallConte
                           f"is made past {MAX_LOGGERS:,}", target=label, parameter="name", reason="too many loggers")
 
 
-# The share of the worker's open-file limit that process groups may take: each holds ~13 sockets and
-# files (a store, gloo's pairs) for as long as its ref lives, and at the limit the worker could no
-# longer accept a connection or rebuild its engine (1,532 groups took one to its 20,000 and it died).
-GROUP_FILES_SHARE = 0.25
-
-
-def _room_for_a_group(label: str) -> None:
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return
-    try:
-        used = len(os.listdir("/proc/self/fd"))
-    except OSError:      # no /proc: nothing to count with
-        return
-    if used >= soft * GROUP_FILES_SHARE:
-        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "worker",
-                          f"{label}: this worker holds {used:,} open files, and a new process group is made only "
-                          f"while it holds fewer than {int(soft * GROUP_FILES_SHARE):,} (a quarter of its limit of "
-                          f"{soft:,}; each group keeps ~13 until its ref is released)", target=label,
-                          reason="too many open files")
-
-
 def _store_at_its_host(host_name: str, port: int, world_size: int | None = None, is_master: bool = False,
                        **kwargs: Any) -> Any:
     """torch's TCPStore, but a store's server listens at the host its rendezvous names only. torch's
@@ -216,7 +193,25 @@ def _rendezvous(receiver: object, args: Mapping[str, object], ctx: CallContext) 
                           f"pool has {ctx.world_size} and lets {ctx.policy.outside_ranks} join from elsewhere (pool "
                           f"config key outside_ranks; a distributed pool has as many ranks as its workers)",
                           parameter="world_size", reason="no such ranks")
-    _room_for_a_group("vllm.distributed")
+
+
+def _split_evenly(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+    """split_tensor_along_last_dim: torch's refusals of a bad count are bare RuntimeErrors and vLLM's of
+    an uneven split a bare assertion; said here, by name."""
+    label = "vllm.distributed.split_tensor_along_last_dim"
+    parts, tensor = args.get("num_partitions"), args.get("tensor")
+    if type(parts) is int and parts < 1:
+        raise BridgeError.validation(f"{label}: parameter num_partitions: expected 1 or more, got {parts}",
+                                     target=label, parameter="num_partitions")
+    shape = getattr(tensor, "shape", None)
+    if shape is not None and type(parts) is int:
+        if len(shape) == 0:
+            raise BridgeError.validation(f"{label}: parameter tensor: expected a tensor of 1 or more dimensions, "
+                                         f"got a 0-d tensor", target=label, parameter="tensor")
+        if shape[-1] % parts:
+            raise BridgeError.validation(f"{label}: parameter num_partitions: the last dimension ({shape[-1]:,}) "
+                                         f"does not split into {parts:,} equal parts", target=label,
+                                         parameter="num_partitions")
 
 
 def _allowed_host(key: str, host: object, hosts: frozenset[str]) -> None:
@@ -247,7 +242,7 @@ DISTRIBUTED = AdapterSpec(
     # The inline helpers' guards are plain functions: they run where the call is read (`Invoker.immediate`).
     guards={"resolve_obj_by_qualname": _catalog_names_only, "init_logger": _bounded_logger,
             "divide": _plain_numbers, "ensure_divisibility": _plain_numbers, "get_pp_indices": _bounded_stages,
-            "is_torch_equal_or_newer": _short_version,
+            "is_torch_equal_or_newer": _short_version, "split_tensor_along_last_dim": _split_evenly,
             "init_distributed_environment": _rendezvous,
             "stateless_init_torch_distributed_process_group": _rendezvous},
     # Everything that talks to the other ranks of the group (or sets the group up or down, which is
@@ -261,6 +256,10 @@ DISTRIBUTED = AdapterSpec(
         "destroy_model_parallel", "destroy_distributed_environment", "cleanup_dist_env_and_memory",
         "init_model_parallel_group", "init_world_group", "init_gloo_process_group", "graph_capture",
         "prepare_communication_buffer_for_model",
+    }),
+    frees=frozenset({
+        "stateless_destroy_torch_distributed_process_group", "destroy_model_parallel",
+        "destroy_distributed_environment", "cleanup_dist_env_and_memory",
     }),
     exposures=(
         Exposure("vllm.distributed.parallel_state", "GroupCoordinator", attributes=frozenset({

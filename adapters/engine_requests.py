@@ -23,9 +23,9 @@ import msgspec
 from adapters.spec import Policy
 from bridge_server.wire.errors import BridgeError, quote
 
-__all__ = ["I64_MAX", "I64_MIN", "LONG_PROMPT_CHARS", "MAX_BAD_WORDS", "MAX_N", "MAX_SCHEMA_DEPTH",
-           "MAX_STOP_STRINGS", "check_prompt", "check_sampling_params", "check_token_ids", "clip_int",
-           "pooling_rule", "sampling_rule", "text_of"]
+__all__ = ["I64_MAX", "I64_MIN", "LONG_PROMPT_CHARS", "MAX_BAD_WORDS", "MAX_LOGPROB_ENTRIES", "MAX_N",
+           "MAX_SCHEMA_DEPTH", "MAX_STOP_STRINGS", "MAX_WORDS_CHARS", "check_prompt", "check_sampling_params",
+           "check_token_ids", "clip_int", "pooling_rule", "sampling_rule", "text_of"]
 
 LONG_PROMPT_CHARS = 16_384      # longer prompts are tokenized off the event loop
 _token_chars: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -294,6 +294,7 @@ def check_sampling_params(engine: Any, label: str, name: str, params: Any) -> No
         return
     _check_structured_outputs(label, name, params)
     bound = engine.model_config.get_vocab_size()
+    _check_logprobs(label, name, params, bound, engine.model_config.max_model_len)
     for field in ("stop_token_ids", "allowed_token_ids"):
         ids = getattr(params, field, None)
         if ids:
@@ -308,6 +309,10 @@ def check_sampling_params(engine: Any, label: str, name: str, params: Any) -> No
 # other request too (the OpenAI API allows 4 stop strings).
 MAX_STOP_STRINGS = 256
 MAX_BAD_WORDS = 4096
+# ... and their characters in all: the one thread that tokenizes an engine's bad words, for every
+# client, spent 16 s on 16 words of a million characters, and every request with bad words, a
+# structured output or a long prompt waited behind it; stop strings are searched after every token.
+MAX_WORDS_CHARS = 131_072
 # How deeply a structured output's JSON schema may nest (JSON levels: an object property is two).
 MAX_SCHEMA_DEPTH = 64
 MAX_SCHEMA_PROPERTIES = 1024          # properties a schema's objects declare in all
@@ -315,7 +320,33 @@ MAX_SCHEMA_OBJECT_PROPERTIES = 256    # ... and one object
 # Completions of one prompt (SamplingParams.n). vLLM fans a request out into n requests on the event
 # loop, ~50 us each, with no bound: n=1,000,000 blocks a worker's loop for about a minute.
 MAX_N = 256
+# Logprobs one request may ask for in all (n x max_tokens x (logprobs + 1)). vLLM detokenizes each on
+# the worker's event loop and one item may hold them all (a FINAL_ONLY item, or DELTA items merged while
+# the stream could not keep up): n=128 with 20 logprobs for 100 tokens held the loop 5 s, and every
+# other call of the worker waited. At this bound an item holds the loop ~0.2 s (FINAL_ONLY) to ~1 s
+# (DELTA, merged); one sequence of 2,048 tokens with 20 logprobs each fits.
+MAX_LOGPROB_ENTRIES = 65_536
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+
+
+def _check_logprobs(label: str, name: str, params: Any, vocab: int, max_model_len: int) -> None:
+    """A request's logprobs, in all, within MAX_LOGPROB_ENTRIES: vLLM detokenizes each on the worker's
+    event loop, and a CUMULATIVE or FINAL_ONLY item (or DELTA items vLLM merged for a slow reader)
+    carries them all, encoded in one go on the same loop."""
+    k = getattr(params, "logprobs", None)
+    if type(k) is not int:
+        return
+    per_token = (vocab if k < 0 else k) + 1
+    n = getattr(params, "n", 1)
+    tokens = getattr(params, "max_tokens", None)
+    tokens = tokens if type(tokens) is int and 0 < tokens < max_model_len else max_model_len
+    entries = (n if type(n) is int and n > 0 else 1) * tokens * per_token
+    if entries > MAX_LOGPROB_ENTRIES:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"{label}: parameter {name}: n ({n}) x max_tokens ({tokens:,}) x (logprobs + 1) "
+                          f"({per_token:,}) is {entries:,} logprobs, over this server's limit of "
+                          f"{MAX_LOGPROB_ENTRIES:,} for one request: ask for fewer completions, tokens or logprobs",
+                          target=label, parameter=f"{name}.logprobs", reason="too many logprobs")
 
 
 def clip_int(value: int) -> str:
@@ -335,6 +366,12 @@ def sampling_rule(fields: Mapping[str, Any], policy: Policy) -> None:
             raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
                               f"{label}: field {key}: {len(value):,} strings is over this server's limit of {limit:,}",
                               target=label, parameter=key, reason=f"too many {key}")
+        if isinstance(value, (str, list, tuple)):
+            chars = len(value) if isinstance(value, str) else sum(len(w) for w in value if isinstance(w, str))
+            if chars > MAX_WORDS_CHARS:
+                raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                                  f"{label}: field {key}: {chars:,} characters in all is over this server's limit of "
+                                  f"{MAX_WORDS_CHARS:,}", target=label, parameter=key, reason=f"{key} too long")
     words = fields.get("bad_words")
     if isinstance(words, (list, tuple)) and "" in words:   # vLLM indexes each word's first token: IndexError
         where = f"bad_words[{list(words).index('')}]"

@@ -23,6 +23,8 @@ def _bounded_sp(receiver: object, args: Mapping[str, object], ctx: CallContext) 
     holds for DPMetadata's methods (`cu_tokens_across_sp(10**9)`: 16 GB), on the ranks it holds."""
     key = "sp_size" if "sp_size" in args else "sequence_parallel_size"
     sp = args.get(key)
+    if type(sp) is int and sp < 1:      # torch's own refusal is a bare RuntimeError ("ZeroDivisionError")
+        raise BridgeError.validation(f"parameter {key}: expected a size of 1 or more, got {sp}", parameter=key)
     tokens = args.get("num_tokens_across_dp_cpu", getattr(receiver, "num_tokens_across_dp_cpu", None))
     numel = getattr(tokens, "numel", None)
     if type(sp) is int and callable(numel) and max(sp, 1) * numel() > MAX_SP_TOKENS:

@@ -47,10 +47,13 @@ class CallContext:
     published: bool = False     # the receiver is an object the worker published (shared by every client)
     catalog_names: frozenset[str] = frozenset()   # every name in the catalog
     world_size: int = 1         # the ranks of the worker's pool (1: a pool that is not distributed)
+    client: str = ""            # whom fairness goes by: the identity, else the caller's connection
 
 
 # A guard runs before the call with the receiver, the bound arguments and the call's context, and
 # raises BridgeError to refuse it; it may be a coroutine function (to ask the engine something first).
+# It may return a map of arguments whose values the server sets (a request's priority on an engine
+# that schedules by fair share), which replace the caller's.
 Guard = Callable[[Any, Mapping[str, Any], CallContext], Any]
 
 
@@ -116,6 +119,17 @@ class Growing:
 
 
 @dataclass(frozen=True)
+class Finalizer:
+    """What must end with the last ref to an instance of a class the adapter's calls hand out (not
+    the adapter's own class: that one's is `AdapterSpec.finalizer`): a request's output collector,
+    whose request would otherwise run on in the engine with nobody to read it."""
+
+    module: str
+    attr: str
+    fn: Callable[[Any], None]
+
+
+@dataclass(frozen=True)
 class Lifecycle:
     """For instances of an adapter's class that can die under the worker (an engine whose core
     process exits or stops answering): how to tell, what to do then, and how to warm one up."""
@@ -151,10 +165,14 @@ class AdapterSpec:
     # Run this instead: for "new", the constructor; for a method, called with the receiver first.
     overrides: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     finalizer: Callable[[Any], None] | None = None   # when the last ref to an instance of `cls` goes
+    finalizers: tuple[Finalizer, ...] = ()           # ... and of the classes here
     lifecycle: Lifecycle | None = None    # instances of `cls` that can die under the worker
     # Entries that communicate with every rank of the process group: in a distributed pool they run
     # only as Collectives (all ranks at once); called on one rank they would wait forever.
     collectives: frozenset[str] = frozenset()
+    # Entries that end or tear down what other calls made (a process group's destroy): they free
+    # what they touch, so a worker short of open files still runs them (`worker/openfiles.py`).
+    frees: frozenset[str] = frozenset()
     # A published instance (an engine the server creates at start) is shared by every client. Of its
     # methods, these any client may call: they act on the caller's own requests, or only read. The
     # others change the instance for everyone (pause it, put it to sleep, reset its caches, unload

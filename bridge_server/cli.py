@@ -143,5 +143,9 @@ if __name__ == "__main__":
     sys.exit(main())
 elif __name__ == "__mp_main__":
     # A process spawned from ours re-imports this module as its main: vLLM's engine core, which makes
-    # a process group of its own. Its store then listens only at the host it names, as the worker's do.
-    import adapters.distributed  # noqa: F401
+    # a process group of its own. Its store then listens only at the host it names, as the worker's do,
+    # and its CPU paths get the fixes of `adapters.engine_core`.
+    import adapters.distributed
+    import adapters.engine_core
+
+    adapters.engine_core.install()

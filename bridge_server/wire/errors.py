@@ -12,6 +12,7 @@ nothing until its deadline. Call sites quote client input with `quote`, which ke
 
 from __future__ import annotations
 
+import errno
 import logging
 import traceback as tb
 from dataclasses import dataclass, field
@@ -155,7 +156,13 @@ class BridgeError(Exception):
         return fitted_status(self.code.value[0], clip(self.message, MAX_MESSAGE_CHARS), self.detail())
 
 
+# An OSError's errno that says a resource ran out (files, memory, disk), not that the call was wrong.
+_EXHAUSTED_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOSPC})
+
+
 def _py_status(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, OSError) and exc.errno in _EXHAUSTED_ERRNOS:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     return next((c for t in type(exc).__mro__ if (c := _PY_STATUS.get(t.__name__))), grpc.StatusCode.UNKNOWN)
 
 

@@ -59,6 +59,7 @@ class Entry:
     guard: Guard | None = None
     override: Callable[..., Any] | None = None    # an adapter's replacement for the Python callable
     collective: bool = False        # communicates with every rank: only as a Collective in a distributed pool
+    frees: bool = False             # ends what other calls made (AdapterSpec.frees)
     per_client: bool = True         # any client may call it on a published instance (AdapterSpec.per_client)
 
     def resolve(self) -> Any:
@@ -192,7 +193,8 @@ def _module_entry(spec: AdapterSpec, module: Any, doc: DocEntry, surface: DocSur
         streams=streams, is_async=is_async, exclusive=spec.exclusive and doc.name not in spec.shared,
         inline=doc.name in spec.inline, result_ref=doc.name in spec.result_refs,
         profile=spec.profiles.get(doc.name, "streaming" if streams else "default"), guard=_guard(spec, doc.name),
-        override=spec.overrides.get(doc.name), collective=doc.name in spec.collectives)
+        override=spec.overrides.get(doc.name), collective=doc.name in spec.collectives,
+        frees=doc.name in spec.frees)
 
 
 def _class_entry(spec: AdapterSpec, cls: type, doc: DocEntry, surface: DocSurface) -> Entry:
@@ -218,7 +220,7 @@ def _class_entry(spec: AdapterSpec, cls: type, doc: DocEntry, surface: DocSurfac
     return Entry(name=f"{spec.prefix}.{doc.name}", kind=kind, attr=attr, signature=sig, streams=streams,
                  is_async=is_async, profile=spec.profiles.get(doc.name, "streaming" if streams else "default"),
                  override=spec.overrides.get(doc.name), collective=doc.name in spec.collectives,
-                 per_client=kind is not Kind.METHOD or doc.name in spec.per_client,
+                 frees=doc.name in spec.frees, per_client=kind is not Kind.METHOD or doc.name in spec.per_client,
                  **common)  # type: ignore[arg-type]
 
 
@@ -245,6 +247,8 @@ def build_catalog(specs: Iterable[AdapterSpec], documents: dict[str, DocSurface]
             catalog.types[f"{cls.__module__}.{cls.__qualname__}"] = cls
             catalog.add(Entry(name=ctor.name, kind=Kind.CONSTRUCTOR, module=ctor.module, class_name=ctor.attr,
                               attr="__init__", owner=cls, signature=_signature(cls), doc=None, result_ref=True))
+        for final in spec.finalizers:
+            catalog.finalizers[getattr(importlib.import_module(final.module), final.attr)] = final.fn
         for rule in spec.record_rules:
             catalog.rules[getattr(importlib.import_module(rule.module), rule.attr)] = rule
         for exposure in spec.exposures:

@@ -55,6 +55,7 @@ from bridge_server.worker.binding import (
 )
 from bridge_server.worker.catalog import Catalog, Entry, Kind
 from bridge_server.worker.deadlines import Deadlines, with_deadline
+from bridge_server.worker.openfiles import room_for_files
 from bridge_server.worker.refs import RefRegistry
 from bridge_server.worker.results import CODE_TYPES, Results, take_turn
 from bridge_server.worker.streams import Pace, PutItem, Tee, iterable, iterate, lazily
@@ -406,7 +407,8 @@ class Invoker:
             self.wedged = ""
 
     def _context(self, plan: Plan, caller: Caller) -> CallContext:
-        return CallContext(self.policy, caller.identity, plan.published, self.catalog.names, self.world_size)
+        return CallContext(self.policy, caller.identity, plan.published, self.catalog.names, self.world_size,
+                           caller.client)
 
     async def prepare(self, plan: Plan, args: list[Any], kwargs: dict[str, Any],
                       caller: Caller = Caller()) -> tuple[list[Any], dict[str, Any]]:
@@ -416,10 +418,12 @@ class Invoker:
         args, kwargs = self.bind(plan, args, kwargs)
         if plan.entry is not None and plan.entry.guard is not None:
             try:
-                await _maybe_await(plan.entry.guard(plan.receiver, _bound_map(plan, args, kwargs),
-                                                    self._context(plan, caller)))
+                result = plan.entry.guard(plan.receiver, _bound_map(plan, args, kwargs), self._context(plan, caller))
+                settings = await result if inspect.isawaitable(result) else result
             except BridgeError as exc:
                 raise _naming(exc, plan.label)
+            if settings:
+                args, kwargs = _setting(plan, args, kwargs, settings)
         return args, kwargs
 
     async def run_checked(self, plan: Plan, args: list[Any], kwargs: dict[str, Any], deadline: float | None) -> Any:
@@ -432,13 +436,17 @@ class Invoker:
             raise BridgeError.from_exception(exc, plan.label, pure=plan.inline) from exc
 
     def _admit(self, plan: Plan, caller: Caller) -> None:
-        """Refuses, before anything runs, a call that would block this rank's process group: in a
-        distributed pool an entry that talks to every rank runs only as a Collective."""
+        """Refuses, before anything runs, a call that would block this rank's process group (in a
+        distributed pool an entry that talks to every rank runs only as a Collective), and one that
+        may make or enter something while the worker holds its share of open files (`openfiles`)."""
         if self.distributed and not caller.collective and plan.entry is not None and plan.entry.collective:
             raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
                               f"{plan.label} talks to every rank of the pool's process group: run it with the "
                               f"Collective RPC (every rank at once); called on one rank it would wait forever",
                               target=plan.label, reason="use Collective")
+        frees = plan.fill_exit_args or (plan.entry is not None and plan.entry.frees)
+        if plan.fn is not None and not (plan.published or plan.inline or frees):
+            room_for_files(plan.label)
 
     def _makes_engines(self, plan: Plan) -> bool:
         entry = plan.entry
@@ -581,6 +589,17 @@ def _not_operator(plan: Plan) -> BridgeError:
                        target=plan.label, reason="published")
 
 
+def _setting(plan: Plan, args: list[Any], kwargs: dict[str, Any],
+             settings: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """The arguments with the values a guard sets in place of the caller's, wherever the caller
+    put them (by position or by name)."""
+    if plan.signature is None:
+        return args, {**kwargs, **settings}
+    bound = plan.signature.bind_partial(*args, **kwargs)
+    bound.arguments.update(settings)
+    return list(bound.args), dict(bound.kwargs)
+
+
 def _bound_map(plan: Plan, args: list[Any], kwargs: dict[str, Any]) -> Mapping[str, Any]:
     if plan.signature is None:
         return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
@@ -611,8 +630,3 @@ def _naming(exc: BridgeError, label: str) -> BridgeError:
             exc.message = f"{label}: {exc.message}"
             exc.args = (exc.message,)
     return exc
-
-
-async def _maybe_await(value: Any) -> None:
-    if inspect.isawaitable(value):
-        await value

@@ -165,6 +165,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"vllm-bridge worker: {exc}", file=sys.stderr)
         return 2
     meet_at_loopback(config.policy.rendezvous_hosts)
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":   # engines compute in this process
+        import adapters.engine_core
+        adapters.engine_core.install()
     # uvloop by default: fewer syscalls and less Python per loop turn, which a streaming worker makes many of.
     try:
         eventloop.run(serve_worker(config, ready_file=args.ready_file), args.loop)

@@ -159,6 +159,14 @@ def test_a_record_is_checked_like_a_map_and_no_remote_code_runs(client: BridgeCl
     err = denied(lambda: list(client.stream(Target.method("engine", "generate"), "Hi", {"max_tokens": 2}, "rec-lora",
                                             kwargs={"lora_request": lora}, timeout=30)))
     assert "lora_dirs" in err.details
+    for where, call in (("lora_path", lambda p: list(client.stream(
+            Target.method("engine", "generate"), "Hi", {"max_tokens": 2}, "nul-lora", timeout=30, kwargs={
+                "lora_request": record("vllm.lora.request.LoRARequest", lora_name="x", lora_int_id=1, lora_path=p)}))),
+                        ("model", lambda p: client.call(f"{E}.from_engine_args", record(args, model=p), timeout=30))):
+        with pytest.raises(CallError) as nul:       # realpath raised ValueError: INTERNAL, naming nothing
+            call(str(ensure_tiny_model()) + "/\0")
+        assert nul.value.code == grpc.StatusCode.INVALID_ARGUMENT, nul.value
+        assert f"field {where}: expected a path, got text holding a NUL character" in nul.value.details, nul.value
     err = denied(lambda: client.call(f"{D}.divide", record("vllm.config.parallel.ParallelConfig",
                                                              worker_cls="os.system"), 1, timeout=10))
     assert "worker_cls" in err.details

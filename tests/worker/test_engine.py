@@ -21,6 +21,7 @@ import pytest
 from bridge_server.client.client import BridgeClient, CallError, Multiplexer, Target
 from bridge_server.tools.tiny_model import ensure_tiny_model
 from tests.conftest import WorkerProcess, start_worker
+from vllm_bridge.v1 import bridge_pb2 as pb
 
 E = "vllm.AsyncLLMEngine"
 LONG = 2000   # tokens: seconds of generation, so a test can act on a stream before it ends
@@ -28,7 +29,7 @@ LONG = 2000   # tokens: seconds of generation, so a test can act on a stream bef
 
 def engine_args(model: Path, **extra: Any) -> dict[str, Any]:
     return {"model": str(model), "dtype": "float32", "max_model_len": 2048, "enforce_eager": True,
-            "max_num_seqs": 16, "enable_log_requests": True, **extra}
+            "max_num_seqs": 16, "enable_log_requests": True, "scheduling_policy": "priority", **extra}
 
 
 @pytest.fixture(scope="module")
@@ -555,6 +556,8 @@ BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words
      "field seed: 1180591620717411303424 does not fit in 64 bits"),
     ("a priority past 64 bits", "hi", greedy(2), {"priority": 2**100}, grpc.StatusCode.INVALID_ARGUMENT,
      "parameter priority"),
+    ("a priority of the client's own on a shared engine", "hi", greedy(2), {"priority": -5},
+     grpc.StatusCode.INVALID_ARGUMENT, "parameter priority: this engine is shared, and the server ranks its requests"),
     ("a tokenizer option of the wrong type", "hi", greedy(2), {"tokenization_kwargs": {"add_special_tokens": "yes"}},
      grpc.StatusCode.INVALID_ARGUMENT, "tokenization_kwargs['add_special_tokens']: expected bool, got str 'yes'"),
     # vLLM hands the map to the tokenizer: padded to a billion tokens in the process every client shares
@@ -584,6 +587,14 @@ BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words
      {**greedy(2), "structured_outputs": {"json": {"type": "object",
                                                    "properties": {f"p{i}": {"type": "string"} for i in range(4000)}}}},
      {}, grpc.StatusCode.RESOURCE_EXHAUSTED, "it declares 4,000 properties, 4,000 in one object, over this server's"),
+    # vLLM tokenizes bad words on the one thread that serves every client's (16 s for 16 MB of them)
+    ("bad words of too many characters", "hi", {**greedy(2), "bad_words": ["ab" * 35_000, "cd" * 35_000]}, {},
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "field bad_words: 140,000 characters in all is over this server's limit"),
+    ("a stop string of too many characters", "hi", {**greedy(2), "stop": "x" * 140_000}, {},
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "field stop: 140,000 characters in all is over this server's limit"),
+    # vLLM detokenizes every logprob on the worker's loop, and one item may hold them all: 5 s of it
+    ("logprobs in the hundreds of thousands", "hi", {**greedy(100), "n": 128, "temperature": 0.8, "logprobs": 20}, {},
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "n (128) x max_tokens (100) x (logprobs + 1) (21) is 268,800 logprobs"),
     ("a private field of SamplingParams", "hi", {**greedy(2), "_bad_words_token_ids": [[5000]]}, {},
      grpc.StatusCode.PERMISSION_DENIED, "field _bad_words_token_ids on SamplingParams is private"),
     ("another private field of SamplingParams", "hi", {**greedy(4), "min_tokens": 2, "_all_stop_token_ids": {5000}},
@@ -684,6 +695,44 @@ def test_a_structured_output_only_another_backend_takes_is_refused_and_the_engin
     assert after[-1]["finished"] is True and len(after[-1]["outputs"][0]["token_ids"]) == 4
 
 
+def test_structured_requests_share_engine_steps_with_plain_ones(engine_worker: WorkerProcess,
+                                                               bridge: BridgeClient) -> None:
+    """A step that held rows with a grammar and rows without made vLLM pin memory for xgrammar's row
+    list, which needs a CUDA driver: the engine core died on CPU (any structured request beside any
+    other one did it). Every kind, beside a plain generation that runs throughout."""
+    import threading
+    plain: list[Any] = []
+    stop = threading.Event()
+
+    failed: list[Exception] = []
+
+    def run_plain() -> None:
+        try:
+            with BridgeClient(engine_worker.address) as other:
+                for item in other.stream(GENERATE, "a long plain one", greedy(1900), "beside-plain", timeout=120):
+                    plain.append(item)
+                    if stop.is_set():
+                        break       # closing the stream cancels the call
+        except Exception as exc:     # noqa: BLE001 - the test says which, after the thread
+            failed.append(exc)
+
+    runner = threading.Thread(target=run_plain)
+    runner.start()
+    try:
+        kinds = [{"choice": ["yes", "no"]}, {"json": {"type": "object"}}, {"regex": "[a-z]{3}"},
+                 {"grammar": 'root ::= "a" | "b"'}]
+        for i, kind in enumerate(kinds):
+            items = list(bridge.stream(GENERATE, "Hello", {**greedy(6), "structured_outputs": kind}, f"beside-{i}",
+                                       timeout=60))
+            assert items[-1]["finished"] is True, (kind, items[-1])
+        assert plain and runner.is_alive(), "the plain generation was not running beside the structured ones"
+    finally:
+        stop.set()
+        runner.join(120)
+    assert not failed and plain[-1]["finished"] is False and len(plain) >= 4, failed   # ended by the test
+    assert list(bridge.stream(GENERATE, "Hello", greedy(2), "beside-after"))[-1]["finished"] is True
+
+
 def test_every_socket_an_engine_listens_on_is_at_loopback(engine_worker: WorkerProcess, bridge: BridgeClient) -> None:
     """vLLM's engine core makes a process group of its own, at the address the machine's name
     resolves to, and torch's store server listened on every interface: anyone who reached the
@@ -752,3 +801,60 @@ def test_a_request_vllm_refuses_fails_alike_over_every_transport_and_encoding(br
         assert mux.call(Target.method("engine", "check_health")) is None
     assert len({(e.code, e.category, e.detail.python_type if e.detail else "") for e in errors}) == 1, errors
     assert "longer than the maximum model length" in errors[0].details
+
+
+@pytest.mark.parametrize("arrival", [float("nan"), float("inf"), 1e308, -1.0])
+def test_an_arrival_time_off_the_clock_is_refused_by_name(bridge: BridgeClient, arrival: float) -> None:
+    """vLLM measures a request's latencies from its arrival_time, into statistics every client's
+    requests share: NaN or 1e308 made them NaN or absurd."""
+    with pytest.raises(CallError) as err:
+        bridge.call(Target.method("engine", "add_request"), "arrival", "Hello", greedy(2), arrival, timeout=30)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert "parameter arrival_time: expected a time.time() within a day" in err.value.details, err.value
+
+
+def test_releasing_an_add_request_collector_ends_its_request(engine_worker: WorkerProcess,
+                                                              bridge: BridgeClient) -> None:
+    """Nobody can read a request whose collector's last ref is gone: it is aborted (children and
+    all), where it ran on to its last token before (30 of n=256 kept an engine busy 5 minutes)."""
+    collector = bridge.call(Target.method("engine", "add_request"), "released-collector", "Hello",
+                            {**greedy(1900), "n": 2, "temperature": 0.8}, timeout=30)
+    assert isinstance(collector, pb.Ref) and "Collector" in collector.type_name, collector
+    time.sleep(0.3)
+    assert bridge.release(collector) == 1
+    deadline = time.monotonic() + 10
+    while "Aborted request(s) released-collector-" not in engine_worker.log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "the released collector's request was not aborted"
+        time.sleep(0.1)
+    assert list(bridge.stream(GENERATE, "Hello", greedy(2), "after-released"))[-1]["finished"] is True
+
+
+def test_a_light_client_is_not_queued_behind_a_heavy_clients_sequences(engine_worker: WorkerProcess) -> None:
+    """On a published engine that schedules by priority, each request's priority is the sequences its
+    client runs there: a light client's request goes ahead of a heavy client's queue instead of
+    waiting behind all of it, as it did in order of arrival. Heavy: three requests of 16 sequences
+    (the engine runs 16 at once); light: one sequence, sent once the heavy ones are queued."""
+    import threading
+    heavy_params = {**greedy(600), "n": 16, "temperature": 0.8}   # a batch of ~2 s here
+    first_item: dict[str, float] = {}
+    ended: dict[str, float] = {}
+
+    def run(client: BridgeClient, tag: str, params: dict[str, Any]) -> None:
+        for item in client.stream(GENERATE, "Hello", params, tag, timeout=120):
+            first_item.setdefault(tag, time.monotonic())
+        ended[tag] = time.monotonic()
+
+    own = [("grpc.use_local_subchannel_pool", 1)]      # a connection of its own: two clients, not one
+    with BridgeClient(engine_worker.address) as heavy, \
+            BridgeClient(engine_worker.address, channel_options=own) as light:
+        runners = [threading.Thread(target=run, args=(heavy, f"heavy-{i}", heavy_params)) for i in range(3)]
+        for runner in runners:
+            runner.start()
+            time.sleep(0.2)       # in this order
+        run(light, "light", greedy(4))
+        for runner in runners:
+            runner.join(120)
+    assert set(ended) == {"heavy-0", "heavy-1", "heavy-2", "light"}, ended
+    # In order of arrival the light request waited for heavy-1's and heavy-2's batches after heavy-0's;
+    # ranked, it runs beside heavy-1's, which had not begun when it came
+    assert first_item["light"] < ended["heavy-1"], (first_item, ended)

@@ -148,7 +148,7 @@ def test_process_groups_take_at_most_a_quarter_of_the_workers_open_files(tmp_pat
                     groups.append(c.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1",
                                          free_port(), 0, 1, "gloo", timeout=30))
             assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
-            assert err.value.reason == "too many open files" and "a quarter of its limit" in err.value.details
+            assert err.value.reason == "too many open files" and "25% of its limit" in err.value.details
             assert 1 <= len(groups) < 20, len(groups)
             assert c.call(f"{D}.divide", 10, 5) == 2                      # the worker serves on
             for group in groups:
@@ -157,6 +157,42 @@ def test_process_groups_take_at_most_a_quarter_of_the_workers_open_files(tmp_pat
             again = c.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1", free_port(), 0, 1,
                            "gloo", timeout=30)
             assert again is not None
+    finally:
+        w.stop()
+
+
+def test_what_a_client_enters_takes_at_most_a_quarter_of_the_workers_open_files(tmp_path: Path) -> None:
+    """An entered `suppress_stdout` holds two descriptors until it is exited: entered in a loop, they
+    took a worker to its limit, its healthy engine's probe failed, and the worker died. Any call
+    that may make or enter something is refused past a quarter of the limit; exits never are, and
+    the worker serves on."""
+    import resource
+
+    import psutil
+    w = start_worker(tmp_path, name="entered")
+    try:
+        process = psutil.Process(w.proc.pid)
+        _, hard = resource.prlimit(w.proc.pid, resource.RLIMIT_NOFILE)
+        limit = (process.num_fds() + 30) * 4
+        resource.prlimit(w.proc.pid, resource.RLIMIT_NOFILE, (limit, hard))
+        with BridgeClient(w.address) as c:
+            entered = []
+            with pytest.raises(CallError) as err:
+                for _ in range(60):
+                    ctx = c.call(f"{D}.suppress_stdout")
+                    c.call(Target.method(ctx, "__enter__"))
+                    entered.append(ctx)
+                    time.sleep(0.06)        # past the worker's reuse of a recent count
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+            assert err.value.reason == "too many open files", err.value
+            assert 5 <= len(entered) < 60 and process.num_fds() <= limit // 4 + 4, (len(entered), process.num_fds())
+            assert c.call(f"{D}.divide", 10, 5) == 2                      # the worker serves on
+            for ctx in reversed(entered):                                  # exits are never refused
+                c.call(Target.method(ctx, "__exit__"))
+                c.release(ctx)
+            ctx = c.call(f"{D}.suppress_stdout")                            # room again
+            c.call(Target.method(ctx, "__enter__"))
+            c.call(Target.method(ctx, "__exit__"))
     finally:
         w.stop()
 

@@ -139,6 +139,24 @@ def test_the_sequence_parallel_helpers_compute_and_are_bounded(client: BridgeCli
             client.call(f"{FC}.{name}", torch.tensor([1]), 10**8, *extra)
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
         assert "sequence_parallel_size" in err.value.details and "1,048,576 entries" in err.value.details
+    for name, extra in (("_compute_sp_num_tokens", ()), ("_compute_chunked_local_num_tokens", (2, 0))):
+        for size in (0, -2):        # torch's refusal was a bare RuntimeError: UNKNOWN, naming nothing
+            with pytest.raises(CallError) as err:
+                client.call(f"{FC}.{name}", torch.tensor([5, 6]), size, *extra)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert f"parameter sequence_parallel_size: expected a size of 1 or more, got {size}" in err.value.details
+
+
+def test_split_tensor_along_last_dim_names_a_count_it_cannot_split_by(client: BridgeClient) -> None:
+    split = "vllm.distributed.split_tensor_along_last_dim"
+    assert [t.tolist() for t in client.call(split, torch.arange(4).reshape(1, 4), 2)] == [[[0, 1]], [[2, 3]]]
+    for tensor, parts, needle in ((torch.zeros(2, 2), 0, "num_partitions: expected 1 or more, got 0"),
+                                  (torch.zeros(2, 2), -1, "num_partitions: expected 1 or more, got -1"),
+                                  (torch.zeros(2, 3), 2, "the last dimension (3) does not split into 2 equal parts"),
+                                  (torch.tensor(5), 1, "expected a tensor of 1 or more dimensions")):
+        with pytest.raises(CallError) as err:
+            client.call(split, tensor, parts)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details, err.value
 
 
 def test_iterate_walks_a_tensor_row_by_row_as_asked() -> None:
