@@ -25,17 +25,20 @@ import time
 import weakref
 from collections.abc import AsyncGenerator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import psutil
 
-from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check_engine_types,
-                                     check_grammar_backend, check_prompt, check_sampling_params, check_token_ids,
-                                     check_tokenization, clip_int, pooling_rule, sampling_rule, text_of)
+from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, MAX_LOGPROB_ENTRIES, check_engine_types,
+                                     check_grammar_backend, check_logprobs, check_prompt, check_sampling_params,
+                                     check_token_ids, check_tokenization, clip_int, logprob_entries, pooling_rule,
+                                     prompt_tokens_at_most, sampling_rule, text_of)
 from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Finalizer, Growing, Lifecycle, Policy,
                            RecordRule, RecordType)
 from bridge_server.wire.errors import BridgeError, clip, quote
+from bridge_server.wire.protocol import host_of
 
 log = logging.getLogger("vllm_bridge.engine")
 PREFIX = "vllm.AsyncLLMEngine"
@@ -263,20 +266,45 @@ def _request_guard(method: str, params_name: str) -> Any:
                                          target=label, parameter="priority")
         if params is not None and type(params).__name__ == "PoolingParams":
             await _check_task(engine, method, params_name, params)
-        rank = _fair_rank(engine, label, args, params, ctx) if ctx.published else None
+        vocab, max_len = engine.model_config.get_vocab_size(), engine.model_config.max_model_len
+        logprobs = logprob_entries(params, prompt_tokens_at_most(args.get("prompt"), max_len), vocab, max_len)
+        check_logprobs(label, params_name, params, logprobs)
+        rank = _admit_to_shared(engine, label, args, params, logprobs, ctx) if ctx.published else None
         _own(engine, args.get("request_id"), ctx.identity)
         return None if rank is None else {"priority": rank}
     return guard
 
 
 # ------------------------------------------------------------------------------------ fair share
-# On a published engine that schedules by priority, a request's priority is the server's: the
-# sequences its client has running or waiting there, this request's included, so that vLLM takes a
-# light client's request before a heavy one's queue. In order of arrival, four requests of n=256
-# from one stranger kept every other client's request waiting 24 s behind 1,024 sequences; ranked,
-# it waits for one of the running sequences to end. Per engine: client -> [(request id, sequences)].
-_sequences: weakref.WeakKeyDictionary[Any, dict[str, list[tuple[str, int]]]] = weakref.WeakKeyDictionary()
-MAX_CLIENTS_KEPT = 1024      # past this many clients, those with nothing live are forgotten
+# What each client has running or waiting on a published engine, by host: every client shares it.
+# - Priority. On one that schedules by priority, a request's priority is the server's: the sequences
+#   its client has there, this request's included, plus a sixteenth of the rest of its host's. vLLM
+#   takes the lowest first, so a light client goes ahead of a heavy one's queue: four requests of
+#   n=256 from one stranger, taken in order of arrival, kept everyone else's waiting 24 s behind
+#   1,024 sequences. The host's part is there because a client is a connection when there is no
+#   identity, and a stranger opens thousands (2,500 requests of one sequence, each on a connection of
+#   its own, ranked like a bystander's and went ahead of it); a bystander on the stranger's own host
+#   cannot be told from the stranger's connections, one on another host can. A client's own priority,
+#   or an arrival_time (vLLM's tie-break), is refused there: the server ranks.
+# - Bounds, whatever the engine schedules by: a host's live sequences (each holds memory in the engine
+#   core until it ends: 400 queued requests of n=256 took 416 MB) and the logprobs its requests may
+#   produce (made on the worker's loop: eight requests at the one-request bound held it 10 s).
+MAX_HOST_SEQUENCES = 8192
+MAX_HOST_LOGPROB_ENTRIES = 2 * MAX_LOGPROB_ENTRIES
+HOST_PART = 16          # a client's rank counts 1/HOST_PART of its host's other sequences
+MAX_HOSTS_KEPT = 1024   # past this many hosts, those with nothing live are forgotten
+
+
+@dataclass
+class _Live:
+    """A request a client started on a published engine, while vLLM holds it."""
+    client: str
+    request_id: str
+    sequences: int
+    logprobs: int
+
+
+_ledger: weakref.WeakKeyDictionary[Any, dict[str, list[_Live]]] = weakref.WeakKeyDictionary()   # engine -> host
 
 
 def _fair_share(engine: Any) -> bool:
@@ -284,29 +312,47 @@ def _fair_share(engine: Any) -> bool:
     return getattr(config, "policy", None) == "priority"
 
 
-def _fair_rank(engine: Any, label: str, args: Mapping[str, Any], params: Any, ctx: CallContext) -> int | None:
-    if not _fair_share(engine):
-        return None
-    asked = args.get("priority", 0)
-    if asked not in (0, None):
-        raise BridgeError.validation(f"{label}: parameter priority: this engine is shared, and the server ranks its "
-                                     f"requests by the sequences each client runs there (fair share); expected 0, "
-                                     f"got {clip_int(asked) if type(asked) is int else quote(asked)}",
-                                     target=label, parameter="priority")
+def _admit_to_shared(engine: Any, label: str, args: Mapping[str, Any], params: Any, logprobs: int,
+                     ctx: CallContext) -> int | None:
+    """Notes the request against its host's bounds (refusing it past them) and, on an engine that
+    schedules by priority, returns its priority (None: vLLM's own order)."""
+    fair = _fair_share(engine)
+    if fair:
+        for key, default in (("priority", 0), ("arrival_time", None)):
+            asked = args.get(key, default)
+            if asked is not default and asked != default:
+                raise BridgeError.validation(
+                    f"{label}: parameter {key}: this engine is shared, and the server ranks its requests by the "
+                    f"sequences each client runs there (fair share); expected {default}, got "
+                    f"{clip_int(asked) if type(asked) is int else quote(asked)}", target=label, parameter=key)
     live = _live_ids(engine)
-    table = _sequences.setdefault(engine, {})
-    mine = [(rid, k) for rid, k in table.get(ctx.client, ()) if live is None or rid in live]
+    hosts = _ledger.setdefault(engine, {})
+    host = host_of(ctx.client)
+    held = [r for r in hosts.get(host, ()) if live is None or r.request_id in live]
     n = getattr(params, "n", 1)
     n = n if type(n) is int and n > 0 else 1
-    rank = sum(k for _, k in mine) + n
+    sequences = sum(r.sequences for r in held)
+    if sequences + n > MAX_HOST_SEQUENCES:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"{label}: this engine is shared, and requests from this host already hold {sequences:,} "
+                          f"sequences there; {n:,} more would pass the limit of {MAX_HOST_SEQUENCES:,} for one host: "
+                          f"wait for some to end", target=label, reason="too many sequences")
+    listed = sum(r.logprobs for r in held)
+    if logprobs and listed + logprobs > MAX_HOST_LOGPROB_ENTRIES:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"{label}: this engine is shared, and requests from this host may already produce "
+                          f"{listed:,} logprobs there; {logprobs:,} more would pass the limit of "
+                          f"{MAX_HOST_LOGPROB_ENTRIES:,} for one host: wait for some to end", target=label,
+                          reason="too many logprobs")
+    own = sum(r.sequences for r in held if r.client == ctx.client)
     request_id = args.get("request_id")
     if isinstance(request_id, str):
-        mine.append((request_id, n))
-    table[ctx.client] = mine
-    if len(table) > MAX_CLIENTS_KEPT:
-        for client in [c for c, held in table.items() if not any(live is None or r in live for r, _ in held)]:
-            del table[client]
-    return rank
+        held.append(_Live(ctx.client, request_id, n, logprobs))
+    hosts[host] = held
+    if len(hosts) > MAX_HOSTS_KEPT:
+        for gone in [h for h, rs in hosts.items() if not any(live is None or r.request_id in live for r in rs)]:
+            del hosts[gone]
+    return own + n + (sequences - own) // HOST_PART if fair else None
 
 
 # How far a request's arrival_time may be from the worker's clock: vLLM measures the request's

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import grpc
 
 from adapters.engine_requests import clip_int
-from adapters.spec import AdapterSpec, CallContext, Exposure
+from adapters.spec import AdapterSpec, CallContext, Exposure, Finalizer
 from bridge_server.wire.errors import BridgeError, quote
 
 
@@ -214,6 +214,48 @@ def _split_evenly(receiver: object, args: Mapping[str, object], ctx: CallContext
                                          parameter="num_partitions")
 
 
+class StdoutSuppression:
+    """What `suppress_stdout()` returns to a client: vLLM's own context manager, entered by one caller
+    at a time. It points the worker's file descriptor 1 at /dev/null, for every client, until exited,
+    and restores whatever it found there when entered: two entered at once and exited out of order
+    left the worker's output on /dev/null for good (and each held two files while its ref lived).
+    A second enter while one is in force is refused; releasing the last ref exits it."""
+
+    def __init__(self) -> None:
+        self._inner: Any = None
+
+    def __enter__(self) -> None:
+        if _suppressing:
+            raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
+                              "vllm.distributed.suppress_stdout: the worker's stdout is suppressed already (by this "
+                              "or another caller's suppress_stdout, for every client): exit that one first",
+                              target="vllm.distributed.suppress_stdout", reason="already suppressed")
+        from vllm.distributed import suppress_stdout
+        inner = suppress_stdout()
+        inner.__enter__()
+        self._inner = inner
+        _suppressing.append(self)
+
+    def __exit__(self, *exc: object) -> bool:
+        inner, self._inner = self._inner, None
+        if inner is None:
+            return False
+        _suppressing.remove(self)
+        return bool(inner.__exit__(*exc))
+
+
+_suppressing: list[StdoutSuppression] = []      # the one in force, if any
+
+
+def _suppress_stdout() -> StdoutSuppression:
+    return StdoutSuppression()
+
+
+def _end_suppression(obj: Any) -> None:
+    """The last ref to an entered suppression went: the worker's stdout comes back."""
+    obj.__exit__(None, None, None)
+
+
 def _allowed_host(key: str, host: object, hosts: frozenset[str]) -> None:
     if not isinstance(host, str) or host.lower() not in {h.lower() for h in hosts}:
         raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
@@ -257,6 +299,8 @@ DISTRIBUTED = AdapterSpec(
         "init_model_parallel_group", "init_world_group", "init_gloo_process_group", "graph_capture",
         "prepare_communication_buffer_for_model",
     }),
+    overrides={"suppress_stdout": _suppress_stdout},
+    finalizers=(Finalizer("adapters.distributed", "StdoutSuppression", _end_suppression),),
     frees=frozenset({
         "stateless_destroy_torch_distributed_process_group", "destroy_model_parallel",
         "destroy_distributed_environment", "cleanup_dist_env_and_memory",

@@ -24,8 +24,9 @@ from adapters.spec import Policy
 from bridge_server.wire.errors import BridgeError, quote
 
 __all__ = ["I64_MAX", "I64_MIN", "LONG_PROMPT_CHARS", "MAX_BAD_WORDS", "MAX_LOGPROB_ENTRIES", "MAX_N",
-           "MAX_SCHEMA_DEPTH", "MAX_STOP_STRINGS", "MAX_WORDS_CHARS", "check_prompt", "check_sampling_params",
-           "check_token_ids", "clip_int", "pooling_rule", "sampling_rule", "text_of"]
+           "MAX_SCHEMA_DEPTH", "MAX_STOP_STRINGS", "MAX_WORDS_CHARS", "check_logprobs", "check_prompt",
+           "check_sampling_params", "check_token_ids", "clip_int", "logprob_entries", "pooling_rule",
+           "prompt_tokens_at_most", "sampling_rule", "text_of"]
 
 LONG_PROMPT_CHARS = 16_384      # longer prompts are tokenized off the event loop
 _token_chars: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -294,7 +295,6 @@ def check_sampling_params(engine: Any, label: str, name: str, params: Any) -> No
         return
     _check_structured_outputs(label, name, params)
     bound = engine.model_config.get_vocab_size()
-    _check_logprobs(label, name, params, bound, engine.model_config.max_model_len)
     for field in ("stop_token_ids", "allowed_token_ids"):
         ids = getattr(params, field, None)
         if ids:
@@ -320,33 +320,51 @@ MAX_SCHEMA_OBJECT_PROPERTIES = 256    # ... and one object
 # Completions of one prompt (SamplingParams.n). vLLM fans a request out into n requests on the event
 # loop, ~50 us each, with no bound: n=1,000,000 blocks a worker's loop for about a minute.
 MAX_N = 256
-# Logprobs one request may ask for in all (n x max_tokens x (logprobs + 1)). vLLM detokenizes each on
-# the worker's event loop and one item may hold them all (a FINAL_ONLY item, or DELTA items merged while
-# the stream could not keep up): n=128 with 20 logprobs for 100 tokens held the loop 5 s, and every
-# other call of the worker waited. At this bound an item holds the loop ~0.2 s (FINAL_ONLY) to ~1 s
-# (DELTA, merged); one sequence of 2,048 tokens with 20 logprobs each fits.
-MAX_LOGPROB_ENTRIES = 65_536
+# Logprobs one request may ask for in all: n x (max_tokens x (logprobs + 1) + prompt tokens x
+# (prompt_logprobs + 1)), vLLM working out each completion's prompt logprobs on its own. vLLM makes and
+# detokenizes each on the worker's event loop, and one item may hold them all (a FINAL_ONLY item, or
+# DELTA items merged while the stream could not keep up): n=128 with 20 logprobs for 100 tokens held
+# the loop 5 s, n=256 with 20 prompt logprobs of 80 words 3.3 s, and every other call of the worker
+# waited. Worst case ~12 µs of the loop per entry: at this bound an item holds it ~0.4 s at most; one
+# sequence of 1,500 tokens with 20 logprobs each fits. (A host's requests together: async_llm.py.)
+MAX_LOGPROB_ENTRIES = 32_768
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 
 
-def _check_logprobs(label: str, name: str, params: Any, vocab: int, max_model_len: int) -> None:
-    """A request's logprobs, in all, within MAX_LOGPROB_ENTRIES: vLLM detokenizes each on the worker's
-    event loop, and a CUMULATIVE or FINAL_ONLY item (or DELTA items vLLM merged for a slow reader)
-    carries them all, encoded in one go on the same loop."""
-    k = getattr(params, "logprobs", None)
-    if type(k) is not int:
-        return
-    per_token = (vocab if k < 0 else k) + 1
+def prompt_tokens_at_most(prompt: Any, max_model_len: int) -> int:
+    """How many tokens a prompt can come to, before it is tokenized: its ids, else its text's UTF-8
+    bytes (no tokenizer makes more tokens than bytes, but for a few special ones), within the model."""
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, Mapping) else None
+    if isinstance(ids, (list, tuple)):
+        return min(len(ids), max_model_len)
+    text = text_of(prompt)
+    if text is not None:
+        return min(len(text.encode("utf-8", "surrogatepass")) + 8, max_model_len)
+    return max_model_len
+
+
+def logprob_entries(params: Any, prompt_tokens: int, vocab: int, max_model_len: int) -> int:
+    """The logprobs a request may produce in all (see MAX_LOGPROB_ENTRIES); 0 without any."""
+    k, pk = getattr(params, "logprobs", None), getattr(params, "prompt_logprobs", None)
     n = getattr(params, "n", 1)
-    tokens = getattr(params, "max_tokens", None)
-    tokens = tokens if type(tokens) is int and 0 < tokens < max_model_len else max_model_len
-    entries = (n if type(n) is int and n > 0 else 1) * tokens * per_token
+    n = n if type(n) is int and n > 0 else 1
+    entries = 0
+    if type(k) is int:
+        tokens = getattr(params, "max_tokens", None)
+        tokens = tokens if type(tokens) is int and 0 < tokens < max_model_len else max_model_len
+        entries += tokens * ((vocab if k < 0 else k) + 1)
+    if type(pk) is int:
+        entries += prompt_tokens * ((vocab if pk < 0 else pk) + 1)
+    return n * entries
+
+
+def check_logprobs(label: str, name: str, params: Any, entries: int) -> None:
     if entries > MAX_LOGPROB_ENTRIES:
         raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
-                          f"{label}: parameter {name}: n ({n}) x max_tokens ({tokens:,}) x (logprobs + 1) "
-                          f"({per_token:,}) is {entries:,} logprobs, over this server's limit of "
-                          f"{MAX_LOGPROB_ENTRIES:,} for one request: ask for fewer completions, tokens or logprobs",
-                          target=label, parameter=f"{name}.logprobs", reason="too many logprobs")
+                          f"{label}: parameter {name}: n ({getattr(params, 'n', 1)}) x (max_tokens x (logprobs + 1) "
+                          f"+ prompt tokens x (prompt_logprobs + 1)) comes to {entries:,} logprobs, over this "
+                          f"server's limit of {MAX_LOGPROB_ENTRIES:,} for one request: ask for fewer completions, "
+                          f"tokens or logprobs", target=label, parameter=f"{name}.logprobs", reason="too many logprobs")
 
 
 def clip_int(value: int) -> str:

@@ -594,7 +594,11 @@ BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words
      grpc.StatusCode.RESOURCE_EXHAUSTED, "field stop: 140,000 characters in all is over this server's limit"),
     # vLLM detokenizes every logprob on the worker's loop, and one item may hold them all: 5 s of it
     ("logprobs in the hundreds of thousands", "hi", {**greedy(100), "n": 128, "temperature": 0.8, "logprobs": 20}, {},
-     grpc.StatusCode.RESOURCE_EXHAUSTED, "n (128) x max_tokens (100) x (logprobs + 1) (21) is 268,800 logprobs"),
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "comes to 268,800 logprobs, over this server's limit of 32,768"),
+    # ... and each completion works out the prompt's logprobs again (n=256 over 80 words: the loop 3.3 s)
+    ("prompt logprobs for every completion", "word " * 80, {**greedy(4), "n": 64, "temperature": 0.8,
+                                                            "prompt_logprobs": 20}, {},
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "comes to 548,352 logprobs"),
     ("a private field of SamplingParams", "hi", {**greedy(2), "_bad_words_token_ids": [[5000]]}, {},
      grpc.StatusCode.PERMISSION_DENIED, "field _bad_words_token_ids on SamplingParams is private"),
     ("another private field of SamplingParams", "hi", {**greedy(4), "min_tokens": 2, "_all_stop_token_ids": {5000}},
@@ -811,6 +815,34 @@ def test_an_arrival_time_off_the_clock_is_refused_by_name(bridge: BridgeClient, 
         bridge.call(Target.method("engine", "add_request"), "arrival", "Hello", greedy(2), arrival, timeout=30)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
     assert "parameter arrival_time: expected a time.time() within a day" in err.value.details, err.value
+
+
+def test_a_hosts_requests_together_are_bounded_in_logprobs_and_the_server_ranks_them(
+        bridge: BridgeClient) -> None:
+    """Each request within its own bound, eight at once held the worker's loop 10 s: a host's live
+    requests together may produce at most twice one request's logprobs. On a shared engine that
+    schedules by priority, the server's rank is the order: an arrival_time of the client's own (vLLM's
+    tie-break: a day in the past went ahead of everyone) is refused."""
+    add = Target.method("engine", "add_request")
+    near_bound = {**greedy(1500), "logprobs": 20}                     # 31,500 logprobs each
+    held = [bridge.call(add, f"lp-host-{i}", "Hello", near_bound, timeout=30) for i in range(2)]
+    with pytest.raises(CallError) as err:
+        bridge.call(add, "lp-host-2", "Hello", near_bound, timeout=30)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "too many logprobs", err.value
+    assert "requests from this host may already produce 63,000 logprobs" in err.value.details, err.value
+    assert bridge.release(*held) == 2                                  # aborted: room again
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            bridge.release(bridge.call(add, "lp-host-3", "Hello", near_bound, timeout=30))
+            break
+        except CallError as again:
+            assert again.reason == "too many logprobs" and time.monotonic() < deadline, again
+            time.sleep(0.2)
+    with pytest.raises(CallError) as err:
+        bridge.call(add, "own-arrival", "Hello", greedy(2), time.time() - 5, timeout=30)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert "parameter arrival_time: this engine is shared, and the server ranks" in err.value.details, err.value
 
 
 def test_releasing_an_add_request_collector_ends_its_request(engine_worker: WorkerProcess,
