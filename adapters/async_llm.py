@@ -286,11 +286,16 @@ def _request_guard(method: str, params_name: str) -> Any:
 #   its own, ranked like a bystander's and went ahead of it); a bystander on the stranger's own host
 #   cannot be told from the stranger's connections, one on another host can. A client's own priority,
 #   or an arrival_time (vLLM's tie-break), is refused there: the server ranks.
-# - Bounds, whatever the engine schedules by: a host's live sequences (each holds memory in the engine
-#   core until it ends: 400 queued requests of n=256 took 416 MB) and the logprobs its requests may
-#   produce (made on the worker's loop: eight requests at the one-request bound held it 10 s).
+# - Bounds, whatever the engine schedules by, in shares as the pool's queue keeps them: the live
+#   sequences of a host (each holds memory in the engine core until it ends: 400 queued requests of
+#   n=256 took 416 MB), of which one client takes at most three quarters of what the host's others
+#   left (one connection filling its host's bound shut out a bystander on the same address); and the
+#   logprobs live requests may produce (made on the worker's loop: eight requests at the one-request
+#   bound held it 10 s), for the whole engine, of which a host takes at most three quarters of what
+#   the other hosts left, and a client the same of its host's.
 MAX_HOST_SEQUENCES = 8192
-MAX_HOST_LOGPROB_ENTRIES = 2 * MAX_LOGPROB_ENTRIES
+MAX_ENGINE_LOGPROB_ENTRIES = 2 * MAX_LOGPROB_ENTRIES
+SHARE = 0.75            # of what the others left, a host's (or a host's client's) most
 HOST_PART = 16          # a client's rank counts 1/HOST_PART of its host's other sequences
 MAX_HOSTS_KEPT = 1024   # past this many hosts, those with nothing live are forgotten
 
@@ -305,6 +310,25 @@ class _Live:
 
 
 _ledger: weakref.WeakKeyDictionary[Any, dict[str, list[_Live]]] = weakref.WeakKeyDictionary()   # engine -> host
+# engine -> its live requests that may produce logprobs, whatever their host (few: most ask for none)
+_with_logprobs: weakref.WeakKeyDictionary[Any, list[tuple[str, _Live]]] = weakref.WeakKeyDictionary()
+
+
+def _room_for_logprobs(engine: Any, label: str, host: str, client: str, logprobs: int, live: Any) -> None:
+    """Refuses a request whose logprobs would pass its host's share of the engine's bound, or its
+    client's share of its host's (three quarters of what the others leave, at each level)."""
+    listed = [(h, r) for h, r in _with_logprobs.get(engine, ()) if live is None or r.request_id in live]
+    _with_logprobs[engine] = listed
+    everyone = sum(r.logprobs for _, r in listed)
+    on_host = sum(r.logprobs for h, r in listed if h == host)
+    own = sum(r.logprobs for h, r in listed if h == host and r.client == client)
+    host_room = SHARE * (MAX_ENGINE_LOGPROB_ENTRIES - (everyone - on_host))
+    if logprobs > SHARE * (host_room - (on_host - own)) - own:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"{label}: this engine is shared, and its live requests may produce {everyone:,} logprobs "
+                          f"({on_host:,} of them this host's, {own:,} this client's); {logprobs:,} more would pass "
+                          f"this client's share of the limit of {MAX_ENGINE_LOGPROB_ENTRIES:,} for the engine: wait "
+                          f"for some to end", target=label, reason="too many logprobs")
 
 
 def _fair_share(engine: Any) -> bool:
@@ -332,22 +356,22 @@ def _admit_to_shared(engine: Any, label: str, args: Mapping[str, Any], params: A
     n = getattr(params, "n", 1)
     n = n if type(n) is int and n > 0 else 1
     sequences = sum(r.sequences for r in held)
-    if sequences + n > MAX_HOST_SEQUENCES:
-        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
-                          f"{label}: this engine is shared, and requests from this host already hold {sequences:,} "
-                          f"sequences there; {n:,} more would pass the limit of {MAX_HOST_SEQUENCES:,} for one host: "
-                          f"wait for some to end", target=label, reason="too many sequences")
-    listed = sum(r.logprobs for r in held)
-    if logprobs and listed + logprobs > MAX_HOST_LOGPROB_ENTRIES:
-        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
-                          f"{label}: this engine is shared, and requests from this host may already produce "
-                          f"{listed:,} logprobs there; {logprobs:,} more would pass the limit of "
-                          f"{MAX_HOST_LOGPROB_ENTRIES:,} for one host: wait for some to end", target=label,
-                          reason="too many logprobs")
     own = sum(r.sequences for r in held if r.client == ctx.client)
-    request_id = args.get("request_id")
-    if isinstance(request_id, str):
-        held.append(_Live(ctx.client, request_id, n, logprobs))
+    room = int(SHARE * (MAX_HOST_SEQUENCES - (sequences - own))) - own
+    if n > room:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"{label}: this engine is shared; this client holds {own:,} sequences there and its host "
+                          f"{sequences:,} in all, and {n:,} more would pass this client's share of its host's limit "
+                          f"of {MAX_HOST_SEQUENCES:,} (three quarters of what the host's others leave): wait for some "
+                          f"to end", target=label, reason="too many sequences")
+    if logprobs:
+        _room_for_logprobs(engine, label, host, ctx.client, logprobs, live)
+    live_request = _Live(ctx.client, args["request_id"], n, logprobs) \
+        if isinstance(args.get("request_id"), str) else None
+    if live_request is not None:
+        held.append(live_request)
+        if logprobs:
+            _with_logprobs.setdefault(engine, []).append((host, live_request))
     hosts[host] = held
     if len(hosts) > MAX_HOSTS_KEPT:
         for gone in [h for h, rs in hosts.items() if not any(live is None or r.request_id in live for r in rs)]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import math
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -93,13 +94,31 @@ def too_large(size: int, limit: int, rpc: str) -> BridgeError:
 
 
 def host_of(caller: str) -> str:
-    """The host a caller's connection comes from (`ipv4:10.0.0.1:5000`, `ipv6:[::1]:5000`, with a
-    Multiplex stream's suffix or not): its peer address less the port. Any other caller (an
-    identity, a Unix socket's peer) is its own host."""
+    """The host a caller's connection comes from (`ipv4:10.0.0.1:5000`, `ipv6:[2001:db8::7]:5000`, with
+    a Multiplex stream's suffix or not): its peer address less the port, where one party holds no
+    more than one address. Loopback addresses (all of 127.0.0.0/8 and ::1) are one host: this
+    machine, from whichever of them it connects; an IPv6 address is its /64, which one subscriber
+    holds whole (a stranger who gave each connection another address of either was thousands of
+    hosts); an IPv4-mapped IPv6 address is its IPv4 one. Any other caller (an identity, a Unix
+    socket's peer) is its own host."""
     if caller.startswith(("ipv4:", "ipv6:")):
-        address = caller.split(" ", 1)[0]
-        return address.rsplit(":", 1)[0]
+        return _host_of_address(caller.split(" ", 1)[0].rsplit(":", 1)[0])
     return caller
+
+
+@functools.lru_cache(maxsize=4096)
+def _host_of_address(address: str) -> str:
+    try:
+        ip = ipaddress.ip_address(address[5:].strip("[]"))
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
+        return "loopback"
+    if isinstance(ip, ipaddress.IPv6Address):
+        return f"ipv6:[{ipaddress.IPv6Network((ip, 64), strict=False).network_address}]/64"
+    return f"ipv4:{ip}"
 
 
 def parse_request(cls: type[M], data: bytes, rpc: str, limit: int | None = None,

@@ -151,13 +151,18 @@ def test_a_stranger_s_connections_from_one_host_hold_one_host_s_share_and_other_
         with pytest.raises(BridgeError):
             reply(backlog, other, 7 * MB)
     assert backlog.total <= 2 * backlog.limit
-    assert backlog.by_host == {"ipv4:10.0.0.66": 42 * MB, "ipv6:[2001:db8::7]": 21 * MB, "ipv4:10.0.0.67": 14 * MB}
+    assert backlog.by_host == {"ipv4:10.0.0.66": 42 * MB, "ipv6:[2001:db8::]/64": 21 * MB, "ipv4:10.0.0.67": 14 * MB}
     assert backlog.callers_of["ipv4:10.0.0.66"] == 6
 
 
 def test_the_host_of_a_caller_is_its_peer_address_less_the_port() -> None:
-    assert host_of("ipv4:127.0.0.1:5000") == host_of("ipv4:127.0.0.1:6000 multiplex 3") == "ipv4:127.0.0.1"
-    assert host_of("ipv6:[::1]:5000") == "ipv6:[::1]"
+    assert host_of("ipv4:10.0.0.1:5000") == host_of("ipv4:10.0.0.1:6000 multiplex 3") == "ipv4:10.0.0.1"
+    # one machine, one subscriber: a stranger gave each of 2,500 connections an address of its own
+    assert host_of("ipv4:127.0.0.1:5000") == host_of("ipv4:127.1.2.3:5000") == host_of("ipv6:[::1]:5000") == \
+        host_of("ipv6:[::ffff:127.0.0.1]:5000") == "loopback"
+    assert host_of("ipv6:[2001:db8::7]:5000") == host_of("ipv6:[2001:db8::1:2:3:4]:6000") == "ipv6:[2001:db8::]/64"
+    assert host_of("ipv6:[2001:db8:0:1::7]:5000") != host_of("ipv6:[2001:db8::7]:5000")
+    assert host_of("ipv6:[::ffff:10.0.0.1]:5000") == "ipv4:10.0.0.1"
     assert host_of("unix:/tmp/x.sock") == "unix:/tmp/x.sock" and host_of("alice") == "alice"
 
 

@@ -817,24 +817,32 @@ def test_an_arrival_time_off_the_clock_is_refused_by_name(bridge: BridgeClient, 
     assert "parameter arrival_time: expected a time.time() within a day" in err.value.details, err.value
 
 
-def test_a_hosts_requests_together_are_bounded_in_logprobs_and_the_server_ranks_them(
-        bridge: BridgeClient) -> None:
-    """Each request within its own bound, eight at once held the worker's loop 10 s: a host's live
-    requests together may produce at most twice one request's logprobs. On a shared engine that
-    schedules by priority, the server's rank is the order: an arrival_time of the client's own (vLLM's
-    tie-break: a day in the past went ahead of everyone) is refused."""
+def test_live_requests_together_are_bounded_in_logprobs_and_the_server_ranks_them(
+        engine_worker: WorkerProcess, bridge: BridgeClient) -> None:
+    """Each request within its own bound, eight at once held the worker's loop 10 s: the live
+    requests of a shared engine may produce at most twice one request's logprobs, a host at most
+    three quarters of what other hosts leave, a client the same of its host's. On a shared engine
+    that schedules by priority, the server's rank is the order: an arrival_time of the client's own
+    (vLLM's tie-break: a day in the past went ahead of everyone) is refused."""
     add = Target.method("engine", "add_request")
-    near_bound = {**greedy(1500), "logprobs": 20}                     # 31,500 logprobs each
-    held = [bridge.call(add, f"lp-host-{i}", "Hello", near_bound, timeout=30) for i in range(2)]
+    near_bound = {**greedy(1500), "logprobs": 20}                     # 31,500 logprobs
+    held = bridge.call(add, "lp-live-0", "Hello", near_bound, timeout=30)
     with pytest.raises(CallError) as err:
-        bridge.call(add, "lp-host-2", "Hello", near_bound, timeout=30)
+        bridge.call(add, "lp-live-1", "Hello", near_bound, timeout=30)
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "too many logprobs", err.value
-    assert "requests from this host may already produce 63,000 logprobs" in err.value.details, err.value
-    assert bridge.release(*held) == 2                                  # aborted: room again
+    assert "may produce 31,500 logprobs (31,500 of them this host's, 31,500 this client's)" in err.value.details
+    own = [("grpc.use_local_subchannel_pool", 1)]
+    with BridgeClient(engine_worker.address, channel_options=own) as neighbour:    # same host, what is left
+        with pytest.raises(CallError) as err:
+            neighbour.call(add, "lp-live-2", "Hello", near_bound, timeout=30)
+        assert err.value.reason == "too many logprobs", err.value
+        small = neighbour.call(add, "lp-live-3", "Hello", {**greedy(400), "logprobs": 20}, timeout=30)   # 8,400
+        neighbour.release(small)
+    assert bridge.release(held) == 1                                   # aborted: room again
     deadline = time.monotonic() + 10
     while True:
         try:
-            bridge.release(bridge.call(add, "lp-host-3", "Hello", near_bound, timeout=30))
+            bridge.release(bridge.call(add, "lp-live-4", "Hello", near_bound, timeout=30))
             break
         except CallError as again:
             assert again.reason == "too many logprobs" and time.monotonic() < deadline, again
@@ -843,6 +851,28 @@ def test_a_hosts_requests_together_are_bounded_in_logprobs_and_the_server_ranks_
         bridge.call(add, "own-arrival", "Hello", greedy(2), time.time() - 5, timeout=30)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
     assert "parameter arrival_time: this engine is shared, and the server ranks" in err.value.details, err.value
+
+
+def test_one_client_takes_at_most_three_quarters_of_its_hosts_sequences(engine_worker: WorkerProcess,
+                                                                        bridge: BridgeClient) -> None:
+    """A host holds at most 8,192 live sequences on a shared engine (400 queued requests of n=256 took
+    416 MB of its core), and one connection filling that shut out a bystander on the same address:
+    a client takes at most three quarters of what its host's others leave."""
+    add = Target.method("engine", "add_request")
+    wide = {**greedy(1000), "n": 256, "temperature": 0.8}
+    held = []
+    try:
+        for i in range(24):                                        # 6,144 sequences: three quarters
+            held.append(bridge.call(add, f"wide-{i}", "Hello", wide, timeout=60))
+        with pytest.raises(CallError) as err:
+            bridge.call(add, "wide-over", "Hello", wide, timeout=60)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "too many sequences"
+        assert "this client holds 6,144 sequences there and its host 6,144 in all" in err.value.details, err.value
+        own = [("grpc.use_local_subchannel_pool", 1)]
+        with BridgeClient(engine_worker.address, channel_options=own) as neighbour:
+            neighbour.release(neighbour.call(add, "wide-neighbour", "Hello", wide, timeout=60))
+    finally:
+        bridge.release(*held)
 
 
 def test_releasing_an_add_request_collector_ends_its_request(engine_worker: WorkerProcess,
