@@ -344,7 +344,7 @@ def _admit_to_shared(engine: Any, label: str, args: Mapping[str, Any], params: A
     if fair:
         for key, default in (("priority", 0), ("arrival_time", None)):
             asked = args.get(key, default)
-            if asked is not default and asked != default:
+            if asked != default:
                 raise BridgeError.validation(
                     f"{label}: parameter {key}: this engine is shared, and the server ranks its requests by the "
                     f"sequences each client runs there (fair share); expected {default}, got "
