@@ -25,20 +25,19 @@ import time
 import weakref
 from collections.abc import AsyncGenerator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import psutil
 
-from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, MAX_LOGPROB_ENTRIES, check_engine_types,
+from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check_engine_types,
                                      check_grammar_backend, check_logprobs, check_prompt, check_sampling_params,
                                      check_token_ids, check_tokenization, clip_int, logprob_entries, pooling_rule,
                                      prompt_tokens_at_most, sampling_rule, text_of)
+from adapters.fair_share import admit_to_shared
 from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Finalizer, Growing, Lifecycle, Policy,
                            RecordRule, RecordType)
 from bridge_server.wire.errors import BridgeError, clip, quote
-from bridge_server.wire.protocol import host_of
 
 log = logging.getLogger("vllm_bridge.engine")
 PREFIX = "vllm.AsyncLLMEngine"
@@ -248,7 +247,7 @@ def _request_guard(method: str, params_name: str) -> Any:
     """For each entry that starts a request (`generate`, `encode`, `add_request`): the engine is
     alive, the prompt within limits and able to fit, a pooling task one the engine supports (its
     core dies on another), the request id noted as the caller's, and on a published engine that
-    schedules by priority, the request's priority set (fair share, below)."""
+    schedules by priority, the request's priority set (`fair_share.py`)."""
     async def guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> Mapping[str, int] | None:
         _alive(engine, args)
         await _serving(engine, method)
@@ -269,114 +268,11 @@ def _request_guard(method: str, params_name: str) -> Any:
         vocab, max_len = engine.model_config.get_vocab_size(), engine.model_config.max_model_len
         logprobs = logprob_entries(params, prompt_tokens_at_most(args.get("prompt"), max_len), vocab, max_len)
         check_logprobs(label, params_name, params, logprobs)
-        rank = _admit_to_shared(engine, label, args, params, logprobs, ctx) if ctx.published else None
+        rank = admit_to_shared(engine, label, args, params, logprobs, ctx.client, _live_ids(engine)) \
+            if ctx.published else None
         _own(engine, args.get("request_id"), ctx.identity)
         return None if rank is None else {"priority": rank}
     return guard
-
-
-# ------------------------------------------------------------------------------------ fair share
-# What each client has running or waiting on a published engine, by host: every client shares it.
-# - Priority. On one that schedules by priority, a request's priority is the server's: the sequences
-#   its client has there, this request's included, plus a sixteenth of the rest of its host's. vLLM
-#   takes the lowest first, so a light client goes ahead of a heavy one's queue: four requests of
-#   n=256 from one stranger, taken in order of arrival, kept everyone else's waiting 24 s behind
-#   1,024 sequences. The host's part is there because a client is a connection when there is no
-#   identity, and a stranger opens thousands (2,500 requests of one sequence, each on a connection of
-#   its own, ranked like a bystander's and went ahead of it); a bystander on the stranger's own host
-#   cannot be told from the stranger's connections, one on another host can. A client's own priority,
-#   or an arrival_time (vLLM's tie-break), is refused there: the server ranks.
-# - Bounds, whatever the engine schedules by, in shares as the pool's queue keeps them: the live
-#   sequences of a host (each holds memory in the engine core until it ends: 400 queued requests of
-#   n=256 took 416 MB), of which one client takes at most three quarters of what the host's others
-#   left (one connection filling its host's bound shut out a bystander on the same address); and the
-#   logprobs live requests may produce (made on the worker's loop: eight requests at the one-request
-#   bound held it 10 s), for the whole engine, of which a host takes at most three quarters of what
-#   the other hosts left, and a client the same of its host's.
-MAX_HOST_SEQUENCES = 8192
-MAX_ENGINE_LOGPROB_ENTRIES = 2 * MAX_LOGPROB_ENTRIES
-SHARE = 0.75            # of what the others left, a host's (or a host's client's) most
-HOST_PART = 16          # a client's rank counts 1/HOST_PART of its host's other sequences
-MAX_HOSTS_KEPT = 1024   # past this many hosts, those with nothing live are forgotten
-
-
-@dataclass
-class _Live:
-    """A request a client started on a published engine, while vLLM holds it."""
-    client: str
-    request_id: str
-    sequences: int
-    logprobs: int
-
-
-_ledger: weakref.WeakKeyDictionary[Any, dict[str, list[_Live]]] = weakref.WeakKeyDictionary()   # engine -> host
-# engine -> its live requests that may produce logprobs, whatever their host (few: most ask for none)
-_with_logprobs: weakref.WeakKeyDictionary[Any, list[tuple[str, _Live]]] = weakref.WeakKeyDictionary()
-
-
-def _room_for_logprobs(engine: Any, label: str, host: str, client: str, logprobs: int, live: Any) -> None:
-    """Refuses a request whose logprobs would pass its host's share of the engine's bound, or its
-    client's share of its host's (three quarters of what the others leave, at each level)."""
-    listed = [(h, r) for h, r in _with_logprobs.get(engine, ()) if live is None or r.request_id in live]
-    _with_logprobs[engine] = listed
-    everyone = sum(r.logprobs for _, r in listed)
-    on_host = sum(r.logprobs for h, r in listed if h == host)
-    own = sum(r.logprobs for h, r in listed if h == host and r.client == client)
-    host_room = SHARE * (MAX_ENGINE_LOGPROB_ENTRIES - (everyone - on_host))
-    if logprobs > SHARE * (host_room - (on_host - own)) - own:
-        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
-                          f"{label}: this engine is shared, and its live requests may produce {everyone:,} logprobs "
-                          f"({on_host:,} of them this host's, {own:,} this client's); {logprobs:,} more would pass "
-                          f"this client's share of the limit of {MAX_ENGINE_LOGPROB_ENTRIES:,} for the engine: wait "
-                          f"for some to end", target=label, reason="too many logprobs")
-
-
-def _fair_share(engine: Any) -> bool:
-    config = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
-    return getattr(config, "policy", None) == "priority"
-
-
-def _admit_to_shared(engine: Any, label: str, args: Mapping[str, Any], params: Any, logprobs: int,
-                     ctx: CallContext) -> int | None:
-    """Notes the request against its host's bounds (refusing it past them) and, on an engine that
-    schedules by priority, returns its priority (None: vLLM's own order)."""
-    fair = _fair_share(engine)
-    if fair:
-        for key, default in (("priority", 0), ("arrival_time", None)):
-            asked = args.get(key, default)
-            if asked != default:
-                raise BridgeError.validation(
-                    f"{label}: parameter {key}: this engine is shared, and the server ranks its requests by the "
-                    f"sequences each client runs there (fair share); expected {default}, got "
-                    f"{clip_int(asked) if type(asked) is int else quote(asked)}", target=label, parameter=key)
-    live = _live_ids(engine)
-    hosts = _ledger.setdefault(engine, {})
-    host = host_of(ctx.client)
-    held = [r for r in hosts.get(host, ()) if live is None or r.request_id in live]
-    n = getattr(params, "n", 1)
-    n = n if type(n) is int and n > 0 else 1
-    sequences = sum(r.sequences for r in held)
-    own = sum(r.sequences for r in held if r.client == ctx.client)
-    room = int(SHARE * (MAX_HOST_SEQUENCES - (sequences - own))) - own
-    if n > room:
-        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
-                          f"{label}: this engine is shared; this client holds {own:,} sequences there and its host "
-                          f"{sequences:,} in all, and {n:,} more would pass this client's share of its host's limit "
-                          f"of {MAX_HOST_SEQUENCES:,} (three quarters of what the host's others leave): wait for some "
-                          f"to end", target=label, reason="too many sequences")
-    if logprobs:
-        _room_for_logprobs(engine, label, host, ctx.client, logprobs, live)
-    live_request = _Live(ctx.client, args["request_id"], n, logprobs) \
-        if isinstance(args.get("request_id"), str) else None
-    if live_request is not None:
-        held.append(live_request)
-        if logprobs:
-            _with_logprobs.setdefault(engine, []).append((host, live_request))
-    hosts[host] = held
-    if len(hosts) > MAX_HOSTS_KEPT:
-        for gone in [h for h, rs in hosts.items() if not any(live is None or r.request_id in live for r in rs)]:
-            del hosts[gone]
-    return own + n + (sequences - own) // HOST_PART if fair else None
 
 
 # How far a request's arrival_time may be from the worker's clock: vLLM measures the request's

@@ -326,7 +326,7 @@ MAX_N = 256
 # DELTA items merged while the stream could not keep up): n=128 with 20 logprobs for 100 tokens held
 # the loop 5 s, n=256 with 20 prompt logprobs of 80 words 3.3 s, and every other call of the worker
 # waited. Worst case ~12 µs of the loop per entry: at this bound an item holds it ~0.4 s at most; one
-# sequence of 1,500 tokens with 20 logprobs each fits. (A host's requests together: async_llm.py.)
+# sequence of 1,500 tokens with 20 logprobs each fits. (Requests together: fair_share.py.)
 MAX_LOGPROB_ENTRIES = 32_768
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 

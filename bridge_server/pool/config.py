@@ -192,7 +192,7 @@ class ServerConfig:
 def default_engine_args(model: str) -> dict[str, Any]:
     """The engine the built-in default serves: a small model (the offline tiny one that
     `vllm-bridge make-tiny-model` builds), small enough for a laptop CPU. It schedules by priority,
-    which the server sets for each request: fair share between clients (`adapters/async_llm.py`)."""
+    which the server sets for each request: fair share between clients (`adapters/fair_share.py`)."""
     return {"model": model, "dtype": "float32", "max_model_len": 256, "enforce_eager": True, "max_num_seqs": 16,
             "scheduling_policy": "priority"}
 

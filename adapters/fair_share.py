@@ -1,0 +1,122 @@
+"""What each client has running or waiting on a shared engine (one the worker publishes, which
+every client shares), by host: the bounds a host and a client live within there, and, on an engine
+that schedules by priority, each request's priority. The engine adapter asks for every request it
+starts there.
+
+- Priority. On one that schedules by priority, a request's priority is the server's: the sequences
+  its client has there, this request's included, plus a sixteenth of the rest of its host's. vLLM
+  takes the lowest first, so a light client goes ahead of a heavy one's queue: four requests of
+  n=256 from one stranger, taken in order of arrival, kept everyone else's waiting 24 s behind
+  1,024 sequences. The host's part is there because a client is a connection when there is no
+  identity, and a stranger opens thousands (2,500 requests of one sequence, each on a connection of
+  its own, ranked like a bystander's and went ahead of it); a bystander on the stranger's own host
+  cannot be told from the stranger's connections, one on another host can. A client's own priority,
+  or an arrival_time (vLLM's tie-break), is refused there: the server ranks.
+- Bounds, whatever the engine schedules by, in shares as the pool's queue keeps them: the live
+  sequences of a host (each holds memory in the engine core until it ends: 400 queued requests of
+  n=256 took 416 MB), of which one client takes at most three quarters of what the host's others
+  left (one connection filling its host's bound shut out a bystander on the same address); and the
+  logprobs live requests may produce (made on the worker's loop: eight requests at the one-request
+  bound held it 10 s), for the whole engine, of which a host takes at most three quarters of what
+  the other hosts left, and a client the same of its host's.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from adapters.engine_requests import MAX_LOGPROB_ENTRIES, clip_int
+from bridge_server.wire.errors import BridgeError, quote
+from bridge_server.wire.protocol import host_of
+
+__all__ = ["HOST_PART", "MAX_ENGINE_LOGPROB_ENTRIES", "MAX_HOST_SEQUENCES", "SHARE", "admit_to_shared"]
+
+MAX_HOST_SEQUENCES = 8192
+MAX_ENGINE_LOGPROB_ENTRIES = 2 * MAX_LOGPROB_ENTRIES
+SHARE = 0.75            # of what the others left, a host's (or a host's client's) most
+HOST_PART = 16          # a client's rank counts 1/HOST_PART of its host's other sequences
+MAX_HOSTS_KEPT = 1024   # past this many hosts, those with nothing live are forgotten
+
+
+@dataclass
+class _Live:
+    """A request a client started on a published engine, while vLLM holds it."""
+    client: str
+    request_id: str
+    sequences: int
+    logprobs: int
+
+
+_ledger: weakref.WeakKeyDictionary[Any, dict[str, list[_Live]]] = weakref.WeakKeyDictionary()   # engine -> host
+# engine -> its live requests that may produce logprobs, whatever their host (few: most ask for none)
+_with_logprobs: weakref.WeakKeyDictionary[Any, list[tuple[str, _Live]]] = weakref.WeakKeyDictionary()
+
+
+def _room_for_logprobs(engine: Any, label: str, host: str, client: str, logprobs: int, live: Any) -> None:
+    """Refuses a request whose logprobs would pass its host's share of the engine's bound, or its
+    client's share of its host's (three quarters of what the others leave, at each level)."""
+    listed = [(h, r) for h, r in _with_logprobs.get(engine, ()) if live is None or r.request_id in live]
+    _with_logprobs[engine] = listed
+    everyone = sum(r.logprobs for _, r in listed)
+    on_host = sum(r.logprobs for h, r in listed if h == host)
+    own = sum(r.logprobs for h, r in listed if h == host and r.client == client)
+    host_room = SHARE * (MAX_ENGINE_LOGPROB_ENTRIES - (everyone - on_host))
+    if logprobs > SHARE * (host_room - (on_host - own)) - own:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"{label}: this engine is shared, and its live requests may produce {everyone:,} logprobs "
+                          f"({on_host:,} of them this host's, {own:,} this client's); {logprobs:,} more would pass "
+                          f"this client's share of the limit of {MAX_ENGINE_LOGPROB_ENTRIES:,} for the engine: wait "
+                          f"for some to end", target=label, reason="too many logprobs")
+
+
+def _fair_share(engine: Any) -> bool:
+    config = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
+    return getattr(config, "policy", None) == "priority"
+
+
+def admit_to_shared(engine: Any, label: str, args: Mapping[str, Any], params: Any, logprobs: int, client: str,
+                    live: Any) -> int | None:
+    """Notes the request against its host's bounds (refusing it past them) and, on an engine that
+    schedules by priority, returns its priority (None: vLLM's own order). `live`: the external ids
+    of the requests vLLM holds (None: unknown, every noted request counts)."""
+    fair = _fair_share(engine)
+    if fair:
+        for key, default in (("priority", 0), ("arrival_time", None)):
+            asked = args.get(key, default)
+            if asked != default:
+                raise BridgeError.validation(
+                    f"{label}: parameter {key}: this engine is shared, and the server ranks its requests by the "
+                    f"sequences each client runs there (fair share); expected {default}, got "
+                    f"{clip_int(asked) if type(asked) is int else quote(asked)}", target=label, parameter=key)
+    hosts = _ledger.setdefault(engine, {})
+    host = host_of(client)
+    held = [r for r in hosts.get(host, ()) if live is None or r.request_id in live]
+    n = getattr(params, "n", 1)
+    n = n if type(n) is int and n > 0 else 1
+    sequences = sum(r.sequences for r in held)
+    own = sum(r.sequences for r in held if r.client == client)
+    room = int(SHARE * (MAX_HOST_SEQUENCES - (sequences - own))) - own
+    if n > room:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"{label}: this engine is shared; this client holds {own:,} sequences there and its host "
+                          f"{sequences:,} in all, and {n:,} more would pass this client's share of its host's limit "
+                          f"of {MAX_HOST_SEQUENCES:,} (three quarters of what the host's others leave): wait for some "
+                          f"to end", target=label, reason="too many sequences")
+    if logprobs:
+        _room_for_logprobs(engine, label, host, client, logprobs, live)
+    live_request = _Live(client, args["request_id"], n, logprobs) \
+        if isinstance(args.get("request_id"), str) else None
+    if live_request is not None:
+        held.append(live_request)
+        if logprobs:
+            _with_logprobs.setdefault(engine, []).append((host, live_request))
+    hosts[host] = held
+    if len(hosts) > MAX_HOSTS_KEPT:
+        for gone in [h for h, rs in hosts.items() if not any(live is None or r.request_id in live for r in rs)]:
+            del hosts[gone]
+    return own + n + (sequences - own) // HOST_PART if fair else None
