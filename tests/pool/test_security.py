@@ -467,17 +467,30 @@ def test_sessions_and_refs_belong_to_their_client(secured: PoolServer, pki: dict
 def test_an_operator_changes_a_published_engine_and_clients_end_only_their_own_requests(
         secured: PoolServer, pki: dict[str, str]) -> None:
     generate = Target.method("engine", "generate")
+    abort = Target.method("engine", "abort")
     with client_as(secured, pki, "alice", options=None) as alice, client_as(secured, pki, "bob") as bob:
-        long = alice.stream(generate, "Once upon a time", {"max_tokens": 2000, "ignore_eos": True}, "alices",
-                            pool="g", timeout=120)
-        next(long)
-        err = denied(lambda: bob.call(Target.method("engine", "abort"), "alices", pool="g", timeout=10))
-        assert "another client" in err.details and err.reason == "not yours"
-        denied(lambda: bob.call(Target.method("engine", "abort"), ["x", "alices"], pool="g", timeout=10))
-        denied(lambda: bob.call(Target.method("engine", "abort"), "alices", True, pool="g", timeout=10))
-        assert alice.call(Target.method("engine", "abort"), "alices", pool="g", timeout=10) is None
-        rest = list(long)
-        assert rest[-1]["outputs"][0]["finish_reason"] == "abort"
+        for attempt in range(3):
+            rid = f"alices-{attempt}"
+            long = alice.stream(generate, "Once upon a time", {"max_tokens": 2000, "ignore_eos": True}, rid,
+                                pool="g", timeout=120)
+            next(long)
+            tries: list[CallError | None] = []
+            for args in ((rid,), (["x", rid],), (rid, True)):
+                try:
+                    bob.call(abort, *args, pool="g", timeout=10)
+                    tries.append(None)
+                except CallError as e:
+                    tries.append(e)
+            assert alice.call(abort, rid, pool="g", timeout=10) is None
+            rest = list(long)
+            # Only a request still running when alice aborted it says whether bob's tries were refused:
+            # on a loaded machine the 2,000 tokens may all be made before bob's calls arrive.
+            if rest[-1]["outputs"][0]["finish_reason"] == "abort":
+                break
+        else:
+            pytest.fail("alice's request finished on its own three times before it could be aborted")
+        assert all(e is not None and e.code == DENIED for e in tries), tries
+        assert tries[0] is not None and "another client" in tries[0].details and tries[0].reason == "not yours"
         assert denied(lambda: bob.call(Target.method("engine", "pause_generation"), pool="g")).reason == "published"
         alice.call(Target.method("engine", "pause_generation"), pool="g", timeout=30)
         try:
