@@ -625,7 +625,8 @@ ASYNC_LLM = AdapterSpec(
                           "get_supported_tasks", "get_tokenizer", "is_paused", "is_sleeping", "is_tracing_enabled",
                           "from_engine_args", "from_vllm_config"}),
     finalizer=_shutdown,
-    finalizers=(Finalizer("vllm.v1.engine.output_processor", "RequestOutputCollector", _abort_collected),),
+    finalizers=(Finalizer("vllm.v1.engine.output_processor", "RequestOutputCollector", _abort_collected,
+                          expires=True),),
     lifecycle=Lifecycle(dead=_dead, answers=_answers, kill=_kill, warmup=_warmup, started=_started),
     record_rules=(
         RecordRule("vllm", "AsyncEngineArgs", check=_engine_args_rule),

@@ -33,6 +33,9 @@ class Policy:
     # Identities that may change a published object for every client (pause or put an engine to
     # sleep, unload its adapters, ...); "*": every caller. None by default: see AdapterSpec.per_client.
     operators: frozenset[str] = frozenset()
+    # A request nobody can read (one `add_request` started) is ended this long after it started;
+    # 0: it runs to its end (see `Finalizer.expires`).
+    unread_request_s: float = 30.0
 
     def operator(self, identity: str) -> bool:
         return "*" in self.operators or (bool(identity) and identity in self.operators)
@@ -122,11 +125,17 @@ class Growing:
 class Finalizer:
     """What must end with the last ref to an instance of a class the adapter's calls hand out (not
     the adapter's own class: that one's is `AdapterSpec.finalizer`): a request's output collector,
-    whose request would otherwise run on in the engine with nobody to read it."""
+    whose request would otherwise run on in the engine with nobody to read it.
+
+    `expires`: refs to such an object go (and `fn` runs) `Policy.unread_request_s` after it was
+    handed out, whoever still holds them. For what no client can read (an `add_request` collector has
+    no documented member), holding it on is only a cost to everyone else: a stranger's fire-and-forget
+    requests kept a shared engine full and busy for minutes after the stranger was gone."""
 
     module: str
     attr: str
     fn: Callable[[Any], None]
+    expires: bool = False
 
 
 @dataclass(frozen=True)

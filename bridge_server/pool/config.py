@@ -28,6 +28,7 @@ File layout (every key optional except a pool's `name`)::
     probe_timeout_s = 10         # ... and dead when two probes in a row go unanswered this long
     unhealthy_timeout_s = 300    # a worker not serving (NOT_SERVING) this long is replaced
     reader_stall_s = 60          # a stream whose caller reads nothing this long ends, freeing its slot
+    unread_request_s = 30        # a request nobody can read (add_request's) ends this long after it started
     contended_stall_s = 5        # ... and only this long while other calls wait for a slot
     model_dirs = ["/models"]     # what clients may do and make: model_dirs, lora_dirs, rendezvous_hosts,
     max_engines_per_client = 2   # collective_rpc_methods, engine_args_allowed, max_engines_per_client,
@@ -140,6 +141,7 @@ class PoolConfig:
     unhealthy_timeout_s: float = 300.0   # a worker not serving for this long is replaced (0: never)
     reader_stall_s: float = READER_STALL_S   # a stream whose caller reads nothing this long ends (0: never)
     contended_stall_s: float = CONTENDED_STALL_S   # the same while calls wait for a slot (0: reader_stall_s only)
+    unread_request_s: float = 30.0   # a request nobody can read (add_request's) ends this long after it started
     worker_grace_s: float = 10.0         # the worker's own grace on SIGTERM
     log_dir: str = ""                    # per-worker log files here; empty: inherit the server's
     distributed: DistributedConfig | None = None   # the workers are the ranks of one group

@@ -95,6 +95,7 @@ class Catalog:
     record_constants: dict[type, frozenset[str]] = field(default_factory=dict)   # per stream, see codec
     record_growing: dict[type, frozenset[str]] = field(default_factory=dict)     # per stream, see patch
     finalizers: dict[type, Callable[[Any], None]] = field(default_factory=dict)
+    expiring: set[type] = field(default_factory=set)     # refs to these go after a while (Finalizer.expires)
     lifecycles: dict[type, Lifecycle] = field(default_factory=dict)
     rules: dict[type, RecordRule] = field(default_factory=dict)          # what a client may set when building one
     exposures: dict[type, Exposure] = field(default_factory=dict)       # members of undocumented result types
@@ -168,6 +169,10 @@ class Catalog:
             if fn is not None:
                 fn(obj)
                 return
+
+    def expires(self, obj: object) -> bool:
+        """Whether refs to obj go a while after it was handed out, whoever holds them."""
+        return bool(self.expiring) and any(cls in self.expiring for cls in type(obj).__mro__)
 
     def add(self, entry: Entry) -> None:
         self.entries[entry.name] = entry
@@ -248,7 +253,10 @@ def build_catalog(specs: Iterable[AdapterSpec], documents: dict[str, DocSurface]
             catalog.add(Entry(name=ctor.name, kind=Kind.CONSTRUCTOR, module=ctor.module, class_name=ctor.attr,
                               attr="__init__", owner=cls, signature=_signature(cls), doc=None, result_ref=True))
         for final in spec.finalizers:
-            catalog.finalizers[getattr(importlib.import_module(final.module), final.attr)] = final.fn
+            final_cls = getattr(importlib.import_module(final.module), final.attr)
+            catalog.finalizers[final_cls] = final.fn
+            if final.expires:
+                catalog.expiring.add(final_cls)
         for rule in spec.record_rules:
             catalog.rules[getattr(importlib.import_module(rule.module), rule.attr)] = rule
         for exposure in spec.exposures:

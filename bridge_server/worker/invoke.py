@@ -141,7 +141,8 @@ class Invoker:
         self._building = Building(self.catalog.short_types, self.catalog.rule, self.policy)
         self.stall = StallGuard(self.limits.reader_stall_s)   # bounds every wait on a stream's caller
         self.turns = Turns()      # costly results and large requests take turns on the loop
-        self.results = Results(self.refs, self.catalog, self.turns, self.tensor_max_bytes)
+        self.results = Results(self.refs, self.catalog, self.turns, self.tensor_max_bytes,
+                               self.policy.unread_request_s)
 
     def active_since(self, obj: object, since: float) -> bool:
         """Whether a stream on `obj` yielded an item after `since` (time.monotonic()): progress."""

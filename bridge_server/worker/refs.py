@@ -42,6 +42,7 @@ class RefEntry:
     created: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     pinned: bool = False          # published objects: never evicted by cap or TTL
+    expires: float | None = None  # time.monotonic() when it goes, however it is used
 
 
 class RefGone(BridgeError):
@@ -146,7 +147,7 @@ class RefRegistry:
         return len(self._sessions)
 
     def put(self, obj: object, session_id: str, *, owner: str = "", exclusive: bool = False, pinned: bool = False,
-            ref_id: str | None = None) -> RefEntry:
+            ref_id: str | None = None, expires_in: float | None = None) -> RefEntry:
         key = (owner, session_id)
         owned = self._sessions.get(key)
         if owned is None:
@@ -179,6 +180,8 @@ class RefRegistry:
                 self._charged[id(obj)] = (owner, nbytes)
         entry = RefEntry(ref_id or f"{self.worker_id}.{secrets.token_urlsafe(18)}", obj, owner, session_id,
                          _type_name(obj), exclusive, pinned=pinned)
+        if expires_in and not pinned:
+            entry.expires = entry.created + expires_in
         self._refs[entry.id] = entry
         self._holders[id(obj)] = self._holders.get(id(obj), 0) + 1
         self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
@@ -223,12 +226,17 @@ class RefRegistry:
             self._sessions_per_owner[owner] = left
 
     def sweep(self, now: float | None = None) -> int:
-        """Evicts refs idle for longer than the TTL; called periodically by the worker."""
+        """Evicts refs idle for longer than the TTL, and those past their expiry; called periodically
+        by the worker."""
+        now = time.monotonic() if now is None else now
+        due = [e for e in self._refs.values() if e.expires is not None and e.expires <= now]
+        gone = sum(self._drop(e.id, f"expired: what it held ends {e.expires - e.created:g} s after it was made "
+                                    f"(unread_request_s)") for e in due if e.expires is not None)
         if self.idle_ttl_s is None:
-            return 0
-        cutoff = (now or time.monotonic()) - self.idle_ttl_s
+            return gone
+        cutoff = now - self.idle_ttl_s
         stale = [e.id for e in self._refs.values() if e.last_used < cutoff and not e.pinned]
-        return sum(self._drop(r, f"expired: idle for more than {self.idle_ttl_s:g} s") for r in stale)
+        return gone + sum(self._drop(r, f"expired: idle for more than {self.idle_ttl_s:g} s") for r in stale)
 
     def close(self) -> None:
         for ref_id in list(self._refs):

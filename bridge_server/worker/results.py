@@ -65,6 +65,7 @@ class Results:
     catalog: Catalog
     turns: Turns
     tensor_max_bytes: int = 16 * 1024 * 1024
+    expires_in: float = 0.0     # Policy.unread_request_s, for what the catalog says expires
 
     def encoder(self, caller: Caller, exclusive: bool, stream: bool = False,
                 minted: list[str] | None = None, work_limit: int | None = None,
@@ -78,7 +79,8 @@ class Results:
                 raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
                                   f"the result holds a {type(obj).__name__} ({_short_repr(obj)[:80]}), which is not "
                                   f"part of the documented surface: no ref to it leaves the worker", reason="code")
-            entry = self.refs.put(obj, caller.session, owner=caller.identity, exclusive=exclusive)
+            entry = self.refs.put(obj, caller.session, owner=caller.identity, exclusive=exclusive,
+                                  expires_in=self.expires_in if self.catalog.expires(obj) else None)
             if minted is not None:
                 minted.append(entry.id)
             return pb.Ref(id=entry.id, session_id=caller.session, worker_id=self.refs.worker_id,

@@ -332,8 +332,11 @@ class Worker:
                                        [d.tensor_parallel_size, d.pipeline_parallel_size], {})
 
     async def _sweep(self) -> None:
+        every = self.config.sweep_every_s
+        if self.config.policy.unread_request_s > 0:     # what expires goes within a quarter of its time
+            every = min(every, self.config.policy.unread_request_s / 4)
         while True:
-            await asyncio.sleep(self.config.sweep_every_s)
+            await asyncio.sleep(every)
             self.invoker.refs.sweep()
 
     async def stop(self, grace_s: float | None = None) -> None:

@@ -376,7 +376,7 @@ TOKENS = "alice:alice-token-0123456789abcdef\nbob:bob-token-0123456789abcdef0\n"
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory, pki: dict[str, str]) -> Iterator[PoolServer]:
     """TLS, tokens and small limits: pool `p` (one worker, no engine); pool `g` (one worker, a
-    published engine, alice its operator)."""
+    published engine, alice its operator, requests nobody can read ended after a second)."""
     tmp = tmp_path_factory.mktemp("secured")
     (tmp / "tokens").write_text(TOKENS)
     (tmp / "tokens").chmod(0o600)
@@ -398,6 +398,7 @@ workers = 1
 max_engines_per_client = 1
 model_dirs = ["{ensure_tiny_model()}"]
 operators = ["alice"]
+unread_request_s = 1
 [[pools.objects]]
 name = "engine"
 target = "vllm.AsyncLLMEngine.from_engine_args"
@@ -502,6 +503,29 @@ def test_an_operator_changes_a_published_engine_and_clients_end_only_their_own_r
         finally:
             alice.call(Target.method("engine", "resume_generation"), pool="g", timeout=30)
         items = list(bob.stream(generate, "Hi", {"max_tokens": 2}, "resumed", pool="g", timeout=60))
+        assert items[-1]["finished"]
+
+
+def test_a_request_nobody_can_read_ends_after_unread_request_s(secured: PoolServer, pki: dict[str, str]) -> None:
+    """No client can read what an `add_request` makes (its collector has no documented member), yet its
+    request ran to its last token: a stranger's fire-and-forget requests kept a shared engine full and
+    busy for minutes after the stranger had gone. It now ends `unread_request_s` after it started
+    (1 s in pool g), whoever holds its collector, and the collector's ref says why it went."""
+    add = Target.method("engine", "add_request")
+    wide = {"max_tokens": 2000, "ignore_eos": True, "n": 4, "temperature": 0.8}
+    with client_as(secured, pki, "bob") as bob:
+        collector = bob.call(add, "unread-by-all", "Once upon a time", wide, pool="g", timeout=30)
+        started = time.monotonic()
+    deadline = started + 30
+    while "Aborted request(s) unread-by-all-" not in secured.log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "the request nobody could read was not ended"
+        time.sleep(0.1)
+    with client_as(secured, pki, "bob") as bob:
+        with pytest.raises(CallError) as err:
+            bob.call(Target.get(collector, "finished"), pool="g", timeout=10)
+        assert err.value.code == grpc.StatusCode.NOT_FOUND and "(unread_request_s)" in err.value.details, err.value
+        items = list(bob.stream(Target.method("engine", "generate"), "Hi", {"max_tokens": 2}, "after-unread",
+                                pool="g", timeout=60))
         assert items[-1]["finished"]
 
 
