@@ -268,8 +268,8 @@ def _request_guard(method: str, params_name: str) -> Any:
         vocab, max_len = engine.model_config.get_vocab_size(), engine.model_config.max_model_len
         logprobs = logprob_entries(params, prompt_tokens_at_most(args.get("prompt"), max_len), vocab, max_len)
         check_logprobs(label, params_name, params, logprobs)
-        rank = admit_to_shared(engine, label, args, params, logprobs, ctx.client, _live_ids(engine)) \
-            if ctx.published else None
+        rank = admit_to_shared(engine, label, args, params, logprobs, ctx.client, _live_ids(engine),
+                               ctx.policy.max_live_sequences) if ctx.published else None
         _own(engine, args.get("request_id"), ctx.identity)
         return None if rank is None else {"priority": rank}
     return guard

@@ -12,13 +12,14 @@ starts there.
   its own, ranked like a bystander's and went ahead of it); a bystander on the stranger's own host
   cannot be told from the stranger's connections, one on another host can. A client's own priority,
   or an arrival_time (vLLM's tie-break), is refused there: the server ranks.
-- Bounds, whatever the engine schedules by, in shares as the pool's queue keeps them: the live
-  sequences of a host (each holds memory in the engine core until it ends: 400 queued requests of
-  n=256 took 416 MB), of which one client takes at most three quarters of what the host's others
-  left (one connection filling its host's bound shut out a bystander on the same address); and the
+- Bounds, whatever the engine schedules by, in shares as the pool's queue keeps them, for the
+  whole engine, of which a host takes at most three quarters of what the other hosts left, and a
+  client the same of its host's (one connection filling its host's bound shut out a bystander on the
+  same address): the live sequences (each holds memory in the engine core and the worker until it
+  ends: 400 queued requests of n=256 took 416 MB of the core; a bound per host alone left the
+  engine to as many hosts as a stranger has, and an IPv6 stranger has thousands of /64s); and the
   logprobs live requests may produce (made on the worker's loop: eight requests at the one-request
-  bound held it 10 s), for the whole engine, of which a host takes at most three quarters of what
-  the other hosts left, and a client the same of its host's.
+  bound held it 10 s).
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ from adapters.engine_requests import MAX_LOGPROB_ENTRIES, clip_int
 from bridge_server.wire.errors import BridgeError, quote
 from bridge_server.wire.protocol import host_of
 
-__all__ = ["HOST_PART", "MAX_ENGINE_LOGPROB_ENTRIES", "MAX_HOST_SEQUENCES", "SHARE", "admit_to_shared"]
+__all__ = ["HOST_PART", "MAX_ENGINE_LOGPROB_ENTRIES", "SHARE", "admit_to_shared"]
 
-MAX_HOST_SEQUENCES = 8192
 MAX_ENGINE_LOGPROB_ENTRIES = 2 * MAX_LOGPROB_ENTRIES
 SHARE = 0.75            # of what the others left, a host's (or a host's client's) most
 HOST_PART = 16          # a client's rank counts 1/HOST_PART of its host's other sequences
@@ -79,11 +79,21 @@ def _fair_share(engine: Any) -> bool:
     return getattr(config, "policy", None) == "priority"
 
 
+def _live_sequences(engine: Any, hosts: dict[str, list[_Live]], live: Any) -> int:
+    """The sequences the engine holds, every client's: vLLM's own count (a request of n > 1 is n
+    there), else the ledger's."""
+    states = getattr(getattr(engine, "output_processor", None), "request_states", None)
+    if isinstance(states, dict):
+        return len(states)
+    return sum(r.sequences for rs in hosts.values() for r in rs if live is None or r.request_id in live)
+
+
 def admit_to_shared(engine: Any, label: str, args: Mapping[str, Any], params: Any, logprobs: int, client: str,
-                    live: Any) -> int | None:
-    """Notes the request against its host's bounds (refusing it past them) and, on an engine that
-    schedules by priority, returns its priority (None: vLLM's own order). `live`: the external ids
-    of the requests vLLM holds (None: unknown, every noted request counts)."""
+                    live: Any, max_sequences: int) -> int | None:
+    """Notes the request against the engine's bounds and its host's and client's shares (refusing it
+    past them) and, on an engine that schedules by priority, returns its priority (None: vLLM's own
+    order). `live`: the external ids of the requests vLLM holds (None: unknown, every noted request
+    counts); `max_sequences`: the engine's bound on live sequences (0: none)."""
     fair = _fair_share(engine)
     if fair:
         for key, default in (("priority", 0), ("arrival_time", None)):
@@ -100,13 +110,17 @@ def admit_to_shared(engine: Any, label: str, args: Mapping[str, Any], params: An
     n = n if type(n) is int and n > 0 else 1
     sequences = sum(r.sequences for r in held)
     own = sum(r.sequences for r in held if r.client == client)
-    room = int(SHARE * (MAX_HOST_SEQUENCES - (sequences - own))) - own
-    if n > room:
-        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
-                          f"{label}: this engine is shared; this client holds {own:,} sequences there and its host "
-                          f"{sequences:,} in all, and {n:,} more would pass this client's share of its host's limit "
-                          f"of {MAX_HOST_SEQUENCES:,} (three quarters of what the host's others leave): wait for some "
-                          f"to end", target=label, reason="too many sequences")
+    if max_sequences > 0:
+        everyone = max(_live_sequences(engine, hosts, live), sequences)
+        host_room = SHARE * (max_sequences - (everyone - sequences))
+        if n > int(SHARE * (host_room - (sequences - own))) - own:
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                              f"{label}: this engine is shared; this client holds {own:,} sequences there, its host "
+                              f"{sequences:,} and the engine {everyone:,} in all, and {n:,} more would pass this "
+                              f"client's share of the engine's limit of {max_sequences:,} live sequences "
+                              f"(max_live_sequences: a host takes three quarters of what the other hosts leave, a "
+                              f"client three quarters of what its host's others leave): wait for some to end",
+                              target=label, reason="too many sequences")
     if logprobs:
         _room_for_logprobs(engine, label, host, client, logprobs, live)
     live_request = _Live(client, args["request_id"], n, logprobs) \

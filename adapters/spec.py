@@ -36,6 +36,9 @@ class Policy:
     # A request nobody can read (one `add_request` started) is ended this long after it started;
     # 0: it runs to its end (see `Finalizer.expires`).
     unread_request_s: float = 30.0
+    # The sequences a published engine holds live, every client's (a host takes at most three quarters
+    # of what the other hosts leave, a client the same of its host's); 0: no bound.
+    max_live_sequences: int = 12_288
 
     def operator(self, identity: str) -> bool:
         return "*" in self.operators or (bool(identity) and identity in self.operators)

@@ -29,6 +29,7 @@ File layout (every key optional except a pool's `name`)::
     unhealthy_timeout_s = 300    # a worker not serving (NOT_SERVING) this long is replaced
     reader_stall_s = 60          # a stream whose caller reads nothing this long ends, freeing its slot
     unread_request_s = 30        # a request nobody can read (add_request's) ends this long after it started
+    max_live_sequences = 12288   # sequences the published engine holds live, every client's together
     contended_stall_s = 5        # ... and only this long while other calls wait for a slot
     model_dirs = ["/models"]     # what clients may do and make: model_dirs, lora_dirs, rendezvous_hosts,
     max_engines_per_client = 2   # collective_rpc_methods, engine_args_allowed, max_engines_per_client,
@@ -142,6 +143,7 @@ class PoolConfig:
     reader_stall_s: float = READER_STALL_S   # a stream whose caller reads nothing this long ends (0: never)
     contended_stall_s: float = CONTENDED_STALL_S   # the same while calls wait for a slot (0: reader_stall_s only)
     unread_request_s: float = 30.0   # a request nobody can read (add_request's) ends this long after it started
+    max_live_sequences: int = 12_288   # sequences a published engine holds live, every client's (0: no bound)
     worker_grace_s: float = 10.0         # the worker's own grace on SIGTERM
     log_dir: str = ""                    # per-worker log files here; empty: inherit the server's
     distributed: DistributedConfig | None = None   # the workers are the ranks of one group
@@ -317,7 +319,7 @@ def validate(cfg: ServerConfig) -> ServerConfig:
             if key.endswith("_s") and isinstance(value, (int, float)) and value < 0:
                 raise ConfigError(f"pool {p.name!r}: {key} must be >= 0, got {value:g}")
         for key in ("max_engines_per_client", "max_sessions", "max_refs_per_client", "max_ref_bytes_per_client",
-                    "max_prompt_chars", "outside_ranks"):
+                    "max_prompt_chars", "outside_ranks", "max_live_sequences"):
             if getattr(p, key) < 0:
                 raise ConfigError(f"pool {p.name!r}: {key} must be >= 0")
         if p.probe_interval_s <= 0 or p.probe_timeout_s <= 0:

@@ -83,6 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the longest prompt (default %(default)s)")
     s.add_argument("--outside-ranks", type=int, default=0, metavar="N",
                    help="ranks a client's process group may have beyond the pool's own (default %(default)s)")
+    s.add_argument("--max-live-sequences", type=int, default=12_288, metavar="N",
+                   help="sequences a published engine holds live, every client's; 0: no bound (default %(default)s)")
     s.add_argument("--unread-request-s", type=float, default=30.0, metavar="S",
                    help="a request nobody can read (add_request's) ends this long after it started; 0: never "
                         "(default %(default)s)")
@@ -120,7 +122,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     from bridge_server.worker.server import DistributedRank, WorkerConfig
     for name in ("max_engines_per_client", "max_sessions", "max_refs_per_client", "max_ref_bytes_per_client",
                  "max_request_bytes",
-                 "max_prompt_chars", "reader_stall", "outside_ranks", "unread_request_s"):
+                 "max_prompt_chars", "reader_stall", "outside_ranks", "unread_request_s",
+                 "max_live_sequences"):
         if getattr(args, name) < 0:
             raise SystemExit(f"vllm-bridge worker: --{name.replace('_', '-')} must be >= 0")
     objects = json.loads(args.objects)
@@ -129,6 +132,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
                     lora_dirs=tuple(args.lora_dir), engine_args_allowed=frozenset(args.engine_arg_allowed),
                     max_prompt_chars=args.max_prompt_chars, operators=frozenset(args.operator),
                     outside_ranks=args.outside_ranks, unread_request_s=args.unread_request_s,
+                    max_live_sequences=args.max_live_sequences,
                     **({"rendezvous_hosts": frozenset(args.rendezvous_host)} if args.rendezvous_host else {}))
     dist = None
     if args.dist_backend:

@@ -37,6 +37,8 @@ queue_size = 100
 affinity = "strict_queue"
 worker_args = ["--ref-ttl", "60", "--dist-rank", "{index}"]
 recycle_after_calls = 1000
+max_live_sequences = 4096
+unread_request_s = 12.5
 [pools.env]
 VLLM_CPU_KVCACHE_SPACE = "2"
 [[pools.objects]]
@@ -74,6 +76,8 @@ def test_a_full_file_is_read(tmp_path: Path) -> None:
     assert tail[:6] == ["bridge_server.cli", "worker", "--listen", "unix:/tmp/x/1.sock", "--worker-id", "gen-1-g3"]
     assert '"target": "vllm.AsyncLLMEngine.from_engine_args"' in tail[tail.index("--objects") + 1]
     assert tail[-4:] == ["--ref-ttl", "60", "--dist-rank", "1"]
+    for option, value in (("--max-live-sequences", "4096"), ("--unread-request-s", "12.5")):
+        assert tail[tail.index(option) + 1] == value
     assert "--objects" not in worker_command(WorkerProc("tools_2-0-g1", "tools_2", 0, 1, "/s"), tools)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +28,9 @@ E = "vllm.AsyncLLMEngine"
 LONG = 2000   # tokens: seconds of generation, so a test can act on a stream before it ends
 
 
+MAX_LIVE = 2048     # sequences the shared engine here holds live (the default is 12,288)
+
+
 def engine_args(model: Path, **extra: Any) -> dict[str, Any]:
     return {"model": str(model), "dtype": "float32", "max_model_len": 2048, "enforce_eager": True,
             "max_num_seqs": 16, "enable_log_requests": True, "scheduling_policy": "priority", **extra}
@@ -43,7 +47,7 @@ def engine_worker(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iter
                 "kwargs": {"engine_args": engine_args(model, enable_lora=True, max_lora_rank=8)}}]
     # Every caller is an operator here: the tests drive the published engine's controls too.
     w = start_worker(tmp_path_factory.mktemp("engine"), "--objects", json.dumps(objects), "--operator", "*",
-                     name="engine")
+                     "--max-live-sequences", str(MAX_LIVE), name="engine")
     yield w
     w.stop()
 
@@ -855,19 +859,22 @@ def test_live_requests_together_are_bounded_in_logprobs_and_the_server_ranks_the
 
 def test_one_client_takes_at_most_three_quarters_of_its_hosts_sequences(engine_worker: WorkerProcess,
                                                                         bridge: BridgeClient) -> None:
-    """A host holds at most 8,192 live sequences on a shared engine (400 queued requests of n=256 took
-    416 MB of its core), and one connection filling that shut out a bystander on the same address:
-    a client takes at most three quarters of what its host's others leave."""
+    """A shared engine holds at most max_live_sequences live (400 queued requests of n=256 took 416 MB
+    of its core), of which a host takes three quarters of what the other hosts leave; and one
+    connection filling its host's share shut out a bystander on the same address: a client takes at
+    most three quarters of what its host's others leave. Here: 2,048, a host 1,536, a client 1,152."""
     add = Target.method("engine", "add_request")
-    wide = {**greedy(1000), "n": 256, "temperature": 0.8}
+    wide = {**greedy(1000), "n": 64, "temperature": 0.8}
     held = []
     try:
-        for i in range(24):                                        # 6,144 sequences: three quarters
+        for i in range(18):                                        # 1,152 sequences: three quarters of 1,536
             held.append(bridge.call(add, f"wide-{i}", "Hello", wide, timeout=60))
         with pytest.raises(CallError) as err:
             bridge.call(add, "wide-over", "Hello", wide, timeout=60)
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "too many sequences"
-        assert "this client holds 6,144 sequences there and its host 6,144 in all" in err.value.details, err.value
+        assert re.search(r"this client holds 1,152 sequences there, its host 1,152 and the engine 1,[0-9]{3} in all",
+                         err.value.details), err.value
+        assert f"the engine's limit of {MAX_LIVE:,} live sequences (max_live_sequences" in err.value.details
         own = [("grpc.use_local_subchannel_pool", 1)]
         with BridgeClient(engine_worker.address, channel_options=own) as neighbour:
             neighbour.release(neighbour.call(add, "wide-neighbour", "Hello", wide, timeout=60))
