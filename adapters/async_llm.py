@@ -34,6 +34,7 @@ from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check
                                      check_grammar_backend, check_logprobs, check_prompt, check_sampling_params,
                                      check_token_ids, check_tokenization, clip_int, logprob_entries, pooling_rule,
                                      prompt_tokens_at_most, sampling_rule, text_of)
+from adapters import tokenizer_calls
 from adapters.fair_share import admit_to_shared
 from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Finalizer, Growing, Lifecycle, Policy,
                            RecordRule, RecordType)
@@ -196,11 +197,13 @@ _tokenizing: weakref.WeakKeyDictionary[Any, ThreadPoolExecutor] = weakref.WeakKe
 async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwargs: dict[str, Any],
                     method: str) -> Any:
     """The prompt to hand to vLLM: as given, or, where building the request costs tokenizer work
-    (a long prompt, bad words, structured outputs), the request vLLM builds from it, built off the
-    event loop (one thread per engine: its tokenizer is never used by two of ours at once)."""
+    (a long prompt, bad words, structured outputs) or would change the shared tokenizer (a text
+    prompt truncated: `tokenizer_calls.py`), the request vLLM builds from it, built off the event
+    loop (one thread per engine), from the prompt's token ids where it is truncated."""
     text = text_of(prompt)
-    if not (text is not None and len(text) > LONG_PROMPT_CHARS or getattr(params, "bad_words", None)
-            or getattr(params, "structured_outputs", None) is not None):
+    truncated = _truncated_to(engine, prompt, params)
+    if not (truncated is not None or text is not None and len(text) > LONG_PROMPT_CHARS
+            or getattr(params, "bad_words", None) or getattr(params, "structured_outputs", None) is not None):
         return prompt
     from vllm.entrypoints.utils import _validate_truncation_size
 
@@ -209,12 +212,34 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
     pool = _tokenizing.get(engine)
     if pool is None:
         pool = _tokenizing[engine] = ThreadPoolExecutor(1, thread_name_prefix="bridge-tokenize")
-    request = await asyncio.get_running_loop().run_in_executor(
-        pool, lambda: engine.input_processor.process_inputs(
-            request_id, prompt, params, kwargs.get("arrival_time"), kwargs.get("lora_request"), tokenization,
-            kwargs.get("trace_headers"), kwargs.get("priority", 0), kwargs.get("data_parallel_rank")))
+
+    def build() -> Any:
+        given = prompt
+        if truncated is not None and text is not None:
+            ids = tokenizer_calls.encode_unchanged(engine.tokenizer, text, tokenization.get("add_special_tokens", True),
+                                                   truncated)
+            salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+            given = {"prompt_token_ids": ids, **({"cache_salt": salt} if salt is not None else {})}
+        return engine.input_processor.process_inputs(
+            request_id, given, params, kwargs.get("arrival_time"), kwargs.get("lora_request"), tokenization,
+            kwargs.get("trace_headers"), kwargs.get("priority", 0), kwargs.get("data_parallel_rank"))
+    request = await asyncio.get_running_loop().run_in_executor(pool, build)
     check_grammar_backend(f"{PREFIX}.{method}", request)
     return request
+
+
+def _truncated_to(engine: Any, prompt: Any, params: Any) -> int | None:
+    """The tokens a text prompt is truncated to (its params' `truncate_prompt_tokens`; vLLM drops any
+    other truncation a client asks for), where the worker tokenizes it itself, leaving the shared
+    tokenizer's settings as they are; None: no truncation, or one vLLM makes on token ids (a prompt of
+    token ids, a multimodal one, a model whose prompts vLLM prepares otherwise)."""
+    limit = getattr(params, "truncate_prompt_tokens", None)
+    config = engine.model_config
+    if type(limit) is not int or text_of(prompt) is None or getattr(engine, "tokenizer", None) is None or \
+            isinstance(prompt, Mapping) and prompt.get("multi_modal_data") or config.is_encoder_decoder or \
+            (config.encoder_config or {}).get("do_lower_case", False):
+        return None
+    return int(config.max_model_len) if limit <= -1 else limit
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -581,27 +606,6 @@ def _shutdown(engine: Any) -> None:
     loop.run_in_executor(None, engine.shutdown)
 
 
-def _decode(tokenizer: Any, token_ids: Any, skip_special_tokens: bool = False,
-            clean_up_tokenization_spaces: bool | None = None, **kwargs: Any) -> str:
-    """A tokenizer's `decode`, with the decoding itself done outside the interpreter's lock. The
-    library's `decode` holds the lock throughout (0.13 s without a break for a million ids on the
-    tiny model, over a second on a real vocabulary), and every other call of the worker, its streams
-    included, waits meanwhile. Its batch decoding releases the lock and gives the same text; the
-    clean-up is `decode`'s own. Anything but a fast tokenizer's plain decode of a list of ids is
-    `decode` itself."""
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if (kwargs or type(token_ids) is not list or not isinstance(backend, Tokenizer)
-            or getattr(type(tokenizer), "_decode", None) is not PreTrainedTokenizerFast._decode):
-        return str(tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens,
-                                    clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs))
-    text: str = backend.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
-    clean = tokenizer.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None \
-        else clean_up_tokenization_spaces
-    return str(tokenizer.clean_up_tokenization(text)) if clean else text
-
-
 ASYNC_LLM = AdapterSpec(
     surface="async_llm",
     module="vllm",
@@ -638,7 +642,7 @@ ASYNC_LLM = AdapterSpec(
         Exposure("transformers.tokenization_utils_base", "PreTrainedTokenizerBase", methods=frozenset({"encode", "decode"}),
                  attributes=frozenset({"eos_token_id", "bos_token_id", "pad_token_id", "vocab_size",
                                        "model_max_length"}),
-                 overrides={"decode": _decode}),
+                 overrides={"decode": tokenizer_calls.decode, "encode": tokenizer_calls.encode}),
     ),
     constructors=(
         Constructor("vllm.AsyncEngineArgs", "vllm", "AsyncEngineArgs"),

@@ -329,6 +329,64 @@ def test_tokenizer_decode_gives_the_library_s_own_text(bridge: BridgeClient, mod
         local.decode(cases[0])
 
 
+def test_no_call_changes_the_shared_tokenizer_and_truncation_matches_the_library(
+        engine_worker: WorkerProcess, bridge: BridgeClient, model: Path) -> None:
+    """A fast tokenizer keeps truncation and padding settings in the Rust tokenizer every request of
+    the engine shares: a call asking for others changed them, and other threads using it at that
+    moment (vLLM detokenizing every stream) failed with "Already borrowed"; a padding to 10**8 took
+    12.9 GB. Truncations are now made on the encoding, ids as the library's own; padding and the
+    other options are refused by name; decode names an id outside the vocabulary."""
+    import concurrent.futures
+
+    from transformers import AutoTokenizer
+    local = AutoTokenizer.from_pretrained(model)
+    tokenizer = bridge.call(Target.method("engine", "get_tokenizer"))
+    encode = Target.method(tokenizer, "encode")
+    text = "Once upon a time there was a tokenizer that everyone shared " * 3
+    for side in ("left", "right"):
+        local.truncation_side = side
+        for add in (True, False):
+            for max_length in (1, 2, 7, 1000):
+                want = local.encode(text, add_special_tokens=add, truncation=True, max_length=max_length)
+                if side == "right":      # the engine's tokenizer truncates on the left (vLLM's, generating)
+                    continue
+                assert bridge.call(encode, text, kwargs={"add_special_tokens": add, "truncation": True,
+                                                         "max_length": max_length}) == want, (add, max_length)
+    local.truncation_side = "left"
+    items = list(bridge.stream(GENERATE, text, {**greedy(2), "truncate_prompt_tokens": 5}, "truncated"))
+    assert items[-1]["prompt_token_ids"] == local.encode(text, truncation=True, max_length=5)
+    for options, name in (({"padding": "max_length", "max_length": 100_000_000}, "padding"),
+                          ({"return_tensors": "pt"}, "return_tensors"), ({"stride": 2}, "stride"),
+                          ({"is_split_into_words": True}, "is_split_into_words")):
+        with pytest.raises(CallError) as err:
+            bridge.call(encode, "hi", kwargs=options)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "parameter" in err.value.details and name in err.value.details and "not an option" in err.value.details
+    with pytest.raises(CallError) as err:
+        bridge.call(Target.method(tokenizer, "decode"), [5, -1])
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "parameter token_ids[1]" in err.value.details
+    # Truncating encodes and requests in a loop beside plain streams: every stream ends well.
+    stop = time.monotonic() + 4
+
+    def truncating(i: int) -> int:
+        n = 0
+        with BridgeClient(engine_worker.address) as c:
+            while time.monotonic() < stop:
+                c.call(encode, text, kwargs={"truncation": True, "max_length": 3 + n % 5})
+                if i == 0:
+                    list(c.stream(GENERATE, text, {**greedy(1), "truncate_prompt_tokens": 4}, f"trunc-{n}"))
+                n += 1
+        return n
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        loops = [pool.submit(truncating, i) for i in range(3)]
+        streams = 0
+        while time.monotonic() < stop:
+            items = list(bridge.stream(GENERATE, "Hello", greedy(8), f"beside-truncating-{streams}"))
+            assert items[-1]["finished"] and len(items[-1]["outputs"][0]["token_ids"]) == 8
+            streams += 1
+        assert all(f.result() > 0 for f in loops) and streams > 0
+
+
 def test_engine_control_methods(bridge: BridgeClient) -> None:
     assert bridge.call(Target.method("engine", "check_health")) is None
     assert bridge.call(Target.method("engine", "get_supported_tasks")) == ("generate",)
