@@ -15,6 +15,7 @@ File layout (every key optional except a pool's `name`)::
     token_file = "/etc/vllm-bridge/tokens"   # bearer tokens (README, Security); also tls_cert, tls_key,
                                  # tls_client_ca, insecure, auth_health, max_request_bytes
     max_unread_bytes = 1073741824   # replies held for callers that do not read them, in all (0: no bound)
+    max_connections = 0          # clients' connections at once (0: the open files less a quarter, 1,024 at least)
 
     [[pools]]
     name = "default"
@@ -173,6 +174,7 @@ class ServerConfig:
     min_ping_interval_s: float = MIN_PING_INTERVAL_S   # clients may keepalive-ping an idle connection this often
     max_request_bytes: int = 64 * 1024 * 1024   # the largest request a client may send
     max_unread_bytes: int = DEFAULT_MAX_UNREAD_BYTES   # replies waiting for callers that do not read, in all
+    max_connections: int = 0             # clients' connections at once (0: what the open files allow)
     # Security (README, Security): beyond loopback the server needs TLS and client authentication.
     token_file: str = ""                 # bearer tokens, `token` or `name:token` per line
     tls_cert: str = ""
@@ -344,6 +346,8 @@ def validate(cfg: ServerConfig) -> ServerConfig:
         raise ConfigError(f"default_pool {cfg.default_pool!r} is not a pool; pools: {', '.join(seen)}")
     if cfg.max_request_bytes <= 0:
         raise ConfigError(f"max_request_bytes must be > 0, got {cfg.max_request_bytes}")
+    if cfg.max_connections < 0:
+        raise ConfigError(f"max_connections must be >= 0 (0: what the open files allow), got {cfg.max_connections}")
     if cfg.max_unread_bytes < 0:
         raise ConfigError(f"max_unread_bytes must be >= 0 (0: no bound), got {cfg.max_unread_bytes}")
     if cfg.min_ping_interval_s <= 0:

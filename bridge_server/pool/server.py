@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import signal
 import time
 
@@ -26,7 +27,7 @@ from bridge_server.pool.metrics import Metrics, PoolSnapshot
 from bridge_server.pool.router import Router
 from bridge_server.pool.supervisor import Supervisor
 from bridge_server.wire import eventloop
-from bridge_server.wire.protocol import health_and_status, server_options
+from bridge_server.wire.protocol import connection_limit, health_and_status, public_server_options
 from bridge_server.wire.security import ServerSecurity, check_exposure
 from vllm_bridge.v1 import pool_pb2 as ppb
 
@@ -40,6 +41,20 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 def pool_health_service(pool: str) -> str:
     """The grpc.health.v1 service name that reports one pool."""
     return f"pool/{pool}"
+
+
+def open_files() -> int:
+    """The pool server's limit on open files (each client connection takes one), raised first as far
+    as the system lets a process raise its own."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
 class _StatusService:
@@ -69,7 +84,9 @@ class PoolServer:
                                        config.tls_client_ca or None, open_services=not config.auth_health)
         check_exposure(config.listen, security, config.insecure, "vllm-bridge serve")
         # Beyond gRPC's own limit, a request is refused by the forwarder, which names max_request_bytes.
-        options = [o for o in server_options(config.min_ping_interval_s) if o[0] != "grpc.max_receive_message_length"]
+        self.max_connections = config.max_connections or connection_limit(open_files())
+        options = [o for o in public_server_options(config.min_ping_interval_s, self.max_connections)
+                   if o[0] != "grpc.max_receive_message_length"]
         self.server = grpc.aio.server(options=[*options, ("grpc.max_receive_message_length",
                                                           config.max_request_bytes + 64 * 1024)],
                                       interceptors=security.interceptors())

@@ -27,6 +27,7 @@ and its refs released, within `drain_timeout_s`, and stops it.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import os
@@ -269,7 +270,8 @@ class PoolSupervisor:
         except OSError as exc:
             wp.exit_description = f"could not start: {exc}"
             slot.last_exit = wp.exit_description
-            self._note_crash(slot, wp)
+            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN):
+                self._note_crash(slot, wp)      # else the pool server's own shortage: tried again, no crash
             self.procs.remove(wp)
             wp.state = EXITED
             wp.exited.set()

@@ -83,6 +83,35 @@ def server_options(min_ping_interval_s: float = MIN_PING_INTERVAL_S) -> list[tup
                            ("grpc.http2.min_recv_ping_interval_without_data_ms", ms),
                            ("grpc.http2.min_ping_interval_without_data_ms", ms)]
 
+# What one connection, or all of them, may hold of a server that strangers reach (the pool server):
+# one raw HTTP/2 connection had opened 30,000 calls at once (gRPC sets no bound), and other clients'
+# calls failed CANCELLED; 20,000 connections that never sent a call took every open file the pool
+# server had, so no new client could connect and a worker that died could not be started again (a
+# 334 s outage). A connection opens at most MAX_STREAMS_PER_CONNECTION calls at once (a client's
+# further ones wait in its own HTTP/2 queue); one with no call for MAX_CONNECTION_IDLE_S is closed
+# (clients reconnect on their next call); a handshake not done in HANDSHAKE_TIMEOUT_S is dropped; and
+# connections together stay below the open files, leaving FILES_KEPT_BACK (or a quarter, if more) to
+# the server itself: past them new connections are closed as they come, while the pool serves on.
+MAX_STREAMS_PER_CONNECTION = 1024
+MAX_CONNECTION_IDLE_S = 300
+HANDSHAKE_TIMEOUT_S = 10
+FILES_KEPT_BACK = 1024
+
+
+def connection_limit(open_files: int) -> int:
+    """The connections a server with `open_files` open files (its soft RLIMIT_NOFILE) accepts at once."""
+    return max(16, open_files - max(FILES_KEPT_BACK, open_files // 4))
+
+
+def public_server_options(min_ping_interval_s: float, max_connections: int) -> list[tuple[str, int]]:
+    """`server_options`, and the bounds of a server that strangers reach (above)."""
+    return server_options(min_ping_interval_s) + [
+        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+        ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_S * 1000),
+        ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_S * 1000),
+        ("grpc.max_allowed_incoming_connections", max_connections)]
+
+
 M = TypeVar("M", bound=Message)
 R = TypeVar("R")
 

@@ -123,6 +123,9 @@ def test_the_built_in_default_serves_the_tiny_model() -> None:
     ('grace_s = 1', "no pools configured"),
     ('loop = "trio"\n[[pools]]\nname = "a"', "loop: expected one of uvloop, asyncio, got 'trio'"),
     ('[[pools]]\nname = "a"\ndegraded_retry_s = -1', "pool 'a': degraded_retry_s must be >= 0, got -1"),
+    ('max_connections = -1\n[[pools]]\nname = "a"', "max_connections must be >= 0"),
+    ('[[pools]]\nname = "a"\nmax_live_sequences = -5', "pool 'a': max_live_sequences must be >= 0"),
+    ('[[pools]]\nname = "a"\nunread_request_s = -1', "pool 'a': unread_request_s must be >= 0"),
     ('[[pools]\nname = "a"', "p.toml"),
 ])
 def test_a_bad_config_is_refused_naming_the_key(tmp_path: Path, text: str, needle: str) -> None:

@@ -26,7 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bridge_server.client.client import BridgeClient, CallError, Target
 from bridge_server.pool.workerproc import lane_path
 from bridge_server.tools.tiny_model import ensure_tiny_model
-from tests.pool.harness import Gate, PoolServer, in_thread, open_gates, others_calling, wait_until
+from tests.pool.harness import (Gate, PoolServer, in_thread, open_gates, others_calling, start_pool_server,
+                                wait_until)
 from tests.worker.test_engine import greedy
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -558,6 +559,59 @@ def test_quiet_calls_outlive_client_pings_at_the_documented_interval(server: Poo
 
     assert quiet_call(2500) == grpc.StatusCode.OK
     assert quiet_call(1000) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_idle_connections_cannot_take_the_servers_open_files(tmp_path: Path) -> None:
+    """20,000 connections that sent nothing but HTTP/2's preface took every open file the pool server
+    had: no client could connect, and a worker that died could not be started again (334 s). The
+    connections a pool server accepts are bounded (`max_connections`; by default its open files less
+    a quarter, so the server keeps files of its own): past it a new connection is closed as it comes,
+    while clients already connected are served and the pool works on; once they go, anyone connects."""
+    server = start_pool_server(tmp_path, 'max_connections = 24\n[[pools]]\nname = "p"\nworkers = 1\n')
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])   # and an empty SETTINGS
+    idle: list[socket.socket] = []
+    try:
+        worker = int(server.pool("p").workers[0].pid)
+        with BridgeClient(server.address) as connected:
+            assert connected.call(f"{D}.divide", 6, 3, pool="p", timeout=10) == 2
+            host, port = server.address.rsplit(":", 1)
+            for _ in range(60):
+                s = socket.create_connection((host, int(port)), timeout=5)
+                s.sendall(preface)
+                idle.append(s)
+            time.sleep(1.0)
+            closed = 0
+            for s in idle:
+                s.settimeout(0.05)
+                try:
+                    while data := s.recv(65536):       # the server's SETTINGS, then EOF where it closed
+                        del data
+                    closed += 1
+                except (TimeoutError, socket.timeout):
+                    pass
+                except OSError:
+                    closed += 1
+            assert 60 - closed <= 24, f"{60 - closed} idle connections kept open"
+            assert connected.call(f"{D}.divide", 8, 2, pool="p", timeout=10) == 4      # still served
+            os.killpg(worker, signal.SIGKILL)                                          # and restarted
+            time.sleep(0.5)
+            wait_until(lambda: _answers(connected), timeout=60, what="the killed worker replaced")
+        for s in idle:
+            s.close()
+        with BridgeClient(server.address) as fresh:
+            wait_until(lambda: _answers(fresh), timeout=30, what="a new client served once the idle ones went")
+        assert int(server.pool("p").workers[0].pid) != worker
+    finally:
+        for s in idle:
+            s.close()
+        server.stop()
+
+
+def _answers(client: BridgeClient) -> bool:
+    try:
+        return bool(client.call(f"{D}.divide", 4, 2, pool="p", timeout=3) == 2)
+    except CallError:
+        return False
 
 
 def test_the_documented_ping_interval() -> None:
