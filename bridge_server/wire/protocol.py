@@ -92,7 +92,7 @@ def server_options(min_ping_interval_s: float = MIN_PING_INTERVAL_S) -> list[tup
 # (clients reconnect on their next call); a handshake not done in HANDSHAKE_TIMEOUT_S is dropped; and
 # connections together stay below the open files, leaving FILES_KEPT_BACK (or a quarter, if more) to
 # the server itself: past them new connections are closed as they come, while the pool serves on.
-MAX_STREAMS_PER_CONNECTION = 1024
+MAX_STREAMS_PER_CONNECTION = 4096
 MAX_CONNECTION_IDLE_S = 300
 HANDSHAKE_TIMEOUT_S = 10
 FILES_KEPT_BACK = 1024
