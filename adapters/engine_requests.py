@@ -177,6 +177,21 @@ def _json_shape(value: Any) -> tuple[int, int, int]:
     return depth, total, most
 
 
+def _chars(value: Any) -> int:
+    """A structured output field's size: a string's characters, a schema's as JSON text, a choice
+    list's in all."""
+    if value is None or isinstance(value, bool):
+        return 0
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return sum(map(len, value)) + len(value)
+    try:
+        return len(json.dumps(value, default=str))
+    except (TypeError, ValueError, RecursionError):
+        return 0     # not JSON: the checks below, or vLLM, say so
+
+
 def _check_structured_outputs(label: str, name: str, params: Any) -> None:
     """A JSON schema's conversion to a grammar (xgrammar's, in vLLM's input checks on the thread that
     prepares every client's structured requests, and again in the engine core) cannot be stopped once
@@ -187,6 +202,14 @@ def _check_structured_outputs(label: str, name: str, params: Any) -> None:
     so = getattr(params, "structured_outputs", None)
     if so is None:
         return
+    size = sum(_chars(getattr(so, field, None)) for field in STRUCTURED_FIELDS)
+    if size > MAX_STRUCTURED_CHARS:
+        where = f"{name}.structured_outputs"
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"{label}: parameter {where}: its schema, grammar, regex, choices and tags hold {size:,} "
+                          f"characters in all, over this server's limit of {MAX_STRUCTURED_CHARS:,} (compiling "
+                          f"them holds up every structured request of the engine, and what the engine core "
+                          f"compiled it keeps)", target=label, parameter=where, reason="schema too large")
     for field in ("json", "structural_tag"):
         value = getattr(so, field, None)
         if value is None:
@@ -317,6 +340,11 @@ MAX_WORDS_CHARS = 131_072
 MAX_SCHEMA_DEPTH = 64
 MAX_SCHEMA_PROPERTIES = 1024          # properties a schema's objects declare in all
 MAX_SCHEMA_OBJECT_PROPERTIES = 256    # ... and one object
+# The characters of a structured output's schema, grammar, regex, choices and tags in all: a schema
+# whose enum held 100,000 strings (10 MB) took 37 s to compile, every other structured request of the
+# engine waiting behind it, and grew the engine core by 2.9 GB, kept for good; 3 MB, 8-15 s.
+MAX_STRUCTURED_CHARS = 131_072
+STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "structural_tag", "whitespace_pattern")
 # Completions of one prompt (SamplingParams.n). vLLM fans a request out into n requests on the event
 # loop, ~50 us each, with no bound: n=1,000,000 blocks a worker's loop for about a minute.
 MAX_N = 256
