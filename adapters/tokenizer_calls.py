@@ -92,9 +92,9 @@ def encode(tokenizer: Any, text: Any, text_pair: Any = None, add_special_tokens:
         raise _refuse("truncation", f"expected a bool or nil (a truncation to max_length tokens), got "
                                     f"{quote(truncation, 40)}")
     if max_length is not None and (type(max_length) is not int or max_length < 1):
+        shown = clip(str(max_length), 40) if type(max_length) is int else quote(max_length, 40)
         raise BridgeError.validation(f"{ENCODE_LABEL}: parameter max_length: expected an int of 1 or more, got "
-                                     f"{quote(max_length, 40) if type(max_length) is not int else clip(str(max_length), 40)}",
-                                     target=ENCODE_LABEL, parameter="max_length")
+                                     f"{shown}", target=ENCODE_LABEL, parameter="max_length")
     # As the library: a max_length truncates unless truncation is False.
     limit = max_length if truncation is not False else None
     if truncation is True and max_length is None:

@@ -90,8 +90,9 @@ def server_options(min_ping_interval_s: float = MIN_PING_INTERVAL_S) -> list[tup
 # 334 s outage). A connection opens at most MAX_STREAMS_PER_CONNECTION calls at once (a client's
 # further ones wait in its own HTTP/2 queue); one with no call for MAX_CONNECTION_IDLE_S is closed
 # (clients reconnect on their next call); a handshake not done in HANDSHAKE_TIMEOUT_S is dropped; and
-# connections together stay below the open files, leaving FILES_KEPT_BACK (or a quarter, if more) to
-# the server itself: past them new connections are closed as they come, while the pool serves on.
+# connections together stay below the open files, leaving FILES_KEPT_BACK (or a quarter, if more; at
+# most half) to the server itself: past them new connections are closed as they come, while the pool
+# serves on.
 MAX_STREAMS_PER_CONNECTION = 4096
 MAX_CONNECTION_IDLE_S = 300
 HANDSHAKE_TIMEOUT_S = 10
@@ -100,7 +101,7 @@ FILES_KEPT_BACK = 1024
 
 def connection_limit(open_files: int) -> int:
     """The connections a server with `open_files` open files (its soft RLIMIT_NOFILE) accepts at once."""
-    return max(16, open_files - max(FILES_KEPT_BACK, open_files // 4))
+    return max(16, open_files - max(min(FILES_KEPT_BACK, open_files // 2), open_files // 4))
 
 
 def public_server_options(min_ping_interval_s: float, max_connections: int) -> list[tuple[str, int]]:

@@ -623,6 +623,16 @@ def test_the_documented_ping_interval() -> None:
     assert options["grpc.keepalive_permit_without_calls"] == 1
 
 
+def test_the_server_keeps_open_files_of_its_own() -> None:
+    """Connections may take the pool server's open files less a quarter, at least 1,024 and at most
+    half kept back: a worker can always be started (its pipes and sockets need files)."""
+    from bridge_server.wire.protocol import connection_limit, public_server_options
+    assert [connection_limit(n) for n in (1024, 4096, 20_000)] == [512, 3072, 15_000]
+    options = dict(public_server_options(10, connection_limit(20_000)))
+    assert options["grpc.max_allowed_incoming_connections"] == 15_000
+    assert options["grpc.max_concurrent_streams"] == 4096
+
+
 def worker_pid(server: PoolServer, pool: str) -> int:
     return int(server.pool(pool).workers[0].pid)
 
