@@ -541,6 +541,43 @@ def test_callers_that_never_read_on_many_streams_cannot_grow_the_router(server: 
         assert_untouched(server, other)
 
 
+def _h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def _hpack_literal(name: bytes, value: bytes) -> bytes:
+    assert len(name) < 127 and len(value) < 127
+    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+
+def test_unread_describe_replies_count_against_the_bound(server: PoolServer) -> None:
+    """A raw HTTP/2 connection that gives itself no window opens thousands of `Describe` calls and never
+    reads: their replies (tens of KB each) had not counted in the router's unread bytes, and 5,000 took
+    it from 168 to 545 MB. Unary replies of 16 KiB or more count now: the router holds them within
+    max_unread_bytes (48 MiB here), and refuses the rest (the bytes the router holds stay within twice
+    the bound, not the ~144 MB of the replies)."""
+    calls = 3000
+    with server.client(pool="p") as c:
+        size = len(c.describe().SerializeToString())
+    assert size >= 16 * 1024, size      # the catalog's reply is one that counts
+    headers = b"".join(_hpack_literal(k, v) for k, v in (
+        (b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/vllm_bridge.v1.Bridge/Describe"),
+        (b":authority", b"x"), (b"content-type", b"application/grpc"), (b"te", b"trailers"),
+        (b"x-bridge-pool", b"p")))
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2_frame(4, 0, 0, (4).to_bytes(2, "big") + bytes(4)))
+        s.sendall(b"".join(_h2_frame(1, 4, 2 * i + 1, headers) + _h2_frame(0, 1, 2 * i + 1, bytes(5))
+                           for i in range(calls)))
+        wait_until(lambda: unread(server)[0] > 0, timeout=30, what="the unread Describe replies counted")
+        time.sleep(3)
+        held = unread(server)[0]
+        assert 0 < held <= 2 * 48 * 2**20 < calls * size, held
+        assert server.client(pool="p").call(f"{D}.divide", 6, 3, timeout=10) == 2
+    wait_until(lambda: unread(server)[0] == 0, timeout=30, what="nothing held once the connection went")
+
+
 def test_quiet_calls_outlive_client_pings_at_the_documented_interval(server: PoolServer) -> None:
     """Compressed time: this server accepts pings every >= 2 s (min_ping_interval_s = 2; the default
     is 10, `test_the_documented_ping_interval`). A call that receives nothing for 7 s, from a client
