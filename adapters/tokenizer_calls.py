@@ -23,6 +23,7 @@ from bridge_server.wire.errors import BridgeError, clip, quote
 __all__ = ["decode", "encode", "encode_unchanged"]
 
 ENCODE_LABEL = "PreTrainedTokenizerBase.encode"
+MAX_LENGTH = 2**31 - 1       # what the tokenizer's Rust side takes as a length
 DECODE_LABEL = "PreTrainedTokenizerBase.decode"
 
 
@@ -91,10 +92,10 @@ def encode(tokenizer: Any, text: Any, text_pair: Any = None, add_special_tokens:
     if truncation is not None and type(truncation) is not bool:
         raise _refuse("truncation", f"expected a bool or nil (a truncation to max_length tokens), got "
                                     f"{quote(truncation, 40)}")
-    if max_length is not None and (type(max_length) is not int or max_length < 1):
+    if max_length is not None and (type(max_length) is not int or not 1 <= max_length <= MAX_LENGTH):
         shown = clip(str(max_length), 40) if type(max_length) is int else quote(max_length, 40)
-        raise BridgeError.validation(f"{ENCODE_LABEL}: parameter max_length: expected an int of 1 or more, got "
-                                     f"{shown}", target=ENCODE_LABEL, parameter="max_length")
+        raise BridgeError.validation(f"{ENCODE_LABEL}: parameter max_length: expected an int from 1 to "
+                                     f"{MAX_LENGTH:,}, got {shown}", target=ENCODE_LABEL, parameter="max_length")
     # As the library: a max_length truncates unless truncation is False.
     limit = max_length if truncation is not False else None
     if truncation is True and max_length is None:
@@ -113,6 +114,15 @@ def decode(tokenizer: Any, token_ids: Any, skip_special_tokens: bool = False,
     of a list of ids is `decode` itself."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
+    if hasattr(token_ids, "tolist") and hasattr(token_ids, "shape"):    # a tensor or an array: its ids
+        if len(token_ids.shape) > 1:
+            raise BridgeError.validation(f"{DECODE_LABEL}: parameter token_ids: expected one sequence of token ids, "
+                                         f"got a {len(token_ids.shape)}-dimensional tensor", target=DECODE_LABEL,
+                                         parameter="token_ids")
+        token_ids = token_ids.tolist()
+    if not isinstance(token_ids, (int, list, tuple)) or isinstance(token_ids, bool):
+        raise BridgeError.validation(f"{DECODE_LABEL}: parameter token_ids: expected a token id or a list of them, "
+                                     f"got {type(token_ids).__name__}", target=DECODE_LABEL, parameter="token_ids")
     ids = [token_ids] if type(token_ids) is int else token_ids
     size = len(tokenizer)
     if isinstance(ids, (list, tuple)) and ids and not (set(map(type, ids)) == {int} and 0 <= min(ids)

@@ -362,9 +362,16 @@ def test_no_call_changes_the_shared_tokenizer_and_truncation_matches_the_library
             bridge.call(encode, "hi", kwargs=options)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
         assert "parameter" in err.value.details and name in err.value.details and "not an option" in err.value.details
+    import torch
+    for ids, where in (([5, -1], "token_ids[1]"), (torch.tensor([1, 2**40]), "token_ids[1]"),
+                       ("abc", "token_ids: expected a token id or a list of them, got str")):
+        with pytest.raises(CallError) as err:
+            bridge.call(Target.method(tokenizer, "decode"), ids)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and f"parameter {where}" in err.value.details, err
+    assert bridge.call(Target.method(tokenizer, "decode"), torch.tensor([5, 6])) == local.decode([5, 6])
     with pytest.raises(CallError) as err:
-        bridge.call(Target.method(tokenizer, "decode"), [5, -1])
-    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "parameter token_ids[1]" in err.value.details
+        bridge.call(encode, "hi", kwargs={"truncation": True, "max_length": 2**100})
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "parameter max_length" in err.value.details, err
     # Truncating encodes and requests in a loop beside plain streams: every stream ends well.
     stop = time.monotonic() + 4
 
