@@ -44,14 +44,13 @@ def encode_unchanged(tokenizer: Any, text: str, add_special_tokens: bool = True,
     max_length=...)`, ids alike, without changing the tokenizer's settings. The encoding is done
     outside the interpreter's lock (batch encoding releases it)."""
     backend = _backend(tokenizer)
-    if backend is None:       # a slow tokenizer keeps no such state: the library's own call
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        # A slow tokenizer keeps no such state; settings from the model's own files are the library's
+        # to keep or change: its own call.
         if max_length is None:
             return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens, truncation=True,
                                      max_length=max_length))
-    if backend.truncation is not None or backend.padding is not None:
-        # Set outside any call of ours (the model's own files): the library's call keeps them as they are.
-        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     if max_length is None:
         return list(backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
     encoding = backend.encode_batch([text], add_special_tokens=False)[0]
@@ -79,9 +78,9 @@ def encode(tokenizer: Any, text: Any, text_pair: Any = None, add_special_tokens:
         if value is not default and value != default:
             raise _refuse(name, f"not an option this server passes on (it takes text, add_special_tokens, "
                                 f"truncation and max_length); got {quote(value, 40)}")
-    for name in kwargs:
-        raise _refuse(quote(name, 40), "not an option this server passes on (it takes text, add_special_tokens, "
-                                       "truncation and max_length)")
+    if kwargs:
+        raise _refuse(quote(next(iter(kwargs)), 40), "not an option this server passes on (it takes text, "
+                                                     "add_special_tokens, truncation and max_length)")
     if type(text) is not str:
         raise BridgeError.validation(f"{ENCODE_LABEL}: parameter text: expected a string, got {type(text).__name__}",
                                      target=ENCODE_LABEL, parameter="text")
