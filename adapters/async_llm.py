@@ -9,15 +9,14 @@ remote caller cannot do for itself:
   loop, so one call's prompt never stalls the others;
 - know when an engine can no longer serve (its core process exited, or it stops answering: its input
   thread dies on a request it cannot decode, its output path dies), and then fail its calls at once
-  with the cause (`lifecycle`: the worker probes every engine and replaces a published one);
-- warm an engine up before anyone's first request pays for kernel compilation;
+  with the cause (`engine_life.py`: the worker probes every engine and replaces a published one);
+- warm an engine up before anyone's first request pays for kernel compilation (`engine_life.py`);
 - shut an engine down when its last ref goes away.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import os
@@ -28,168 +27,19 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
-import psutil
 
 from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check_engine_types,
                                      check_grammar_backend, check_logprobs, check_prompt, check_sampling_params,
                                      check_token_ids, check_tokenization, clip_int, logprob_entries, pooling_rule,
                                      prompt_tokens_at_most, sampling_rule, text_of)
-from adapters import tokenizer_calls
+from adapters import engine_life, tokenizer_calls
+from adapters.engine_life import PREFIX
 from adapters.fair_share import admit_to_shared
 from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Finalizer, Growing, Lifecycle, Policy,
                            RecordRule, RecordType)
 from bridge_server.wire.errors import BridgeError, clip, quote
 
 log = logging.getLogger("vllm_bridge.engine")
-PREFIX = "vllm.AsyncLLMEngine"
-_causes: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()   # engine -> why it is dead
-_warmups = itertools.count(1)
-
-
-def _alive(engine: Any, args: Mapping[str, Any], ctx: CallContext | None = None) -> None:
-    """Every call on a dead engine fails at once with the cause, instead of vLLM's own error later
-    (or, for an engine that stopped answering, never)."""
-    if engine is None:
-        return
-    cause = _causes.get(engine)
-    if cause is None and getattr(engine, "errored", False):
-        cause = f"the engine core exited ({getattr(engine, 'dead_error', 'no error recorded')})"
-    if cause is not None:
-        raise BridgeError(grpc.StatusCode.UNAVAILABLE, "engine", f"{PREFIX}: engine dead: {cause}",
-                          target=PREFIX, reason="engine dead")
-
-
-# ------------------------------------------------------------------------------------------ liveness
-def _dead(engine: Any) -> str | None:
-    """Why the engine can no longer serve, when vLLM knows (its core process exited) or we decided."""
-    if (cause := _causes.get(engine)) is not None:
-        return cause
-    if getattr(engine, "errored", False):
-        return f"the engine core exited ({getattr(engine, 'dead_error', 'no error recorded')})"
-    return None
-
-
-# A core that used at least this share of a core's time while its probe went unanswered is working
-# (starved by a busy machine, or on a long step), not wedged: a wedged core waits on a queue or a
-# dead peer and uses next to none.
-BUSY_CPU_SHARE = 0.05
-
-
-async def _answers(engine: Any, timeout_s: float) -> bool:
-    """A utility call travels the same path as a request (in through the core's input thread, back
-    through the output handler): an answer shows both are alive. So does a core process that kept
-    computing meanwhile: on a loaded machine the answer may come late, and killing an engine that
-    is only slow would harm every client it serves."""
-    before = _core_cpu_s(engine)
-    try:
-        await asyncio.wait_for(engine.is_sleeping(), timeout_s)
-    except asyncio.TimeoutError:
-        after = _core_cpu_s(engine)
-        if before is not None and after is not None and after - before >= BUSY_CPU_SHARE * timeout_s:
-            log.warning("%s: the engine core answered no probe within %g s but used %.2f s of CPU meanwhile: "
-                        "busy, not dead", PREFIX, timeout_s, after - before)
-            return True
-        return False
-    except Exception:   # EngineDeadError and the like: `_dead` says so next
-        return False
-    return True
-
-
-def _core_cpu_s(engine: Any) -> float | None:
-    """The CPU time the engine's core processes have used so far (None when it cannot be read)."""
-    manager = getattr(getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None)
-    total = 0.0
-    try:
-        for proc in getattr(manager, "processes", None) or ():
-            times = psutil.Process(proc.pid).cpu_times()
-            total += times.user + times.system
-    except (psutil.Error, OSError, AttributeError, TypeError, ValueError):   # OSError: none left to open /proc with
-        return None
-    return total if manager is not None else None
-
-
-_asleep: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-
-
-async def _serving(engine: Any, method: str) -> None:
-    """A request to an engine its operator paused would wait, silently, until it resumes (or the
-    caller's deadline); one to an engine put to sleep would find its memory gone. Either fails at
-    once, UNAVAILABLE (a state that passes), saying why."""
-    why = "asleep (wake_up wakes it)" if _asleep.get(engine) else \
-        "paused (resume_generation resumes it)" if await engine.is_paused() else None
-    if why is not None:
-        raise BridgeError(grpc.StatusCode.UNAVAILABLE, "engine", f"{PREFIX}.{method}: the engine is {why}",
-                          target=f"{PREFIX}.{method}", reason="engine idle")
-
-
-async def _sleep(engine: Any, level: int = 1) -> None:
-    _asleep[engine] = True
-    await engine.sleep(level)
-
-
-async def _wake_up(engine: Any, tags: list[str] | None = None) -> None:
-    await engine.wake_up(tags)
-    _asleep[engine] = False
-
-
-def _kill(engine: Any, cause: str) -> None:
-    """From now on the engine counts as dead: every call fails at once with `cause`, the requests in
-    flight end with it too, and its core process is stopped (off the event loop)."""
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    _causes[engine] = cause
-    core = getattr(engine, "engine_core", None)
-    resources = getattr(core, "resources", None)
-    if resources is not None:
-        resources.engine_dead = True
-    processor = getattr(engine, "output_processor", None)
-    if processor is not None:
-        error = EngineDeadError()
-        error.args = (f"engine dead: {cause}",)   # vLLM's own text says nothing of the cause
-        try:
-            processor.propagate_error(error)
-        except Exception:   # best effort: the calls in flight also end at their deadlines
-            log.exception("failing the requests in flight of a dead engine")
-    _shutdown(engine)
-
-
-async def _warmup(engine: Any) -> None:
-    """Short requests through the whole path, so that no client request pays for what vLLM compiles
-    on first use (6-12 s on our CPUs). The engine core compiles as it steps, so every request of the
-    engine would wait meanwhile: a greedy one, and one sampled at random (vLLM's random sampler is
-    compiled at its first unseeded use: 5-6 s here, during which every stream stood still)."""
-    from vllm import PoolingParams, SamplingParams
-
-    tasks = tuple(await engine.get_supported_tasks())
-    n = next(_warmups)
-    if "generate" in tasks:
-        sources = [engine.generate("Hello, world", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                                   f"bridge-warmup-{n}"),
-                   engine.generate("Hello, world", SamplingParams(max_tokens=2, temperature=1.0, ignore_eos=True),
-                                   f"bridge-warmup-{n}-sampled")]
-    else:
-        task = next((t for t in ("embed", "classify", "score", "token_embed", "token_classify")
-                     if t in tasks), None)
-        if task is None:
-            return
-        pooled = PoolingParams(task=task)  # type: ignore[arg-type]
-        sources = [engine.encode("Hello, world", pooled, f"bridge-warmup-{n}")]
-
-    async def drain(source: Any) -> None:
-        async for _ in source:
-            pass
-    await asyncio.gather(*(drain(source) for source in sources))
-
-
-def _started(engine: Any) -> None:
-    """vLLM reads some environment variables again at every use unless told to cache them, which its
-    own engine processes do once started. Its front-end in the worker reads one per request per engine
-    step (`VLLM_COMPUTE_NANS_IN_LOGITS`, in its stats): 1.6 % of the worker's samples while it streams.
-    Nothing changes the environment of a worker once it runs, so it is cached from here on."""
-    from vllm.envs import enable_envs_cache
-    enable_envs_cache()
-
-
 # ------------------------------------------------------------------------------------------ prompts
 _tokenizing: weakref.WeakKeyDictionary[Any, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
 
@@ -274,8 +124,8 @@ def _request_guard(method: str, params_name: str) -> Any:
     core dies on another), the request id noted as the caller's, and on a published engine that
     schedules by priority, the request's priority set (`fair_share.py`)."""
     async def guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> Mapping[str, int] | None:
-        _alive(engine, args)
-        await _serving(engine, method)
+        engine_life.alive(engine, args)
+        await engine_life.serving(engine, method)
         params = args.get(params_name)
         label = f"{PREFIX}.{method}"
         check_tokenization(engine, label, args.get("tokenization_kwargs"))
@@ -330,7 +180,7 @@ async def _check_task(engine: Any, method: str, params_name: str, params: Any) -
 
 def _abort_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
     """A client ends its own requests only. vLLM's internal ids are its own business."""
-    _alive(engine, args)
+    engine_life.alive(engine, args)
     label = f"{PREFIX}.abort"
     if args.get("internal"):
         raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
@@ -400,7 +250,7 @@ def _abort_collected(collector: Any) -> None:
     engine_ref = _collected.pop(collector, None)
     engine = engine_ref() if engine_ref is not None else None
     request_id = getattr(collector, "request_id", None)
-    if engine is None or not isinstance(request_id, str) or _dead(engine) is not None:
+    if engine is None or not isinstance(request_id, str) or engine_life.dead(engine) is not None:
         return
     try:
         loop = asyncio.get_running_loop()
@@ -420,7 +270,7 @@ def _aborted(task: asyncio.Task[None]) -> None:
 def _collective_rpc_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
     """vLLM unpickles a `method` given as bytes inside its workers, and runs a callable: a client
     may only name a worker method the operator allowed."""
-    _alive(engine, args)
+    engine_life.alive(engine, args)
     method, label = args.get("method"), f"{PREFIX}.collective_rpc"
     allowed = ctx.policy.collective_rpc_methods
     if not isinstance(method, str):
@@ -439,7 +289,7 @@ def _lora_guard(method: str) -> Any:
     """LoRA methods on an engine made without LoRA fail inside its core with a bare `Exception`
     ("Call to add_lora method failed"), which says neither that the call can never work here nor why."""
     def guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
-        _alive(engine, args)
+        engine_life.alive(engine, args)
         if getattr(getattr(engine, "vllm_config", None), "lora_config", ...) is None:
             label = f"{PREFIX}.{method}"
             raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "engine",
@@ -596,16 +446,6 @@ def _advertise_new_signature() -> None:
 _advertise_new_signature()
 
 
-def _shutdown(engine: Any) -> None:
-    """Last ref released: stop the engine core process. Off the event loop, as shutdown blocks."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        engine.shutdown()
-        return
-    loop.run_in_executor(None, engine.shutdown)
-
-
 ASYNC_LLM = AdapterSpec(
     surface="async_llm",
     module="vllm",
@@ -615,23 +455,24 @@ ASYNC_LLM = AdapterSpec(
     profiles={"new": "ml_inference", "from_engine_args": "ml_inference", "from_vllm_config": "ml_inference",
               "generate": "streaming", "encode": "streaming", "wait_for_requests_to_drain": "ml_inference",
               "add_lora": "ml_inference"},
-    guards={"*": _alive, "generate": _request_guard("generate", "sampling_params"),
+    guards={"*": engine_life.alive, "generate": _request_guard("generate", "sampling_params"),
             "encode": _request_guard("encode", "pooling_params"), "add_request": _request_guard("add_request", "params"),
             "abort": _abort_guard, "collective_rpc": _collective_rpc_guard, "shutdown": _shutdown_guard,
             "new": _creation_guard, "from_engine_args": _creation_guard, "from_vllm_config": _creation_guard,
             **{m: _lora_guard(m) for m in ("add_lora", "list_loras", "pin_lora", "remove_lora")}},
-    overrides={"new": _new, "generate": _generate, "encode": _encode, "add_request": _add_request, "sleep": _sleep,
-               "wake_up": _wake_up},
+    overrides={"new": _new, "generate": _generate, "encode": _encode, "add_request": _add_request,
+               "sleep": engine_life.sleep, "wake_up": engine_life.wake_up},
     # Requests of the caller's own, and reads. Not here (operators only, on a published engine):
     # pause/resume, sleep/wake_up, cache resets, pin/remove LoRA, profiling, scaling, collective_rpc,
     # shutdown, logging (do_log_stats, wait_for_requests_to_drain), and vLLM's private entries.
     per_client=frozenset({"generate", "encode", "add_request", "abort", "add_lora", "list_loras", "check_health",
                           "get_supported_tasks", "get_tokenizer", "is_paused", "is_sleeping", "is_tracing_enabled",
                           "from_engine_args", "from_vllm_config"}),
-    finalizer=_shutdown,
+    finalizer=engine_life.shutdown,
     finalizers=(Finalizer("vllm.v1.engine.output_processor", "RequestOutputCollector", _abort_collected,
                           expires=True),),
-    lifecycle=Lifecycle(dead=_dead, answers=_answers, kill=_kill, warmup=_warmup, started=_started),
+    lifecycle=Lifecycle(dead=engine_life.dead, answers=engine_life.answers, kill=engine_life.kill,
+                        warmup=engine_life.warmup, started=engine_life.started),
     record_rules=(
         RecordRule("vllm", "AsyncEngineArgs", check=_engine_args_rule),
         RecordRule("vllm.lora.request", "LoRARequest", check=_lora_rule),
