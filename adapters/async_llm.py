@@ -17,6 +17,7 @@ remote caller cannot do for itself:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 import os
@@ -32,7 +33,7 @@ from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check
                                      check_grammar_backend, check_logprobs, check_prompt, check_sampling_params,
                                      check_token_ids, check_tokenization, clip_int, logprob_entries, pooling_rule,
                                      prompt_tokens_at_most, sampling_rule, text_of)
-from adapters import engine_life, tokenizer_calls
+from adapters import engine_life, grammar_check, tokenizer_calls
 from adapters.engine_life import PREFIX
 from adapters.fair_share import admit_to_shared
 from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Finalizer, Growing, Lifecycle, Policy,
@@ -42,6 +43,10 @@ from bridge_server.wire.errors import BridgeError, clip, quote
 log = logging.getLogger("vllm_bridge.engine")
 # ------------------------------------------------------------------------------------------ prompts
 _tokenizing: weakref.WeakKeyDictionary[Any, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
+# Whose request the call is and how long its grammar may take to compile, as the guard found them
+# (`grammar_check.py` takes clients in turn): the guard and the call run in one context.
+_asker: contextvars.ContextVar[tuple[str, float]] = contextvars.ContextVar(
+    "asker", default=("", Policy.grammar_compile_s))
 
 
 async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwargs: dict[str, Any],
@@ -49,7 +54,8 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
     """The prompt to hand to vLLM: as given, or, where building the request costs tokenizer work
     (a long prompt, bad words, structured outputs) or would change the shared tokenizer (a text
     prompt truncated: `tokenizer_calls.py`), the request vLLM builds from it, built off the event
-    loop (one thread per engine), from the prompt's token ids where it is truncated."""
+    loop (one thread per engine), from the prompt's token ids where it is truncated; and a grammar
+    compiled first where its compile can be stopped (`grammar_check.py`)."""
     text = text_of(prompt)
     truncated = _truncated_to(engine, prompt, params)
     if not (truncated is not None or text is not None and len(text) > LONG_PROMPT_CHARS
@@ -75,6 +81,8 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
             kwargs.get("trace_headers"), kwargs.get("priority", 0), kwargs.get("data_parallel_rank"))
     request = await asyncio.get_running_loop().run_in_executor(pool, build)
     check_grammar_backend(f"{PREFIX}.{method}", request)
+    client, compile_s = _asker.get()
+    await grammar_check.check(engine, f"{PREFIX}.{method}", request, client, compile_s)
     return request
 
 
@@ -146,6 +154,7 @@ def _request_guard(method: str, params_name: str) -> Any:
         rank = admit_to_shared(engine, label, args, params, logprobs, ctx.client, _live_ids(engine),
                                ctx.policy.max_live_sequences) if ctx.published else None
         _own(engine, args.get("request_id"), ctx.identity)
+        _asker.set((ctx.client, ctx.policy.grammar_compile_s))
         return None if rank is None else {"priority": rank}
     return guard
 

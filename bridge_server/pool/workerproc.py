@@ -120,7 +120,7 @@ def worker_command(wp: WorkerProc, cfg: PoolConfig, max_request_bytes: int = 64 
             "--max-refs-per-client", str(cfg.max_refs_per_client),
             "--max-ref-bytes-per-client", str(cfg.max_ref_bytes_per_client),
             "--max-prompt-chars", str(cfg.max_prompt_chars), "--outside-ranks", str(cfg.outside_ranks),
-            "--max-live-sequences", str(cfg.max_live_sequences),
+            "--max-live-sequences", str(cfg.max_live_sequences), "--grammar-compile-s", str(cfg.grammar_compile_s),
             "--max-request-bytes", str(max_request_bytes)]
     for option, values in (("--collective-rpc-method", cfg.collective_rpc_methods), ("--model-dir", cfg.model_dirs),
                            ("--lora-dir", cfg.lora_dirs), ("--rendezvous-host", cfg.rendezvous_hosts),

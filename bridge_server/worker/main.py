@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks a client's process group may have beyond the pool's own (default %(default)s)")
     s.add_argument("--max-live-sequences", type=int, default=12_288, metavar="N",
                    help="sequences a published engine holds live, every client's; 0: no bound (default %(default)s)")
+    s.add_argument("--grammar-compile-s", type=float, default=10.0, metavar="S",
+                   help="how long a structured output's grammar may take to compile, tried first in a process "
+                        "that can be stopped; 0: not tried (default %(default)s)")
     s.add_argument("--unread-request-s", type=float, default=30.0, metavar="S",
                    help="a request nobody can read (add_request's) ends this long after it started; 0: never "
                         "(default %(default)s)")
@@ -122,7 +125,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     from bridge_server.worker.server import DistributedRank, WorkerConfig
     for name in ("max_engines_per_client", "max_sessions", "max_refs_per_client", "max_ref_bytes_per_client",
                  "max_request_bytes",
-                 "max_prompt_chars", "reader_stall", "outside_ranks", "unread_request_s",
+                 "max_prompt_chars", "reader_stall", "outside_ranks", "unread_request_s", "grammar_compile_s",
                  "max_live_sequences"):
         if getattr(args, name) < 0:
             raise SystemExit(f"vllm-bridge worker: --{name.replace('_', '-')} must be >= 0")
@@ -132,7 +135,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
                     lora_dirs=tuple(args.lora_dir), engine_args_allowed=frozenset(args.engine_arg_allowed),
                     max_prompt_chars=args.max_prompt_chars, operators=frozenset(args.operator),
                     outside_ranks=args.outside_ranks, unread_request_s=args.unread_request_s,
-                    max_live_sequences=args.max_live_sequences,
+                    max_live_sequences=args.max_live_sequences, grammar_compile_s=args.grammar_compile_s,
                     **({"rendezvous_hosts": frozenset(args.rendezvous_host)} if args.rendezvous_host else {}))
     dist = None
     if args.dist_backend:

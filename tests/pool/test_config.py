@@ -39,6 +39,7 @@ worker_args = ["--ref-ttl", "60", "--dist-rank", "{index}"]
 recycle_after_calls = 1000
 max_live_sequences = 4096
 unread_request_s = 12.5
+grammar_compile_s = 4
 [pools.env]
 VLLM_CPU_KVCACHE_SPACE = "2"
 [[pools.objects]]
@@ -76,7 +77,8 @@ def test_a_full_file_is_read(tmp_path: Path) -> None:
     assert tail[:6] == ["bridge_server.cli", "worker", "--listen", "unix:/tmp/x/1.sock", "--worker-id", "gen-1-g3"]
     assert '"target": "vllm.AsyncLLMEngine.from_engine_args"' in tail[tail.index("--objects") + 1]
     assert tail[-4:] == ["--ref-ttl", "60", "--dist-rank", "1"]
-    for option, value in (("--max-live-sequences", "4096"), ("--unread-request-s", "12.5")):
+    for option, value in (("--max-live-sequences", "4096"), ("--unread-request-s", "12.5"),
+                          ("--grammar-compile-s", "4.0")):
         assert tail[tail.index(option) + 1] == value
     assert "--objects" not in worker_command(WorkerProc("tools_2-0-g1", "tools_2", 0, 1, "/s"), tools)
 
@@ -125,6 +127,7 @@ def test_the_built_in_default_serves_the_tiny_model() -> None:
     ('[[pools]]\nname = "a"\ndegraded_retry_s = -1', "pool 'a': degraded_retry_s must be >= 0, got -1"),
     ('max_connections = -1\n[[pools]]\nname = "a"', "max_connections must be >= 0"),
     ('[[pools]]\nname = "a"\nmax_live_sequences = -5', "pool 'a': max_live_sequences must be >= 0"),
+    ('[[pools]]\nname = "a"\ngrammar_compile_s = -1', "pool 'a': grammar_compile_s must be >= 0"),
     ('[[pools]]\nname = "a"\nunread_request_s = -1', "pool 'a': unread_request_s must be >= 0"),
     ('[[pools]\nname = "a"', "p.toml"),
 ])

@@ -29,6 +29,7 @@ LONG = 2000   # tokens: seconds of generation, so a test can act on a stream bef
 
 
 MAX_LIVE = 2048     # sequences the shared engine here holds live (the default is 12,288)
+COMPILE_S = 3       # how long a grammar may compile here (the default is 10 s)
 
 
 def engine_args(model: Path, **extra: Any) -> dict[str, Any]:
@@ -47,7 +48,7 @@ def engine_worker(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iter
                 "kwargs": {"engine_args": engine_args(model, enable_lora=True, max_lora_rank=8)}}]
     # Every caller is an operator here: the tests drive the published engine's controls too.
     w = start_worker(tmp_path_factory.mktemp("engine"), "--objects", json.dumps(objects), "--operator", "*",
-                     "--max-live-sequences", str(MAX_LIVE), name="engine")
+                     "--max-live-sequences", str(MAX_LIVE), "--grammar-compile-s", str(COMPILE_S), name="engine")
     yield w
     w.stop()
 
@@ -774,6 +775,30 @@ def test_a_structured_output_only_another_backend_takes_is_refused_and_the_engin
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "look-around" in err.value.details, err.value
     after = list(bridge.stream(GENERATE, "Hello", greedy(4), "so-after"))
     assert after[-1]["finished"] is True and len(after[-1]["outputs"][0]["token_ids"]) == 4
+
+
+def test_a_grammar_that_compiles_too_long_is_refused_and_structured_requests_go_on(bridge: BridgeClient) -> None:
+    """The 15-character regex `[ab]*a[ab]{20}` kept an engine core thread compiling for over 44
+    minutes (xgrammar's automaton doubles with each repeat), and vLLM compiles every structured
+    request of the engine on (cores + 1) // 2 threads: on 2 cores, one. The worker compiles a new
+    grammar first, in a process it stops at `grammar_compile_s`; the engine never sees this one."""
+    slow = {**greedy(4), "structured_outputs": {"regex": "[ab]*a[ab]{20}"}}
+    for tag in ("so-slow", "so-slow-again"):        # the second time from what the worker remembers
+        with pytest.raises(CallError) as err:
+            list(bridge.stream(GENERATE, "Hello", slow, tag, timeout=120))
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+        assert err.value.detail is not None and err.value.detail.parameter == "sampling_params.structured_outputs"
+        assert err.value.detail.reason == "grammar too costly", err.value.detail
+        assert f"did not compile within {COMPILE_S} s" in err.value.details and "grammar_compile_s" in err.value.details
+    # Had the core been given it, these would wait behind it for the better part of an hour.
+    digits = list(bridge.stream(GENERATE, "Hello", {**greedy(3), "structured_outputs": {"regex": "[0-9]{3}"}},
+                                "so-digits", timeout=60))
+    assert digits[-1]["finished"] is True and re.fullmatch("[0-9]{3}", digits[-1]["outputs"][0]["text"]), digits[-1]
+    shaped = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    obj = list(bridge.stream(GENERATE, "Hello", {"temperature": 0.0, "max_tokens": 40,
+                                                 "structured_outputs": {"json": shaped}}, "so-object", timeout=60))
+    assert obj[-1]["finished"] is True and obj[-1]["outputs"][0]["token_ids"], obj[-1]
+    assert list(bridge.stream(GENERATE, "Hello", greedy(2), "so-plain-after"))[-1]["finished"] is True
 
 
 def test_structured_requests_share_engine_steps_with_plain_ones(engine_worker: WorkerProcess,

@@ -1,0 +1,112 @@
+"""The worker's trial compiles of structured outputs (`adapters/grammar_check.py`): a real child
+process compiling with vLLM's own xgrammar backend for the tiny model, killed for real."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import psutil
+import pytest
+
+from adapters.grammar_check import GrammarChecks
+from bridge_server.tools.tiny_model import ensure_tiny_model
+
+# xgrammar's automaton for this regex doubles with each repeat: ~0.5 s at 12 on the tiny model's
+# vocabulary, ~10 s at 14, hours at 20.
+SLOW = "[ab]*a[ab]{20}"
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def config() -> tuple[str, bytes]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    blob = pickle.dumps(AsyncEngineArgs(model=str(ensure_tiny_model())).create_engine_config())
+    return hashlib.sha256(blob).hexdigest()[:16], blob
+
+
+@pytest.fixture(scope="module")
+def checks(loop: asyncio.AbstractEventLoop) -> Iterator[GrammarChecks]:
+    c = GrammarChecks()
+    yield c
+    loop.run_until_complete(c.close())
+
+
+def check(loop: asyncio.AbstractEventLoop, checks: GrammarChecks, config: tuple[str, bytes], kind: str, spec: str,
+          client: str = "a", deadline_s: float = 2.0) -> Any:
+    return loop.run_until_complete(checks.check(*config, "xgrammar", kind, spec, client, deadline_s))
+
+
+def test_a_grammar_past_its_deadline_is_refused_and_its_compile_killed(
+        loop: asyncio.AbstractEventLoop, checks: GrammarChecks, config: tuple[str, bytes]) -> None:
+    assert check(loop, checks, config, "REGEX", "[0-9]{3}") is None
+    compiling = checks.child_pid
+    assert compiling is not None and psutil.pid_exists(compiling)
+    refusal = check(loop, checks, config, "REGEX", SLOW, deadline_s=1.0)
+    assert refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED and refusal.reason == "grammar too costly", refusal
+    assert "did not compile within 1 s" in refusal.why, refusal
+    assert not psutil.pid_exists(compiling), "the compile was left running"
+    ran = checks.compiled
+    assert check(loop, checks, config, "REGEX", SLOW, deadline_s=1.0) == refusal     # remembered: not compiled again
+    assert checks.compiled == ran
+    # A new child takes the next grammar; what compiled before is not compiled again.
+    assert check(loop, checks, config, "JSON", '{"type": "object", "properties": {"n": {"type": "integer"}}}') is None
+    assert check(loop, checks, config, "REGEX", "[0-9]{3}") is None and checks.compiled == ran + 1
+
+
+def test_a_grammar_the_backend_cannot_compile_is_refused_and_the_child_goes_on(
+        loop: asyncio.AbstractEventLoop, checks: GrammarChecks, config: tuple[str, bytes]) -> None:
+    assert check(loop, checks, config, "REGEX", "[a-z]{2}") is None
+    child = checks.child_pid
+    refusal = check(loop, checks, config, "GRAMMAR", "root ::= (")
+    assert refusal.code == grpc.StatusCode.INVALID_ARGUMENT and refusal.reason == "grammar does not compile", refusal
+    assert "xgrammar backend cannot compile it" in refusal.why and "EBNF" in refusal.why, refusal
+    assert checks.child_pid == child
+
+
+def test_a_grammar_that_takes_too_much_memory_is_refused(loop: asyncio.AbstractEventLoop,
+                                                        config: tuple[str, bytes]) -> None:
+    small = GrammarChecks(memory_bytes=1 << 20)
+    try:
+        refusal = loop.run_until_complete(small.check(*config, "xgrammar", "REGEX", "[ab]*a[ab]{16}", "a", 60.0))
+        assert refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "over this server's limit of 1 MiB" in refusal.why
+        assert small.child_pid is None
+    finally:
+        loop.run_until_complete(small.close())
+
+
+def test_clients_take_turns_and_one_grammar_is_compiled_once(
+        loop: asyncio.AbstractEventLoop, checks: GrammarChecks, config: tuple[str, bytes]) -> None:
+    """A client with a queue of slow grammars delays another client's new grammar by one compile,
+    not by its whole queue; several requests with one new grammar wait for one compile."""
+    order: list[str] = []
+
+    async def one(client: str, spec: str, deadline_s: float) -> Any:
+        outcome = await checks.check(*config, "xgrammar", "REGEX", spec, client, deadline_s)
+        order.append(spec)
+        return outcome
+
+    async def scene() -> list[Any]:
+        ran = checks.compiled
+        slow = [one("stranger", f"[ab]*a[ab]{{{n}}}", 1.0) for n in (21, 22, 23)]
+        waiting = asyncio.gather(*slow)
+        await asyncio.sleep(0)
+        same = [one(f"user-{i}", "ok[0-9]{4}", 10.0) for i in range(3)]
+        outcomes = await asyncio.gather(waiting, *same)
+        assert checks.compiled == ran + 4, "the users' one grammar was compiled more than once"
+        return outcomes
+
+    slow, *fast = loop.run_until_complete(scene())
+    assert fast == [None, None, None]
+    assert [r.reason for r in slow] == ["grammar too costly"] * 3
+    assert order.index("ok[0-9]{4}") < order.index("[ab]*a[ab]{22}"), order
