@@ -112,7 +112,7 @@ def by_ref(client: Any, numel: int, rounds: int) -> float:
 
 def run(rounds: int) -> dict[str, Any]:
     from bridge_server.client.client import BridgeClient
-    from bridge_server.wire.protocol import RuntimeOptions
+    from bridge_server.wire.options import RuntimeOptions
 
     tmp = Path(tempfile.mkdtemp(prefix="vllm-bridge-bench-dist-"))
     cfg = tmp / "pools.toml"

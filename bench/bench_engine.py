@@ -399,7 +399,7 @@ def _bridge_request(work: Workload, kind: str,
     with the sampling params encoded once, and the call's metadata (with the stream encoding)."""
     from bridge_server.client.client import Target
     from bridge_server.wire.codec import Encoder
-    from bridge_server.wire.protocol import RuntimeOptions, to_metadata
+    from bridge_server.wire.options import RuntimeOptions, to_metadata
     from vllm_bridge.v1 import bridge_pb2 as pb
 
     def no_refs(obj: object) -> pb.Ref:

@@ -60,7 +60,8 @@ from bridge_server.client.client import BridgeClient
 from bridge_server.pool.lane import open_lane
 from bridge_server.pool.workerproc import lane_path
 from bridge_server.wire import eventloop
-from bridge_server.wire.protocol import GRPC_OPTIONS, MD_POOL, MD_SESSION
+from bridge_server.wire.options import MD_POOL, MD_SESSION
+from bridge_server.wire.protocol import GRPC_OPTIONS
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import pool_pb2 as ppb
 from vllm_bridge.v1 import pool_pb2_grpc as ppb_grpc

@@ -19,7 +19,8 @@ import grpc
 from bridge_server.wire.codec import Encoder
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import detail_from_rpc_error
-from bridge_server.wire.protocol import GRPC_OPTIONS, STREAM_PATCH_V1, RuntimeOptions, to_metadata
+from bridge_server.wire.options import STREAM_PATCH_V1, RuntimeOptions, to_metadata
+from bridge_server.wire.protocol import GRPC_OPTIONS
 from bridge_server.wire.security import channel, read_token, token_metadata
 from bridge_server.wire.streamstate import DecodedStream
 from vllm_bridge.v1 import bridge_pb2 as pb

@@ -13,7 +13,8 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from bridge_server.wire.protocol import GRPC_OPTIONS, STREAM_ENCODINGS, RuntimeOptions
+from bridge_server.wire.options import STREAM_ENCODINGS, RuntimeOptions
+from bridge_server.wire.protocol import GRPC_OPTIONS
 from bridge_server.wire.security import channel, read_token, token_metadata
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import pool_pb2 as ppb

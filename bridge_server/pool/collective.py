@@ -22,7 +22,8 @@ import grpc
 from bridge_server.pool.poolstate import Backend, Flight, PoolRouter, pool_error
 from bridge_server.pool.router import Route, Router, read_route, routed_request
 from bridge_server.wire.errors import BridgeError, detail_from_rpc_error, target_label
-from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, MD_COLLECTIVE, count_fields, parse_request
+from bridge_server.wire.options import MD_COLLECTIVE
+from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, count_fields, parse_request
 from bridge_server.wire.turns import Turns, read_in_turn
 from vllm_bridge.v1 import bridge_pb2 as pb
 

@@ -34,14 +34,8 @@ from bridge_server.pool.multiplex import forward_multiplex
 from bridge_server.pool.poolstate import Backend, Flight, pool_error
 from bridge_server.pool.router import Router, client_of, read_route, routed_request, session_key, time_left
 from bridge_server.wire.errors import STATUS_DETAILS_KEY, BridgeError, caller_gone, mux_error_status, status_code
-from bridge_server.wire.protocol import (
-    LARGE_REQUEST_BYTES,
-    MD_IDENTITY,
-    MD_WORKER_REFS,
-    ROUTER_ONLY_KEYS,
-    parse_request,
-    read_release,
-)
+from bridge_server.wire.options import MD_IDENTITY, MD_WORKER_REFS, ROUTER_ONLY_KEYS
+from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, parse_request, read_release
 from bridge_server.wire.security import MD_AUTHORIZATION, ServerSecurity
 from bridge_server.wire.stall import StallGuard
 from bridge_server.wire.turns import Turns, read_in_turn

@@ -21,7 +21,7 @@ from typing import Any
 
 from bridge_server.wire.errors import BridgeError
 from bridge_server.wire.framing import Framed, LaneClosed
-from bridge_server.wire.protocol import CACHED_METADATA_BYTES, MD_CLIENT, MD_IDENTITY, ROUTER_ONLY_KEYS, metadata_bytes
+from bridge_server.wire.options import CACHED_METADATA_BYTES, MD_CLIENT, MD_IDENTITY, ROUTER_ONLY_KEYS, metadata_bytes
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["ITEMS", "Lane", "LaneCall", "LaneClosed", "STREAM_WINDOW", "open_lane"]

@@ -35,6 +35,7 @@ from bridge_server.pool.poolstate import Backend, Flight, Plan, PoolRouter
 from bridge_server.pool.router import Route, Router, client_of, read_route, routed_request, time_left
 from bridge_server.wire.errors import BridgeError
 from bridge_server.wire.eventloop import never_ran
+from bridge_server.wire.options import time_left_s
 from bridge_server.wire.protocol import (
     LARGE_REQUEST_BYTES,
     MAX_MESSAGE_BYTES,
@@ -45,7 +46,6 @@ from bridge_server.wire.protocol import (
     mux_refusal,
     parse_request,
     start_options_within_limit,
-    time_left_s,
 )
 from bridge_server.wire.turns import Turns
 from vllm_bridge.v1 import bridge_pb2 as pb

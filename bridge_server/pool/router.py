@@ -41,15 +41,8 @@ from bridge_server.pool.poolstate import (
     pool_error,
 )
 from bridge_server.wire.errors import BridgeError, quote
-from bridge_server.wire.protocol import (
-    LARGE_REQUEST_BYTES,
-    PROFILES,
-    RuntimeOptions,
-    explicit_timeout,
-    parse_metadata,
-    parse_request,
-    read_large_call,
-)
+from bridge_server.wire.options import PROFILES, RuntimeOptions, explicit_timeout, parse_metadata
+from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, parse_request, read_large_call
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["Route", "Router", "read_route", "routed_request", "session_key", "time_left"]

@@ -1,6 +1,7 @@
 """What crosses the wire, shared by every side: the worker, the pool server and the clients.
 
-The metadata keys, runtime options and timeout profiles (`protocol.py`), values to and from protobuf
+A call's metadata keys, runtime options and timeout profiles (`options.py`), what every server and
+channel is set up with and how requests are read and bounded before parsing (`protocol.py`), values to and from protobuf
 (`codec.py`, `decoder.py`) and their JSON spellings (`jsonvalue.py`, for the command line and
 config files), errors as statuses (`errors.py`), the lane's framing between the pool
 server and its workers (`framing.py`), and the event loop both servers run on (`eventloop.py`).

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from bridge_server.wire.errors import BridgeError
-from bridge_server.wire.protocol import MD_IDENTITY
+from bridge_server.wire.options import MD_IDENTITY
 
 log = logging.getLogger("vllm_bridge.security")
 

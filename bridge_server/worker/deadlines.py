@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bridge_server.wire.errors import BridgeError
-from bridge_server.wire.protocol import PROFILES, RuntimeOptions, explicit_timeout
+from bridge_server.wire.options import PROFILES, RuntimeOptions, explicit_timeout
 
 
 @dataclass(frozen=True)

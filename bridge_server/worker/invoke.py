@@ -41,7 +41,8 @@ import pydantic
 from adapters.spec import CallContext, Policy
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import BridgeError, clip, quote
-from bridge_server.wire.protocol import DEFAULT_SESSION, LARGE_REQUEST_BYTES, STREAM_PATCH_V1, LargeRequest
+from bridge_server.wire.options import DEFAULT_SESSION, STREAM_PATCH_V1
+from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, LargeRequest
 from bridge_server.wire.stall import READER_STALL_S, StallGuard
 from bridge_server.wire.turns import Turns
 from bridge_server.worker.binding import (

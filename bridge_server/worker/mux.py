@@ -28,22 +28,20 @@ from google.protobuf.message import DecodeError
 
 from bridge_server.wire.errors import BridgeError, server_error, target_label
 from bridge_server.wire.eventloop import never_ran
+from bridge_server.wire.options import RuntimeOptions, parse_metadata, time_left_s
 from bridge_server.wire.protocol import (
     LARGE_REQUEST_BYTES,
     MAX_MESSAGE_BYTES,
     MUX_BATCH_SLICE,
     LargeRequest,
-    RuntimeOptions,
     batch_within_limit,
     call_within_limit,
     in_slices,
     large_batch_within_limit,
     mux_calls_named,
     mux_refusal,
-    parse_metadata,
     parse_request,
     start_options_within_limit,
-    time_left_s,
     too_large,
 )
 from bridge_server.worker.deadlines import resolve_deadlines, with_deadline

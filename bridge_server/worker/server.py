@@ -32,14 +32,12 @@ from adapters.spec import Policy
 from bridge_server.wire import eventloop
 from bridge_server.wire.errors import BridgeError, caller_gone, server_error, target_label
 from bridge_server.wire.jsonvalue import from_json
+from bridge_server.wire.options import MD_WORKER_REFS, RuntimeOptions, parse_metadata
 from bridge_server.wire.protocol import (
-    MD_WORKER_REFS,
     MIN_PING_INTERVAL_S,
     LargeRequest,
     M,
-    RuntimeOptions,
     health_and_status,
-    parse_metadata,
     parse_request,
     read_call,
     read_release,

@@ -14,8 +14,8 @@ from typing import Any
 
 from bridge_server.wire.codec import Encoder
 from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.options import STREAM_PATCH_V1
 from bridge_server.wire.patch import Patcher
-from bridge_server.wire.protocol import STREAM_PATCH_V1
 from bridge_server.wire.turns import SEND_S_PER_BYTE
 from bridge_server.worker.deadlines import Deadlines, Watchdog
 from vllm_bridge.v1 import bridge_pb2 as pb

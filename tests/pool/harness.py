@@ -48,7 +48,7 @@ class PoolServer:
         return self.status(name).pools[0]
 
     def client(self, **options: Any) -> BridgeClient:
-        from bridge_server.wire.protocol import RuntimeOptions
+        from bridge_server.wire.options import RuntimeOptions
         return BridgeClient(self.address, options=RuntimeOptions(**options), **self.credentials)
 
     def stop(self, timeout: float = 30) -> None:

@@ -4,7 +4,7 @@ CI has no Elixir, so the committed `.ex` files are read as text: every `def` hea
 name and its arities, every body the target it calls. Checked against the documents (names,
 arities) and the catalog the server builds (target kinds, streaming), plus: regenerating changes
 nothing, the committed protobuf modules match `bridge.proto`, and the runtime options map to the
-metadata keys of `bridge_server/wire/protocol.py`. Compiling and running the project is done by hand.
+metadata keys of `bridge_server/wire/options.py`. Compiling and running the project is done by hand.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from adapters.surface import DocSurface, load_surfaces
 from bridge_server.tools import elixir_gen
-from bridge_server.wire import protocol
+from bridge_server.wire import options, protocol
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -215,21 +215,21 @@ def test_committed_protobuf_modules_match_the_proto() -> None:
 def test_runtime_options_are_sent_as_the_protocol_metadata_keys() -> None:
     runtime = (MIX / "lib" / "vllm_bridge" / "runtime.ex").read_text(encoding="utf-8")
     table = dict(re.findall(r"^    (\w+): \"(x-bridge-[\w-]+)\"", runtime, re.M))
-    assert table == {"session_id": protocol.MD_SESSION, "timeout_profile": protocol.MD_TIMEOUT_PROFILE,
-                     "stream_timeout": protocol.MD_STREAM_TIMEOUT_MS, "pool_name": protocol.MD_POOL,
-                     "affinity": protocol.MD_AFFINITY, "stream_interval": protocol.MD_STREAM_INTERVAL_MS,
-                     "rank": protocol.MD_RANK, "stream_encoding": protocol.MD_STREAM_ENCODING,
-                     "stream_tee": protocol.MD_STREAM_TEE}
-    assert f'"{protocol.MD_REFS}"' in runtime
+    assert table == {"session_id": options.MD_SESSION, "timeout_profile": options.MD_TIMEOUT_PROFILE,
+                     "stream_timeout": options.MD_STREAM_TIMEOUT_MS, "pool_name": options.MD_POOL,
+                     "affinity": options.MD_AFFINITY, "stream_interval": options.MD_STREAM_INTERVAL_MS,
+                     "rank": options.MD_RANK, "stream_encoding": options.MD_STREAM_ENCODING,
+                     "stream_tee": options.MD_STREAM_TEE}
+    assert f'"{options.MD_REFS}"' in runtime
     # validated on the client against the protocol's own lists
     profiles = re.search(r"^  @profiles ~w\((.*)\)$", runtime, re.M)
     affinities = re.search(r"^  @affinities ~w\((.*)\)$", runtime, re.M)
-    assert profiles and profiles.group(1).split() == list(protocol.PROFILES)
-    assert affinities and affinities.group(1).split() == list(protocol.AFFINITY_MODES)
+    assert profiles and profiles.group(1).split() == list(options.PROFILES)
+    assert affinities and affinities.group(1).split() == list(options.AFFINITY_MODES)
     # the stream encodings it asks for: those it can read, by the protocol's names, patch-v1 by default
     encodings = re.search(r"^  @stream_encodings ~w\((.*)\)$", runtime, re.M)
-    assert encodings and encodings.group(1).split() == list(protocol.STREAM_ENCODINGS)
-    assert f'stream_encoding: "{protocol.STREAM_PATCH_V1}",' in runtime
+    assert encodings and encodings.group(1).split() == list(options.STREAM_ENCODINGS)
+    assert f'stream_encoding: "{options.STREAM_PATCH_V1}",' in runtime
     # not metadata: the deadline, which server, the transport of a stream, how tensors come back
     assert "@local [:timeout, :server, :multiplex, :tensors]" in runtime
 

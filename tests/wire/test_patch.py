@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from bridge_server.wire.codec import CodecError, Encoder
 from bridge_server.wire.decoder import Decoder
+from bridge_server.wire.options import STREAM_FULL, STREAM_PATCH_V1, RuntimeOptions, parse_metadata, to_metadata
 from bridge_server.wire.patch import Patcher
-from bridge_server.wire.protocol import STREAM_FULL, STREAM_PATCH_V1, RuntimeOptions, parse_metadata, to_metadata
 from bridge_server.wire.streamstate import DecodedStream, StreamState
 from vllm_bridge.v1 import bridge_pb2 as pb
 

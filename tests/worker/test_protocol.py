@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from bridge_server.client.client import BridgeClient, CallError, Target
 from bridge_server.wire.errors import BridgeError
-from bridge_server.wire.protocol import MD_TIMEOUT_PROFILE, parse_metadata
+from bridge_server.wire.options import MD_TIMEOUT_PROFILE, parse_metadata
 from tests.conftest import WorkerProcess, free_port, large_requests, multiplex_batches, start_worker
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc

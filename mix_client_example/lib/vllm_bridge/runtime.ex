@@ -2,11 +2,11 @@ defmodule VllmBridge.Runtime do
   @moduledoc false
   # `__runtime__` options: validated (ArgumentError naming the option), merged over the defaults
   # (the server's `runtime:`, then the app's), and turned into gRPC metadata
-  # (bridge_server/wire/protocol.py).
+  # (bridge_server/wire/options.py).
 
   alias VllmBridge.Config
 
-  # option -> metadata key (bridge_server/wire/protocol.py); `timeout` is the call's deadline.
+  # option -> metadata key (bridge_server/wire/options.py); `timeout` is the call's deadline.
   @metadata [
     session_id: "x-bridge-session",
     timeout_profile: "x-bridge-timeout-profile",
