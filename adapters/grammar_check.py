@@ -1,21 +1,29 @@
-"""A structured output's grammar is compiled first where the compile can be stopped.
+"""A structured output's grammar is tried first where the trial can be stopped.
 
 vLLM compiles each request's grammar (its JSON schema, regex, EBNF grammar, choices or structural
-tag) in the engine core, on a thread nobody can stop, on (cores + 1) // 2 threads shared by every
-structured request of the engine. The work a grammar needs is not bounded by its size: xgrammar's
-automaton for the 15-character regex `[ab]*a[ab]{n}` doubles with each n (0.6 s at 12 on our tiny
-model's vocabulary, 11 s at 14; at 20 a core thread was still compiling after 44 minutes). A bound
-on characters cannot tell such a pattern from a harmless one; running it can.
+tag) in the engine core, on (cores + 1) // 2 threads that nobody can stop and every structured
+request of the engine shares; then, for every token, it works out the grammar's mask of allowed
+tokens on the core's step thread, which every request of the engine waits on. Neither cost is
+bounded by the grammar's size:
+- compiling: xgrammar's automaton for the 15-character regex `[ab]*a[ab]{n}` doubles with each n
+  (0.6 s at 12 on our tiny model's vocabulary, 11 s at 14; at 20 a core thread was still compiling
+  after 44 minutes); `((c{1000}){1000}){1000}` takes 3.4 s and ~600 MB;
+- generating: an ambiguous grammar (`e ::= e e | "a" | "b"`) compiles in milliseconds, but its
+  matcher's work grows with every token (~30 ms a token after 200): 16 such sequences stopped every
+  request of the engine for 5 minutes.
+A bound on characters cannot tell such grammars from harmless ones; running them can.
 
-So the worker compiles every grammar it has not seen before the engine gets it: in a child process,
-with the engine's own backend and configuration (vLLM's backend classes, as its core builds them),
-under a deadline (`grammar_compile_s`) and a bound on the memory the compile may take. A child past
-either is killed (and started again for the next grammar), and the request is refused
-(`RESOURCE_EXHAUSTED`); a grammar the backend cannot compile, or that kills the child, is refused
-as well (`INVALID_ARGUMENT`): in the core the same failure kills the engine. Outcomes are kept by
-the grammar's hash, so a grammar is tried once (a refusal is tried again after `REFUSAL_TTL_S`, in
-case the machine was only busy). The child compiles one grammar at a time and takes clients in
-turn, so one client's stream of slow grammars delays another's new grammar by one compile at most.
+So the worker tries every grammar it has not seen before the engine gets it, in a child process
+with the engine's own backend and configuration (vLLM's backend classes, as its core builds them):
+it compiles it, then generates `TRIAL_TOKENS` tokens under it (each a random allowed one, as a
+random-weight model would pick), timing each token's mask and step. Past the deadline
+(`grammar_compile_s`), or `MEMORY_BYTES` more memory, the child is killed (and started again for
+the next grammar); past `STEP_S` a token, the trial stops. Either way the request is refused
+(`RESOURCE_EXHAUSTED`). A grammar the backend cannot compile, or that kills the child, is refused as
+well (`INVALID_ARGUMENT`): in the core the same failure kills the engine. Outcomes are kept by the
+grammar's hash, so a grammar is tried once (a refusal is tried again after `REFUSAL_TTL_S`, in case
+the machine was only busy). The child tries one grammar at a time and takes clients in turn, so
+one client's stream of slow grammars delays another's new grammar by one trial at most.
 
 The child (`python -m adapters.grammar_check`) is started at the first grammar a worker checks,
 holds one backend per engine configuration, and dies with the worker.
@@ -46,8 +54,17 @@ from bridge_server.wire.errors import BridgeError
 
 log = logging.getLogger("vllm_bridge.grammar")
 
-# What a compile may add to the child's memory (its resident size over what it held when started).
-MEMORY_BYTES = 2 << 30
+# What one trial may add to the child's memory (a JSON schema at the bound on characters takes tens of
+# MB on a large vocabulary; the nested repeats above ~600 MB, and as much again in the engine core).
+MEMORY_BYTES = 256 << 20
+# The child is started afresh once it holds this much more than when it started (what compiles leave).
+KEEP_BYTES = 1 << 30
+# Tokens generated under a grammar in its trial, and what one token's mask and step may cost there,
+# as the mean of WINDOW tokens in a row (a JSON schema's: ~5 us on our tiny model's vocabulary; tens
+# of us on a large one).
+TRIAL_TOKENS = 512
+STEP_S = 0.002
+WINDOW = 8
 # A grammar refused for its time or memory is tried again after this long (the machine may have
 # been busy); what the backend cannot compile stays refused as long.
 REFUSAL_TTL_S = 600.0
@@ -162,11 +179,13 @@ class GrammarChecks:
         if reply is None or not reply.get("ok"):
             raise RuntimeError(f"the {job.backend} backend could not be built: {reply and reply.get('error')}")
         await _send(child, {"op": "compile", "config": job.config, "backend": job.backend, "kind": job.kind,
-                            "spec": job.spec})
+                            "spec": job.spec, "tokens": TRIAL_TOKENS, "step_s": STEP_S, "window": WINDOW})
         self.compiled += 1
         started = time.monotonic()
         reply = await self._reply(child, job.deadline_s, self.memory_bytes)
         took = time.monotonic() - started
+        if isinstance(reply, dict) and _resident(child.proc.pid) - child.baseline > KEEP_BYTES:
+            await self._stop()
         if isinstance(reply, Refusal):
             log.warning("grammar check: %s; the checker was restarted", reply.why)
             return reply
@@ -174,31 +193,37 @@ class GrammarChecks:
             await self._stop()
             return Refusal(grpc.StatusCode.INVALID_ARGUMENT, "grammar does not compile",
                            f"compiling it with vLLM's {job.backend} backend killed the process compiling it")
+        if reply.get("slow"):
+            return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "grammar too costly",
+                           f"generating under it, the grammar alone cost {reply['step_s'] * 1000:.1f} ms a token "
+                           f"by its {reply['steps']}th token, over this server's limit of {STEP_S * 1000:g} ms (the "
+                           f"engine works out every token's mask on the thread every request of the engine waits on)")
         if not reply.get("ok"):
             return Refusal(grpc.StatusCode.INVALID_ARGUMENT, "grammar does not compile",
                            f"vLLM's {job.backend} backend cannot compile it: {str(reply.get('error'))[:300]}")
-        log.debug("grammar check: %s %s compiled in %.3f s", job.backend, job.kind, took)
+        log.debug("grammar check: %s %s tried in %.3f s (%s tokens)", job.backend, job.kind, took, reply.get("steps"))
         return None
 
     async def _reply(self, child: _Child, limit_s: float, memory: int | None) -> Any:
         """The child's next message; a Refusal once it has run `limit_s` or taken `memory` more bytes
         (it is killed then); None if it died."""
         reading = asyncio.ensure_future(_read(child.proc.stdout))
-        started = time.monotonic()
+        started, before = time.monotonic(), _resident(child.proc.pid) if memory is not None else 0
         try:
             while True:
                 done, _ = await asyncio.wait({reading}, timeout=POLL_S)
                 if done:
                     return reading.result()
                 took = time.monotonic() - started
-                grown = _resident(child.proc.pid) - child.baseline if memory is not None else 0
+                grown = _resident(child.proc.pid) - before if memory is not None else 0
                 if took >= limit_s or memory is not None and grown > memory:
                     await self._stop()
                     if memory is None:
                         raise RuntimeError(f"the grammar checker did not answer within {limit_s:g} s")
                     what = (f"it took more than {grown >> 20:,} MiB, over this server's limit of {memory >> 20:,} "
                             f"MiB" if took < limit_s else
-                            f"it did not compile within {limit_s:g} s, this server's limit (pool key grammar_compile_s)")
+                            f"it did not compile and generate {TRIAL_TOKENS} tokens within {limit_s:g} s, this "
+                            f"server's limit (pool key grammar_compile_s)")
                     return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "grammar too costly",
                                    f"{what}; the engine compiles a grammar where nothing can stop it, holding up "
                                    f"every structured request behind it")
@@ -314,6 +339,40 @@ def _die_with_parent() -> None:
         os._exit(0)
 
 
+def _trial(backend: Any, grammar: Any, vocab_size: int, stop_ids: set[int], tokens: int, step_s: float,
+           window: int) -> dict[str, Any]:
+    """Generates up to `tokens` tokens under a compiled grammar, each a random allowed one other than
+    a stop token while there are others (as with `min_tokens`), timing what the engine core does per
+    token: the mask, then the step. Stops once `window` tokens in a row cost `step_s` each on average."""
+    import random
+
+    import numpy as np
+    mask = backend.allocate_token_bitmask(1)
+    pick = random.Random(0)
+    costs: list[float] = []
+    for _ in range(tokens):
+        if grammar.is_terminated():
+            break
+        started = time.perf_counter()
+        grammar.fill_bitmask(mask, 0)
+        cost = time.perf_counter() - started
+        allowed = np.flatnonzero(np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[:vocab_size])
+        if not len(allowed):
+            break
+        choice = int(allowed[pick.randrange(len(allowed))])
+        for _ in range(8):      # a stop token ends generation: another, where there is one
+            if choice not in stop_ids:
+                break
+            choice = int(allowed[pick.randrange(len(allowed))])
+        started = time.perf_counter()
+        if not grammar.accept_tokens("trial", [choice]):
+            break
+        costs.append(cost + time.perf_counter() - started)
+        if len(costs) >= window and sum(costs[-window:]) / window > step_s:
+            return {"ok": False, "slow": True, "steps": len(costs), "step_s": sum(costs[-window:]) / window}
+    return {"ok": True, "steps": len(costs)}
+
+
 def _backend(config: Any, name: str) -> Any:
     """The backend vLLM's engine core builds for this configuration (its StructuredOutputManager)."""
     from vllm.tokenizers import cached_tokenizer_from_config
@@ -326,7 +385,9 @@ def _backend(config: Any, name: str) -> Any:
         raise ValueError(f"unknown structured output backend {name!r}")
     module, cls_name = modules[name]
     cls = getattr(importlib.import_module(f"vllm.v1.structured_output.{module}"), cls_name)
-    return cls(config, tokenizer=tokenizer, vocab_size=vocab_size)
+    backend = cls(config, tokenizer=tokenizer, vocab_size=vocab_size)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return backend, vocab_size, {eos} if isinstance(eos, int) else set()
 
 
 def _write(out: BinaryIO, message: dict[str, Any]) -> None:
@@ -358,9 +419,12 @@ def main() -> None:
             if op == "backend":
                 if name not in backends:
                     backends[name] = _backend(configs[name[0]], name[1])
+                _write(out, {"ok": True})
             else:
-                backends[name].compile_grammar(StructuredOutputOptions[message["kind"]], message["spec"])
-            _write(out, {"ok": True})
+                backend, vocab_size, stop_ids = backends[name]
+                grammar = backend.compile_grammar(StructuredOutputOptions[message["kind"]], message["spec"])
+                _write(out, _trial(backend, grammar, vocab_size, stop_ids, message["tokens"], message["step_s"],
+                                   message["window"]))
         except Exception as exc:  # noqa: BLE001 - the grammar's fault, reported back; the child goes on
             _write(out, {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]})
 

@@ -39,9 +39,9 @@ class Policy:
     # The sequences a published engine holds live, every client's (a host takes at most three quarters
     # of what the other hosts leave, a client the same of its host's); 0: no bound.
     max_live_sequences: int = 12_288
-    # How long a structured output's grammar may take to compile (tried first in a process that can be
-    # stopped: `grammar_check.py`); 0: not tried, the engine compiles whatever it is given.
-    grammar_compile_s: float = 10.0
+    # How long a new structured-output grammar's trial may take (compiling it and generating under it, in a
+    # process that can be stopped: `grammar_check.py`); 0: not tried, the engine takes whatever it is given.
+    grammar_compile_s: float = 5.0
 
     def operator(self, identity: str) -> bool:
         return "*" in self.operators or (bool(identity) and identity in self.operators)

@@ -29,10 +29,10 @@ File layout (every key optional except a pool's `name`)::
     probe_timeout_s = 10         # ... and dead when two probes in a row go unanswered this long
     unhealthy_timeout_s = 300    # a worker not serving (NOT_SERVING) this long is replaced
     reader_stall_s = 60          # a stream whose caller reads nothing this long ends, freeing its slot
+    contended_stall_s = 5        # ... and only this long while other calls wait for a slot
     unread_request_s = 30        # a request nobody can read (add_request's) ends this long after it started
     max_live_sequences = 12288   # sequences the published engine holds live, every client's together
-    grammar_compile_s = 10       # how long a structured output's grammar may take to compile (0: unchecked)
-    contended_stall_s = 5        # ... and only this long while other calls wait for a slot
+    grammar_compile_s = 5        # how long a new grammar's trial (compiling, generating) may take; 0: none
     model_dirs = ["/models"]     # what clients may do and make: model_dirs, lora_dirs, rendezvous_hosts,
     max_engines_per_client = 2   # collective_rpc_methods, engine_args_allowed, max_engines_per_client,
                                  # max_sessions, max_refs_per_client, max_ref_bytes_per_client,
@@ -146,7 +146,7 @@ class PoolConfig:
     contended_stall_s: float = CONTENDED_STALL_S   # the same while calls wait for a slot (0: reader_stall_s only)
     unread_request_s: float = 30.0   # a request nobody can read (add_request's) ends this long after it started
     max_live_sequences: int = 12_288   # sequences a published engine holds live, every client's (0: no bound)
-    grammar_compile_s: float = 10.0   # a grammar compiling longer (tried first, where it can be stopped) is refused
+    grammar_compile_s: float = 5.0   # a new grammar's trial (compile, generate) longer than this is refused
     worker_grace_s: float = 10.0         # the worker's own grace on SIGTERM
     log_dir: str = ""                    # per-worker log files here; empty: inherit the server's
     distributed: DistributedConfig | None = None   # the workers are the ranks of one group

@@ -85,9 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks a client's process group may have beyond the pool's own (default %(default)s)")
     s.add_argument("--max-live-sequences", type=int, default=12_288, metavar="N",
                    help="sequences a published engine holds live, every client's; 0: no bound (default %(default)s)")
-    s.add_argument("--grammar-compile-s", type=float, default=10.0, metavar="S",
-                   help="how long a structured output's grammar may take to compile, tried first in a process "
-                        "that can be stopped; 0: not tried (default %(default)s)")
+    s.add_argument("--grammar-compile-s", type=float, default=5.0, metavar="S",
+                   help="how long a new structured-output grammar's trial (compiling it, generating under it, in "
+                        "a process that can be stopped) may take; 0: not tried (default %(default)s)")
     s.add_argument("--unread-request-s", type=float, default=30.0, metavar="S",
                    help="a request nobody can read (add_request's) ends this long after it started; 0: never "
                         "(default %(default)s)")

@@ -780,8 +780,9 @@ def test_a_structured_output_only_another_backend_takes_is_refused_and_the_engin
 def test_a_grammar_that_compiles_too_long_is_refused_and_structured_requests_go_on(bridge: BridgeClient) -> None:
     """The 15-character regex `[ab]*a[ab]{20}` kept an engine core thread compiling for over 44
     minutes (xgrammar's automaton doubles with each repeat), and vLLM compiles every structured
-    request of the engine on (cores + 1) // 2 threads: on 2 cores, one. The worker compiles a new
-    grammar first, in a process it stops at `grammar_compile_s`; the engine never sees this one."""
+    request of the engine on (cores + 1) // 2 threads: on 2 cores, one. The worker tries a new
+    grammar first (compiles it, generates under it) in a process it stops at `grammar_compile_s`;
+    the engine never sees these."""
     slow = {**greedy(4), "structured_outputs": {"regex": "[ab]*a[ab]{20}"}}
     for tag in ("so-slow", "so-slow-again"):        # the second time from what the worker remembers
         with pytest.raises(CallError) as err:
@@ -789,7 +790,14 @@ def test_a_grammar_that_compiles_too_long_is_refused_and_structured_requests_go_
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
         assert err.value.detail is not None and err.value.detail.parameter == "sampling_params.structured_outputs"
         assert err.value.detail.reason == "grammar too costly", err.value.detail
-        assert f"did not compile within {COMPILE_S} s" in err.value.details and "grammar_compile_s" in err.value.details
+        assert f"within {COMPILE_S} s" in err.value.details and "grammar_compile_s" in err.value.details
+    # Compiled at once, but every token's mask costs more than the one before (16 such sequences
+    # stopped every request of the engine for 5 minutes).
+    ambiguous = {"temperature": 1.0, "max_tokens": 250, "min_tokens": 250, "n": 4,
+                 "structured_outputs": {"grammar": 'root ::= e\ne ::= e e | e e e | "a" | "b" | "ab"'}}
+    with pytest.raises(CallError) as err:
+        list(bridge.stream(GENERATE, "Hello", ambiguous, "so-ambiguous", timeout=120))
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "ms a token" in err.value.details, err.value
     # Had the core been given it, these would wait behind it for the better part of an hour.
     digits = list(bridge.stream(GENERATE, "Hello", {**greedy(3), "structured_outputs": {"regex": "[0-9]{3}"}},
                                 "so-digits", timeout=60))

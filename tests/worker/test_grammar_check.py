@@ -19,6 +19,8 @@ from bridge_server.tools.tiny_model import ensure_tiny_model
 # xgrammar's automaton for this regex doubles with each repeat: ~0.5 s at 12 on the tiny model's
 # vocabulary, ~10 s at 14, hours at 20.
 SLOW = "[ab]*a[ab]{20}"
+# Compiles in milliseconds; its matcher's work per token grows with every token (~30 ms after 200).
+AMBIGUOUS = 'root ::= e\ne ::= e e | "a" | "b"'
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def test_a_grammar_past_its_deadline_is_refused_and_its_compile_killed(
     assert compiling is not None and psutil.pid_exists(compiling)
     refusal = check(loop, checks, config, "REGEX", SLOW, deadline_s=1.0)
     assert refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED and refusal.reason == "grammar too costly", refusal
-    assert "did not compile within 1 s" in refusal.why, refusal
+    assert "did not compile and generate 512 tokens within 1 s" in refusal.why, refusal
     assert not psutil.pid_exists(compiling), "the compile was left running"
     ran = checks.compiled
     assert check(loop, checks, config, "REGEX", SLOW, deadline_s=1.0) == refusal     # remembered: not compiled again
@@ -74,15 +76,25 @@ def test_a_grammar_the_backend_cannot_compile_is_refused_and_the_child_goes_on(
     assert checks.child_pid == child
 
 
-def test_a_grammar_that_takes_too_much_memory_is_refused(loop: asyncio.AbstractEventLoop,
-                                                        config: tuple[str, bytes]) -> None:
-    small = GrammarChecks(memory_bytes=1 << 20)
-    try:
-        refusal = loop.run_until_complete(small.check(*config, "xgrammar", "REGEX", "[ab]*a[ab]{16}", "a", 60.0))
-        assert refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "over this server's limit of 1 MiB" in refusal.why
-        assert small.child_pid is None
-    finally:
-        loop.run_until_complete(small.close())
+def test_a_grammar_that_takes_too_much_memory_is_refused(
+        loop: asyncio.AbstractEventLoop, checks: GrammarChecks, config: tuple[str, bytes]) -> None:
+    """24 characters of nested repeats: 3.4 s and ~600 MB to compile, in the engine core as here."""
+    assert check(loop, checks, config, "REGEX", "[0-9]{2}") is None
+    refusal = check(loop, checks, config, "REGEX", "((c{1000}){1000}){1000}", deadline_s=60.0)
+    assert refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED and refusal.reason == "grammar too costly", refusal
+    assert "over this server's limit of 256 MiB" in refusal.why, refusal
+    assert checks.child_pid is None
+
+
+def test_a_grammar_whose_every_token_costs_more_and_more_is_refused(
+        loop: asyncio.AbstractEventLoop, checks: GrammarChecks, config: tuple[str, bytes]) -> None:
+    """An ambiguous grammar compiles at once, but the engine core works out each token's mask on the
+    thread every request waits on, and that work grows with every token: the trial generates under it."""
+    refusal = check(loop, checks, config, "GRAMMAR", AMBIGUOUS, deadline_s=60.0)
+    assert refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED and refusal.reason == "grammar too costly", refusal
+    assert "ms a token" in refusal.why and "over this server's limit of 2 ms" in refusal.why, refusal
+    # The same shape without the ambiguity generates its 512 tokens at a few microseconds each.
+    assert check(loop, checks, config, "GRAMMAR", 'root ::= e\ne ::= [ab] e | [ab]', deadline_s=60.0) is None
 
 
 def test_clients_take_turns_and_one_grammar_is_compiled_once(
