@@ -12,17 +12,34 @@ requests stay as they are.
   every token, so the mask is applied to every row here: each row not in the grammar output gets a
   row of ones, and vLLM then takes its path for a mask that covers the whole batch, which pins
   nothing. Logits of those rows are unchanged.
+- A grammar's cost per token. The core works out each structured request's mask of allowed tokens,
+  and advances its grammar, on the step thread every request of the engine waits on, and an
+  ambiguous grammar's cost grows with every token (16 sequences of one stopped every request of
+  the engine for 5 minutes). The worker tries each new grammar first (`grammar_check.py`), but a
+  trial follows one path through a grammar, and a grammar can be cheap on that path and costly on
+  another. So the core times every grammar's mask and step, and a request whose grammar has cost
+  more than GRAMMAR_STEP_S a token, over its last GRAMMAR_WINDOW // 2 tokens, ends there:
+  finish reason `abort`, its stop reason saying why. Nothing else of the request changes.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import importlib
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["install", "mask_every_row"]
+__all__ = ["GRAMMAR_STEP_S", "grammar_cost", "install", "mask_every_row", "stop_costly_grammars", "timed_grammar"]
+
+# What a grammar may cost the engine core a token (its mask and its step), as the mean over its
+# last GRAMMAR_WINDOW calls (two a token): 5 times what the worker's trial allows, 1,000 times a JSON
+# schema's on a small vocabulary.
+GRAMMAR_STEP_S = 0.01
+GRAMMAR_WINDOW = 16
 
 
 def mask_every_row(apply: Callable[..., None]) -> Callable[..., None]:
@@ -48,9 +65,76 @@ def mask_every_row(apply: Callable[..., None]) -> Callable[..., None]:
     return apply_to_every_row
 
 
+def timed_grammar(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A grammar's `fill_bitmask` or `accept_tokens`, its time kept on the grammar (its last
+    GRAMMAR_WINDOW calls)."""
+    @functools.wraps(method)
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            kept = getattr(self, "__dict__", None)      # None: a grammar with slots, not timed
+            if kept is not None:
+                costs = kept.get("_bridge_costs")
+                if costs is None:
+                    costs = kept["_bridge_costs"] = collections.deque(maxlen=GRAMMAR_WINDOW)
+                costs.append(time.perf_counter() - started)
+    return timed
+
+
+def grammar_cost(grammar: Any) -> float | None:
+    """What a grammar has cost a token lately, once it has been timed GRAMMAR_WINDOW times."""
+    costs = getattr(grammar, "__dict__", {}).get("_bridge_costs")
+    if costs is None or len(costs) < GRAMMAR_WINDOW:
+        return None
+    return 2 * sum(costs) / len(costs)
+
+
+def stop_costly_grammars(check_stop: Callable[..., bool]) -> Callable[..., bool]:
+    """vLLM's `check_stop`, which also ends a request whose grammar costs more than GRAMMAR_STEP_S a
+    token (as an abort, which the front-end reports like any other end)."""
+    @functools.wraps(check_stop)
+    def check_stop_or_costly(request: Any, max_model_len: int) -> bool:
+        if check_stop(request, max_model_len):
+            return True
+        grammar = getattr(request.structured_output_request, "_grammar", None)
+        if grammar is None or isinstance(grammar, Future):
+            return False
+        cost = grammar_cost(grammar)
+        if cost is None or cost <= GRAMMAR_STEP_S:
+            return False
+        from vllm.v1.request import RequestStatus
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.stop_reason = (f"vllm-bridge: its structured output's grammar cost the engine {cost * 1000:.1f} ms a "
+                               f"token, over the limit of {GRAMMAR_STEP_S * 1000:g} ms (every request of the engine "
+                               f"waits on that work)")
+        return True
+    return check_stop_or_costly
+
+
+def _install_grammar_costs() -> None:
+    for module, name in (("backend_xgrammar", "XgrammarGrammar"), ("backend_guidance", "GuidanceGrammar"),
+                         ("backend_outlines", "OutlinesGrammar"),
+                         ("backend_lm_format_enforcer", "LMFormatEnforcerGrammar")):
+        try:
+            cls = getattr(importlib.import_module(f"vllm.v1.structured_output.{module}"), name)
+        except (ImportError, AttributeError):      # a backend whose library is not installed
+            continue
+        for method in ("fill_bitmask", "accept_tokens"):
+            current = getattr(cls, method)
+            if getattr(current, "__wrapped__", None) is None:
+                setattr(cls, method, timed_grammar(current))
+    scheduler = importlib.import_module("vllm.v1.core.sched.scheduler")
+    current = getattr(scheduler, "check_stop")     # noqa: B009 - a module global the scheduler looks up per token
+    if getattr(current, "__wrapped__", None) is None:
+        setattr(scheduler, "check_stop", stop_costly_grammars(current))    # noqa: B010
+
+
 def install() -> None:
-    """Puts the fixes above in place of vLLM's functions, where vLLM's model runner looks them up
-    (a module global, per step). Without a CUDA driver only: on a GPU vLLM's path works as it is."""
+    """Puts the fixes above in place of vLLM's functions, where vLLM looks them up (module globals
+    and classes). The grammar mask's fix without a CUDA driver only: on a GPU vLLM's path works."""
+    _install_grammar_costs()
     import torch
     if torch.cuda.is_available():
         return

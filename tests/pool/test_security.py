@@ -376,7 +376,8 @@ TOKENS = "alice:alice-token-0123456789abcdef\nbob:bob-token-0123456789abcdef0\n"
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory, pki: dict[str, str]) -> Iterator[PoolServer]:
     """TLS, tokens and small limits: pool `p` (one worker, no engine); pool `g` (one worker, a
-    published engine, alice its operator, requests nobody can read ended after a second)."""
+    published engine, alice its operator, requests nobody can read ended after a second, new
+    grammars not tried first: what reaches the engine core is bounded there too)."""
     tmp = tmp_path_factory.mktemp("secured")
     (tmp / "tokens").write_text(TOKENS)
     (tmp / "tokens").chmod(0o600)
@@ -399,6 +400,7 @@ max_engines_per_client = 1
 model_dirs = ["{ensure_tiny_model()}"]
 operators = ["alice"]
 unread_request_s = 1
+grammar_compile_s = 0
 [[pools.objects]]
 name = "engine"
 target = "vllm.AsyncLLMEngine.from_engine_args"
@@ -527,6 +529,28 @@ def test_a_request_nobody_can_read_ends_after_unread_request_s(secured: PoolServ
         items = list(bob.stream(Target.method("engine", "generate"), "Hi", {"max_tokens": 2}, "after-unread",
                                 pool="g", timeout=60))
         assert items[-1]["finished"]
+
+
+def test_the_engine_core_ends_a_request_whose_grammar_grows_too_costly(secured: PoolServer,
+                                                                       pki: dict[str, str]) -> None:
+    """An ambiguous grammar compiles at once, but each token's mask costs the engine core more than the
+    last, on the thread every request waits on: 16 such sequences stopped every request of the engine
+    for 5 minutes. The worker's trial refuses this one; a grammar costly only on a path the trial did
+    not take reaches the core, and pool g, which tries nothing, shows what the core does then: each
+    sequence ends once its grammar costs more than 10 ms a token."""
+    generate = Target.method("engine", "generate")
+    ambiguous = {"temperature": 1.0, "max_tokens": 250, "min_tokens": 250, "n": 4,
+                 "structured_outputs": {"grammar": 'root ::= e\ne ::= e e | e e e | "a" | "b" | "ab"'}}
+    with client_as(secured, pki, "bob") as bob:
+        items = list(bob.stream(generate, "Hello", ambiguous, "costly-grammar", pool="g", timeout=120))
+        assert items[-1]["finished"]
+        outputs = {out["index"]: out for item in items for out in item["outputs"]}      # each completion's last
+        assert sorted(outputs) == [0, 1, 2, 3], outputs
+        for out in outputs.values():
+            assert out["finish_reason"] == "abort" and len(out["token_ids"]) < 250, out
+            assert "grammar cost the engine" in out["stop_reason"] and "over the limit of 10 ms" in out["stop_reason"]
+        after = list(bob.stream(generate, "Hi", {"max_tokens": 2}, "after-costly", pool="g", timeout=60))
+        assert after[-1]["finished"]
 
 
 def test_collective_rpc_runs_no_pickle_and_only_allowed_methods(secured: PoolServer, pki: dict[str, str],

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import pickle
+import random
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 import psutil
 import pytest
 
@@ -122,3 +124,45 @@ def test_clients_take_turns_and_one_grammar_is_compiled_once(
     assert fast == [None, None, None]
     assert [r.reason for r in slow] == ["grammar too costly"] * 3
     assert order.index("ok[0-9]{4}") < order.index("[ab]*a[ab]{22}"), order
+
+
+def test_the_engine_core_ends_a_request_whose_grammar_grows_too_costly(config: tuple[str, bytes]) -> None:
+    """A trial follows one path through a grammar; the engine core times every grammar it runs
+    (`adapters/engine_core.py`, loaded in the core): vLLM's own request, grammar and stop check."""
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.v1.core.sched.utils import check_stop
+    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.structured_output.backend_types import StructuredOutputOptions
+
+    from adapters.engine_core import GRAMMAR_STEP_S, stop_costly_grammars, timed_grammar
+    from adapters.grammar_check import _backend
+
+    backend, vocab_size, stop_ids = _backend(pickle.loads(config[1]), "xgrammar")
+    stop = stop_costly_grammars(check_stop)
+
+    def generate(grammar_text: str) -> Request:
+        params = SamplingParams(max_tokens=400, min_tokens=400,
+                                structured_outputs=StructuredOutputsParams(grammar=grammar_text))
+        request = Request("r", [1, 2, 3], params, None, eos_token_id=min(stop_ids))
+        grammar = backend.compile_grammar(StructuredOutputOptions.GRAMMAR, grammar_text)
+        assert request.structured_output_request is not None
+        request.structured_output_request.grammar = grammar
+        fill, accept = timed_grammar(type(grammar).fill_bitmask), timed_grammar(type(grammar).accept_tokens)
+        mask = backend.allocate_token_bitmask(1)
+        pick = random.Random(0)
+        while True:
+            fill(grammar, mask, 0)
+            allowed = [int(t) for t in np.flatnonzero(np.unpackbits(mask.numpy().view(np.uint8),
+                                                                   bitorder="little")[:vocab_size])]
+            token = pick.choice([t for t in allowed if t not in stop_ids] or allowed)
+            request.append_output_token_ids(token)
+            if stop(request, 2048):
+                return request
+            accept(grammar, "r", [token])
+
+    costly = generate(AMBIGUOUS)
+    assert costly.status == RequestStatus.FINISHED_ABORTED and costly.num_output_tokens < 400, costly.status
+    assert isinstance(costly.stop_reason, str) and f"over the limit of {GRAMMAR_STEP_S * 1000:g} ms" in \
+        costly.stop_reason, costly.stop_reason
+    plain = generate('root ::= e\ne ::= [ab] e | [ab]')
+    assert plain.status == RequestStatus.FINISHED_LENGTH_CAPPED and plain.num_output_tokens == 400
