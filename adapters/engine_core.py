@@ -17,9 +17,12 @@ requests stay as they are.
   ambiguous grammar's cost grows with every token (16 sequences of one stopped every request of
   the engine for 5 minutes). The worker tries each new grammar first (`grammar_check.py`), but a
   trial follows one path through a grammar, and a grammar can be cheap on that path and costly on
-  another. So the core times every grammar's mask and step, and a request whose grammar has cost
-  more than GRAMMAR_STEP_S a token, over its last GRAMMAR_WINDOW // 2 tokens, ends there:
-  finish reason `abort`, its stop reason saying why. Nothing else of the request changes.
+  another. So the core times every grammar's mask and step, and a sequence whose grammar has cost
+  more than GRAMMAR_STEP_S a token, over its last GRAMMAR_WINDOW // 2 tokens, ends there: finish
+  reason `abort`, its stop reason saying why. Many sequences each under that bound still add up
+  (64 at ~9 ms made every step of the engine ~0.6 s longer): when the grammars of one step's
+  sequences together cost more than GRAMMAR_STEP_BUDGET_S, the costliest of them, those past
+  GRAMMAR_FLOOR_S a token (a hundred times a JSON schema's), end the same way until the rest fit.
 """
 
 from __future__ import annotations
@@ -33,13 +36,18 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["GRAMMAR_STEP_S", "grammar_cost", "install", "mask_every_row", "stop_costly_grammars", "timed_grammar"]
+__all__ = ["GRAMMAR_STEP_BUDGET_S", "GRAMMAR_STEP_S", "grammar_cost", "install", "mask_every_row",
+           "share_grammar_time", "stop_costly_grammars", "timed_grammar"]
 
 # What a grammar may cost the engine core a token (its mask and its step), as the mean over its
 # last GRAMMAR_WINDOW calls (two a token): 5 times what the worker's trial allows, 1,000 times a JSON
 # schema's on a small vocabulary.
 GRAMMAR_STEP_S = 0.01
 GRAMMAR_WINDOW = 16
+# What the grammars of one step's sequences may cost together, and the least a sequence's grammar
+# costs a token before it can be ended to keep them within it.
+GRAMMAR_STEP_BUDGET_S = 0.02
+GRAMMAR_FLOOR_S = 0.0005
 
 
 def mask_every_row(apply: Callable[..., None]) -> Callable[..., None]:
@@ -91,24 +99,59 @@ def grammar_cost(grammar: Any) -> float | None:
     return 2 * sum(costs) / len(costs)
 
 
+def _grammar_of(request: Any) -> Any:
+    grammar = getattr(getattr(request, "structured_output_request", None), "_grammar", None)
+    return None if isinstance(grammar, Future) else grammar
+
+
+def share_grammar_time(grammar_bitmask: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's `StructuredOutputManager.grammar_bitmask` (once a step, over the step's structured
+    sequences), which first marks the costliest sequences to end when their grammars together cost
+    more than GRAMMAR_STEP_BUDGET_S a step."""
+    @functools.wraps(grammar_bitmask)
+    def within_budget(self: Any, requests: Any, structured_output_request_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        costs = []
+        for rid in structured_output_request_ids:
+            grammar = _grammar_of(requests.get(rid))
+            cost = grammar_cost(grammar) if grammar is not None else None
+            if cost is not None:
+                costs.append((cost, grammar))
+        total = sum(cost for cost, _ in costs)
+        if total > GRAMMAR_STEP_BUDGET_S:
+            step = total
+            for cost, grammar in sorted(costs, key=lambda c: c[0], reverse=True):
+                if total <= GRAMMAR_STEP_BUDGET_S or cost <= GRAMMAR_FLOOR_S:
+                    break
+                grammar.__dict__["_bridge_end"] = (
+                    f"vllm-bridge: its structured output's grammar cost the engine {cost * 1000:.2f} ms a token, "
+                    f"the costliest of a step whose grammars cost {step * 1000:.1f} ms together, over the limit of "
+                    f"{GRAMMAR_STEP_BUDGET_S * 1000:g} ms (every request of the engine waits on that work)")
+                total -= cost
+        return grammar_bitmask(self, requests, structured_output_request_ids, *args, **kwargs)
+    return within_budget
+
+
 def stop_costly_grammars(check_stop: Callable[..., bool]) -> Callable[..., bool]:
     """vLLM's `check_stop`, which also ends a request whose grammar costs more than GRAMMAR_STEP_S a
-    token (as an abort, which the front-end reports like any other end)."""
+    token, or was marked to end by `share_grammar_time` (as an abort, which the front-end reports
+    like any other end)."""
     @functools.wraps(check_stop)
     def check_stop_or_costly(request: Any, max_model_len: int) -> bool:
         if check_stop(request, max_model_len):
             return True
-        grammar = getattr(request.structured_output_request, "_grammar", None)
-        if grammar is None or isinstance(grammar, Future):
+        grammar = _grammar_of(request)
+        if grammar is None:
             return False
+        why = getattr(grammar, "__dict__", {}).get("_bridge_end")
         cost = grammar_cost(grammar)
-        if cost is None or cost <= GRAMMAR_STEP_S:
+        if why is None and cost is not None and cost > GRAMMAR_STEP_S:
+            why = (f"vllm-bridge: its structured output's grammar cost the engine {cost * 1000:.1f} ms a token, over "
+                   f"the limit of {GRAMMAR_STEP_S * 1000:g} ms (every request of the engine waits on that work)")
+        if why is None:
             return False
         from vllm.v1.request import RequestStatus
         request.status = RequestStatus.FINISHED_ABORTED
-        request.stop_reason = (f"vllm-bridge: its structured output's grammar cost the engine {cost * 1000:.1f} ms a "
-                               f"token, over the limit of {GRAMMAR_STEP_S * 1000:g} ms (every request of the engine "
-                               f"waits on that work)")
+        request.stop_reason = why
         return True
     return check_stop_or_costly
 
@@ -125,6 +168,9 @@ def _install_grammar_costs() -> None:
             current = getattr(cls, method)
             if getattr(current, "__wrapped__", None) is None:
                 setattr(cls, method, timed_grammar(current))
+    manager = importlib.import_module("vllm.v1.structured_output").StructuredOutputManager
+    if getattr(manager.grammar_bitmask, "__wrapped__", None) is None:
+        manager.grammar_bitmask = share_grammar_time(manager.grammar_bitmask)
     scheduler = importlib.import_module("vllm.v1.core.sched.scheduler")
     current = getattr(scheduler, "check_stop")     # noqa: B009 - a module global the scheduler looks up per token
     if getattr(current, "__wrapped__", None) is None:

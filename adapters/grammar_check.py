@@ -22,8 +22,9 @@ the next grammar); past `STEP_S` a token, the trial stops. Either way the reques
 (`RESOURCE_EXHAUSTED`). A grammar the backend cannot compile, or that kills the child, is refused as
 well (`INVALID_ARGUMENT`): in the core the same failure kills the engine. Outcomes are kept by the
 grammar's hash, so a grammar is tried once (a refusal is tried again after `REFUSAL_TTL_S`, in case
-the machine was only busy). The child tries one grammar at a time and takes clients in turn, so
-one client's stream of slow grammars delays another's new grammar by one trial at most.
+the machine was only busy). The child tries one grammar at a time and takes hosts in turn, and a
+host's clients in turn, so one host's stream of slow grammars delays another's new grammar by one
+trial at most (a spare child is kept started once one has been killed, so no trial waits for one).
 
 The child (`python -m adapters.grammar_check`) is started at the first grammar a worker checks,
 holds one backend per engine configuration, and dies with the worker.
@@ -51,6 +52,7 @@ from typing import Any, BinaryIO
 import grpc
 
 from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.protocol import host_of
 
 log = logging.getLogger("vllm_bridge.grammar")
 
@@ -103,6 +105,31 @@ class _Child:
     configs: set[str] = field(default_factory=set)
 
 
+async def _spawn() -> _Child:
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_XGRAMMAR_CACHE_MB": "64"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "adapters.grammar_check", stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        limit=1 << 20)
+    child = _Child(proc, 0)
+    try:
+        ready = await asyncio.wait_for(_read(proc.stdout), START_S)
+    except (asyncio.TimeoutError, asyncio.CancelledError):
+        await _kill(child)
+        raise
+    if not isinstance(ready, dict) or not ready.get("ready"):
+        await _kill(child)
+        raise RuntimeError(f"the grammar checker did not start: {ready!r}")
+    child.baseline = _resident(proc.pid)
+    return child
+
+
+async def _kill(child: _Child) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        child.proc.kill()
+    await child.proc.wait()
+
+
 class GrammarChecks:
     """One worker's trial compiles: the child, the outcomes, and the clients' turns."""
 
@@ -113,6 +140,7 @@ class GrammarChecks:
         self._turns: dict[str, collections.deque[_Job]] = {}
         self._runner: asyncio.Task[None] | None = None
         self._child: _Child | None = None
+        self._spare: asyncio.Task[_Child] | None = None
         self.compiled = 0                  # compiles run (for the tests and the logs)
 
     async def check(self, config: str, blob: bytes, backend: str, kind: str, spec: str, client: str,
@@ -144,16 +172,17 @@ class GrammarChecks:
             self._turns.clear()
 
     async def _serve_turns(self) -> None:
-        served: dict[str, int] = {}      # compiles each client had since the queue was last empty
+        served: collections.Counter[str] = collections.Counter()   # trials since the queue was last empty
         while self._turns:
-            # The waiting client served least goes next (the earliest of those): a newcomer comes
-            # right after the compile under way, whatever another client has queued.
-            client = min(self._turns, key=lambda c: served.get(c, 0))
+            # The waiting client whose host was served least goes next, of its host's the client
+            # served least (the earliest of those): a newcomer comes right after the trial under way,
+            # whatever another client has queued, and a host's many connections count as one.
+            client = min(self._turns, key=lambda c: (served[host_of(c)], served[c]))
             queue = self._turns[client]
             job = queue.popleft()
             if not queue:
                 del self._turns[client]
-            served[client] = served.get(client, 0) + 1
+            served.update((host_of(client), client))
             try:
                 outcome = await self._compile(job)
             except Exception as exc:         # the checker itself failed: refuse, say why, keep serving
@@ -170,7 +199,7 @@ class GrammarChecks:
                 job.done.set_result(outcome)
 
     async def _compile(self, job: _Job) -> Refusal | None:
-        child = self._child or await self._start()
+        child = await self._current()
         if job.config not in child.configs:
             await _send(child, {"op": "config", "id": job.config, "blob": base64.b64encode(job.blob).decode("ascii")})
             child.configs.add(job.config)
@@ -230,35 +259,43 @@ class GrammarChecks:
         finally:
             reading.cancel()
 
-    async def _start(self) -> _Child:
-        env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_XGRAMMAR_CACHE_MB": "64"}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "adapters.grammar_check", stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-            limit=1 << 20)
-        child = _Child(proc, 0)
-        self._child = child
-        ready = await self._reply(child, START_S, None)
-        if not isinstance(ready, dict) or not ready.get("ready"):
-            await self._stop()
-            raise RuntimeError(f"the grammar checker did not start: {ready!r}")
-        child.baseline = _resident(proc.pid)
-        return child
+    async def _current(self) -> _Child:
+        """The child that tries grammars: the one there is, else the spare (a new spare is started
+        behind it), else a new one."""
+        if self._child is None:
+            spare, self._spare = self._spare, None
+            self._child = await (spare if spare is not None else _spawn())
+            if spare is not None:
+                self._spare = asyncio.get_running_loop().create_task(_spawn())
+        return self._child
 
     async def _stop(self) -> None:
+        """Kills the child. A child is killed for a grammar past its bounds, and a stranger can send
+        one after another: from the first, a spare is kept started (~5 s to start, ~450 MB), so the
+        next grammar waits for no start."""
         child, self._child = self._child, None
         if child is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            child.proc.kill()
-        await child.proc.wait()
+        await _kill(child)
+        if self._spare is None:
+            self._spare = asyncio.get_running_loop().create_task(_spawn())
 
     async def close(self) -> None:
-        await self._stop()
+        child, self._child = self._child, None
+        spare, self._spare = self._spare, None
+        if child is not None:
+            await _kill(child)
+        if spare is not None:
+            with contextlib.suppress(Exception):
+                await _kill(await spare)
 
     @property
     def child_pid(self) -> int | None:
         return self._child.proc.pid if self._child is not None else None
+
+    async def spare_pid(self) -> int | None:
+        """The spare child's, once started (None: no spare)."""
+        return (await asyncio.shield(self._spare)).proc.pid if self._spare is not None else None
 
 
 _checks: GrammarChecks | None = None

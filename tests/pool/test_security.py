@@ -531,24 +531,34 @@ def test_a_request_nobody_can_read_ends_after_unread_request_s(secured: PoolServ
         assert items[-1]["finished"]
 
 
-def test_the_engine_core_ends_a_request_whose_grammar_grows_too_costly(secured: PoolServer,
+def test_the_engine_core_ends_sequences_whose_grammars_grow_too_costly(secured: PoolServer,
                                                                        pki: dict[str, str]) -> None:
     """An ambiguous grammar compiles at once, but each token's mask costs the engine core more than the
     last, on the thread every request waits on: 16 such sequences stopped every request of the engine
     for 5 minutes. The worker's trial refuses this one; a grammar costly only on a path the trial did
-    not take reaches the core, and pool g, which tries nothing, shows what the core does then: each
-    sequence ends once its grammar costs more than 10 ms a token."""
+    not take reaches the core, and pool g, which tries nothing, shows what the core does then. A
+    sequence ends once its grammar costs more than 10 ms a token; and many sequences each under that
+    add up (64 at ~9 ms made every step ~0.6 s longer), so the costliest end once one step's grammars
+    cost more than 20 ms together."""
     generate = Target.method("engine", "generate")
-    ambiguous = {"temperature": 1.0, "max_tokens": 250, "min_tokens": 250, "n": 4,
-                 "structured_outputs": {"grammar": 'root ::= e\ne ::= e e | e e e | "a" | "b" | "ab"'}}
+    grammar = 'root ::= e\ne ::= e e | e e e | "a" | "b" | "ab"'
     with client_as(secured, pki, "bob") as bob:
-        items = list(bob.stream(generate, "Hello", ambiguous, "costly-grammar", pool="g", timeout=120))
-        assert items[-1]["finished"]
-        outputs = {out["index"]: out for item in items for out in item["outputs"]}      # each completion's last
-        assert sorted(outputs) == [0, 1, 2, 3], outputs
-        for out in outputs.values():
-            assert out["finish_reason"] == "abort" and len(out["token_ids"]) < 250, out
-            assert "grammar cost the engine" in out["stop_reason"] and "over the limit of 10 ms" in out["stop_reason"]
+        for n, together in ((1, False), (16, True)):
+            ask = {"temperature": 1.0, "max_tokens": 250, "min_tokens": 250, "n": n,
+                   "structured_outputs": {"grammar": grammar}}
+            items = list(bob.stream(generate, "Hello", ask, f"costly-grammar-{n}", pool="g", timeout=120))
+            assert items[-1]["finished"]
+            outputs = {out["index"]: out for item in items for out in item["outputs"]}     # each completion's last
+            assert sorted(outputs) == list(range(n)), outputs
+            reasons = []
+            for out in outputs.values():
+                assert out["finish_reason"] == "abort" and len(out["token_ids"]) < 250, out
+                assert "grammar cost the engine" in out["stop_reason"], out["stop_reason"]
+                reasons.append(out["stop_reason"])
+            if together:        # n=16: the step's budget ends them, long before any costs 10 ms a token
+                assert any("together, over the limit of 20 ms" in r for r in reasons), reasons
+            else:
+                assert all("over the limit of 10 ms" in r for r in reasons), reasons
         after = list(bob.stream(generate, "Hi", {"max_tokens": 2}, "after-costly", pool="g", timeout=60))
         assert after[-1]["finished"]
 

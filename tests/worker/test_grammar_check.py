@@ -60,11 +60,14 @@ def test_a_grammar_past_its_deadline_is_refused_and_its_compile_killed(
     assert refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED and refusal.reason == "grammar too costly", refusal
     assert "did not compile and generate 512 tokens within 1 s" in refusal.why, refusal
     assert not psutil.pid_exists(compiling), "the compile was left running"
+    spare = loop.run_until_complete(checks.spare_pid())      # started as the first was killed
+    assert spare is not None and spare != compiling
     ran = checks.compiled
     assert check(loop, checks, config, "REGEX", SLOW, deadline_s=1.0) == refusal     # remembered: not compiled again
     assert checks.compiled == ran
-    # A new child takes the next grammar; what compiled before is not compiled again.
+    # The spare takes the next grammar (another spare starts behind it); what passed before is not tried again.
     assert check(loop, checks, config, "JSON", '{"type": "object", "properties": {"n": {"type": "integer"}}}') is None
+    assert checks.child_pid == spare and loop.run_until_complete(checks.spare_pid()) not in (None, spare)
     assert check(loop, checks, config, "REGEX", "[0-9]{3}") is None and checks.compiled == ran + 1
 
 
@@ -166,3 +169,25 @@ def test_the_engine_core_ends_a_request_whose_grammar_grows_too_costly(config: t
         costly.stop_reason, costly.stop_reason
     plain = generate('root ::= e\ne ::= [ab] e | [ab]')
     assert plain.status == RequestStatus.FINISHED_LENGTH_CAPPED and plain.num_output_tokens == 400
+
+
+def test_a_hosts_many_connections_take_one_turn(loop: asyncio.AbstractEventLoop, checks: GrammarChecks,
+                                                config: tuple[str, bytes]) -> None:
+    """A stranger's slow grammars from three connections of one address delay another host's new
+    grammar by one trial, not three."""
+    order: list[str] = []
+
+    async def one(client: str, spec: str) -> Any:
+        outcome = await checks.check(*config, "xgrammar", "REGEX", spec, client, 1.0)
+        order.append(client)
+        return outcome
+
+    async def scene() -> list[Any]:
+        strangers = [one(f"ipv4:10.0.0.1:{port}", f"[ab]*a[ab]{{{n}}}") for port, n in ((4001, 24), (4002, 25),
+                                                                                    (4003, 26))]
+        waiting = asyncio.gather(*strangers)
+        await asyncio.sleep(0)
+        return [await asyncio.gather(waiting, one("ipv4:10.0.0.2:5000", "host[0-9]{2}"))]
+
+    loop.run_until_complete(scene())
+    assert order.index("ipv4:10.0.0.2:5000") == 1, order
