@@ -114,7 +114,7 @@ async def _spawn() -> _Child:
     child = _Child(proc, 0)
     try:
         ready = await asyncio.wait_for(_read(proc.stdout), START_S)
-    except (asyncio.TimeoutError, asyncio.CancelledError):
+    except (TimeoutError, asyncio.CancelledError):
         await _kill(child)
         raise
     if not isinstance(ready, dict) or not ready.get("ready"):
