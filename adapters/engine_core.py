@@ -18,8 +18,10 @@ requests stay as they are.
   the engine for 5 minutes). The worker tries each new grammar first (`grammar_check.py`), but a
   trial follows one path through a grammar, and a grammar can be cheap on that path and costly on
   another. So the core times every grammar's mask and step, and a sequence whose grammar has cost
-  more than GRAMMAR_STEP_S a token, over its last GRAMMAR_WINDOW // 2 tokens, ends there: finish
-  reason `abort`, its stop reason saying why. Many sequences each under that bound still add up
+  more than GRAMMAR_STEP_S a token, over its last GRAMMAR_WINDOW // 2 tokens (or as many as it has
+  generated), ends there: finish reason `abort`, its stop reason saying why. Judged from the first
+  token on: a grammar can be costly from there (sequences of 7 tokens, ended by nothing, made each
+  step ~4 s when the first 8 tokens went unjudged). Many sequences each under that bound add up
   (64 at ~9 ms made every step of the engine ~0.6 s longer): when the grammars of one step's
   sequences together cost more than GRAMMAR_STEP_BUDGET_S, the costliest of them, those past
   GRAMMAR_FLOOR_S a token (a hundred times a JSON schema's), end the same way until the rest fit.
@@ -92,9 +94,11 @@ def timed_grammar(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def grammar_cost(grammar: Any) -> float | None:
-    """What a grammar has cost a token lately, once it has been timed GRAMMAR_WINDOW times."""
+    """What a grammar has cost a token lately (its last GRAMMAR_WINDOW calls, or as many as it has
+    had: judged from its first token on, since a grammar can be costly from there, and sequences
+    ended only after 8 tokens let a step cost seconds)."""
     costs = getattr(grammar, "__dict__", {}).get("_bridge_costs")
-    if costs is None or len(costs) < GRAMMAR_WINDOW:
+    if not costs:
         return None
     return 2 * sum(costs) / len(costs)
 

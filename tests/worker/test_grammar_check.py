@@ -137,7 +137,7 @@ def test_the_engine_core_ends_a_request_whose_grammar_grows_too_costly(config: t
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output.backend_types import StructuredOutputOptions
 
-    from adapters.engine_core import GRAMMAR_STEP_S, stop_costly_grammars, timed_grammar
+    from adapters.engine_core import GRAMMAR_STEP_S, grammar_cost, stop_costly_grammars, timed_grammar
     from adapters.grammar_check import _backend
 
     backend, vocab_size, stop_ids = _backend(pickle.loads(config[1]), "xgrammar")
@@ -163,6 +163,11 @@ def test_the_engine_core_ends_a_request_whose_grammar_grows_too_costly(config: t
                 return request
             accept(grammar, "r", [token])
 
+    # Judged from its first token: a grammar costly from there went unjudged for 8 tokens, and 16
+    # sequences of 7 tokens made every step ~4 s.
+    first = backend.compile_grammar(StructuredOutputOptions.GRAMMAR, AMBIGUOUS)
+    timed_grammar(type(first).fill_bitmask)(first, backend.allocate_token_bitmask(1), 0)
+    assert grammar_cost(first) == 2 * first.__dict__["_bridge_costs"][0] > 0
     costly = generate(AMBIGUOUS)
     assert costly.status == RequestStatus.FINISHED_ABORTED and costly.num_output_tokens < 400, costly.status
     assert isinstance(costly.stop_reason, str) and f"over the limit of {GRAMMAR_STEP_S * 1000:g} ms" in \
