@@ -43,8 +43,8 @@ from bridge_server.wire.errors import BridgeError, clip, quote
 log = logging.getLogger("vllm_bridge.engine")
 # ------------------------------------------------------------------------------------------ prompts
 _tokenizing: weakref.WeakKeyDictionary[Any, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
-# Whose request the call is and how long its grammar may take to compile, as the guard found them
-# (`grammar_check.py` takes clients in turn): the guard and the call run in one context.
+# Whose request the call is and how long a new grammar's trial may take, as the guard found them
+# (`grammar_check.py` takes hosts and clients in turn): the guard and the call run in one context.
 _asker: contextvars.ContextVar[tuple[str, float]] = contextvars.ContextVar(
     "asker", default=("", Policy.grammar_compile_s))
 
@@ -54,8 +54,8 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
     """The prompt to hand to vLLM: as given, or, where building the request costs tokenizer work
     (a long prompt, bad words, structured outputs) or would change the shared tokenizer (a text
     prompt truncated: `tokenizer_calls.py`), the request vLLM builds from it, built off the event
-    loop (one thread per engine), from the prompt's token ids where it is truncated; and a grammar
-    compiled first where its compile can be stopped (`grammar_check.py`)."""
+    loop (one thread per engine), from the prompt's token ids where it is truncated; and a new
+    grammar tried first where its trial can be stopped (`grammar_check.py`)."""
     text = text_of(prompt)
     truncated = _truncated_to(engine, prompt, params)
     if not (truncated is not None or text is not None and len(text) > LONG_PROMPT_CHARS

@@ -225,7 +225,7 @@ class GrammarChecks:
         if reply.get("slow"):
             return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "grammar too costly",
                            f"generating under it, the grammar alone cost {reply['step_s'] * 1000:.1f} ms a token "
-                           f"by its {reply['steps']}th token, over this server's limit of {STEP_S * 1000:g} ms (the "
+                           f"after {reply['steps']} tokens, over this server's limit of {STEP_S * 1000:g} ms (the "
                            f"engine works out every token's mask on the thread every request of the engine waits on)")
         if not reply.get("ok"):
             return Refusal(grpc.StatusCode.INVALID_ARGUMENT, "grammar does not compile",
