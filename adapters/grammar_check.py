@@ -349,10 +349,15 @@ def _resident(pid: int) -> int:
         return 0
 
 
-async def _send(child: _Child, message: dict[str, Any]) -> None:
+def _frame(message: dict[str, Any]) -> bytes:
+    """A message between the worker and its child: JSON, prefixed by its length."""
     data = json.dumps(message).encode("utf-8", "surrogatepass")
+    return _HEADER.pack(len(data)) + data
+
+
+async def _send(child: _Child, message: dict[str, Any]) -> None:
     assert child.proc.stdin is not None
-    child.proc.stdin.write(_HEADER.pack(len(data)) + data)
+    child.proc.stdin.write(_frame(message))
     await child.proc.stdin.drain()
 
 
@@ -428,8 +433,7 @@ def _backend(config: Any, name: str) -> Any:
 
 
 def _write(out: BinaryIO, message: dict[str, Any]) -> None:
-    data = json.dumps(message).encode("utf-8", "surrogatepass")
-    out.write(_HEADER.pack(len(data)) + data)
+    out.write(_frame(message))
     out.flush()
 
 
