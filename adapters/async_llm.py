@@ -33,7 +33,7 @@ from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check
                                      check_grammar_backend, check_logprobs, check_prompt, check_sampling_params,
                                      check_token_ids, check_tokenization, clip_int, logprob_entries, pooling_rule,
                                      prompt_tokens_at_most, sampling_rule, text_of)
-from adapters import engine_life, grammar_check, tokenizer_calls
+from adapters import engine_life, grammar_check, grammar_ends, tokenizer_calls
 from adapters.engine_life import PREFIX
 from adapters.fair_share import admit_to_shared
 from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Finalizer, Growing, Lifecycle, Policy,
@@ -55,7 +55,8 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
     (a long prompt, bad words, structured outputs) or would change the shared tokenizer (a text
     prompt truncated: `tokenizer_calls.py`), the request vLLM builds from it, built off the event
     loop (one thread per engine), from the prompt's token ids where it is truncated; and a new
-    grammar tried first where its trial can be stopped (`grammar_check.py`)."""
+    grammar tried first where its trial can be stopped (`grammar_check.py`), and watched in the
+    engine (`grammar_ends.py`)."""
     text = text_of(prompt)
     truncated = _truncated_to(engine, prompt, params)
     if not (truncated is not None or text is not None and len(text) > LONG_PROMPT_CHARS
@@ -82,7 +83,9 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
     request = await asyncio.get_running_loop().run_in_executor(pool, build)
     check_grammar_backend(f"{PREFIX}.{method}", request)
     client, compile_s = _asker.get()
-    await grammar_check.check(engine, f"{PREFIX}.{method}", request, client, compile_s)
+    key = await grammar_check.check(engine, f"{PREFIX}.{method}", request, client, compile_s)
+    if key is not None:
+        grammar_ends.watch(engine, key, client, request)
     return request
 
 

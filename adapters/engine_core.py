@@ -38,7 +38,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["GRAMMAR_STEP_BUDGET_S", "GRAMMAR_STEP_S", "grammar_cost", "install", "mask_every_row",
+__all__ = ["END_PREFIX", "GRAMMAR_STEP_BUDGET_S", "GRAMMAR_STEP_S", "grammar_cost", "install", "mask_every_row",
            "share_grammar_time", "stop_costly_grammars", "timed_grammar"]
 
 # What a grammar may cost the engine core a token (its mask and its step), as the mean over its
@@ -50,6 +50,10 @@ GRAMMAR_WINDOW = 16
 # costs a token before it can be ended to keep them within it.
 GRAMMAR_STEP_BUDGET_S = 0.02
 GRAMMAR_FLOOR_S = 0.0005
+# How the stop reason of a sequence ended here for its grammar's cost begins (the worker's front-end
+# looks for it: `grammar_ends.py`). The core sets no other string stop reason; a stop string is the
+# front-end's.
+END_PREFIX = "vllm-bridge: "
 
 
 def mask_every_row(apply: Callable[..., None]) -> Callable[..., None]:
@@ -127,7 +131,7 @@ def share_grammar_time(grammar_bitmask: Callable[..., Any]) -> Callable[..., Any
                 if total <= GRAMMAR_STEP_BUDGET_S or cost <= GRAMMAR_FLOOR_S:
                     break
                 grammar.__dict__["_bridge_end"] = (
-                    f"vllm-bridge: its structured output's grammar cost the engine {cost * 1000:.2f} ms a token, "
+                    f"{END_PREFIX}its structured output's grammar cost the engine {cost * 1000:.2f} ms a token, "
                     f"the costliest of a step whose grammars cost {step * 1000:.1f} ms together, over the limit of "
                     f"{GRAMMAR_STEP_BUDGET_S * 1000:g} ms (every request of the engine waits on that work)")
                 total -= cost
@@ -149,7 +153,7 @@ def stop_costly_grammars(check_stop: Callable[..., bool]) -> Callable[..., bool]
         why = getattr(grammar, "__dict__", {}).get("_bridge_end")
         cost = grammar_cost(grammar)
         if why is None and cost is not None and cost > GRAMMAR_STEP_S:
-            why = (f"vllm-bridge: its structured output's grammar cost the engine {cost * 1000:.1f} ms a token, over "
+            why = (f"{END_PREFIX}its structured output's grammar cost the engine {cost * 1000:.1f} ms a token, over "
                    f"the limit of {GRAMMAR_STEP_S * 1000:g} ms (every request of the engine waits on that work)")
         if why is None:
             return False

@@ -28,6 +28,17 @@ trial at most (a spare child is kept started once one has been killed, so no tri
 
 The child (`python -m adapters.grammar_check`) is started at the first grammar a worker checks,
 holds one backend per engine configuration, and dies with the worker.
+
+A trial cannot show every path: a grammar cheap on a random path can be costly where a client
+steers it (`logit_bias`), and the engine core then ends its sequences (`engine_core.py`), but only
+after the step that showed the cost, which every request of the engine waited on (~1 s for 16
+sequences). The worker learns of each such end (`grammar_ends.py`), and makes a repeat cost nothing:
+the grammar is refused as a failed trial is, and its client (its host, as for turns) gets no
+structured output for `COOLDOWN_S`, twice as long for each other grammar of its ended within
+`STRIKES_KEPT_S` (at most `COOLDOWN_MAX_S`), whatever grammar it sends meanwhile, known ones too: a
+client that had many grammars accepted first could otherwise spend them one by one. Requests
+without a structured output are served as before. A client with an identity (a token or a
+certificate) answers for itself alone; without one, its host answers.
 """
 
 from __future__ import annotations
@@ -77,6 +88,13 @@ KNOWN = 4096
 START_S = 180.0
 POLL_S = 0.05
 _HEADER = struct.Struct(">I")
+# After the engine core ended a client's sequence for its grammar's cost: how long the client gets no
+# structured output, doubled for each other grammar of its ended within STRIKES_KEPT_S, up to
+# COOLDOWN_MAX_S; and how many clients' ends are remembered.
+COOLDOWN_S = 10.0
+COOLDOWN_MAX_S = 600.0
+STRIKES_KEPT_S = 3600.0
+STRIKERS = 4096
 
 
 @dataclass(frozen=True)
@@ -141,18 +159,27 @@ class GrammarChecks:
         self._runner: asyncio.Task[None] | None = None
         self._child: _Child | None = None
         self._spare: asyncio.Task[_Child] | None = None
+        # Per host (`host_of`), the grammars whose sequences the engine core ended for their cost, and
+        # when it last did; the least recently struck host first.
+        self._strikes: collections.OrderedDict[str, dict[bytes, float]] = collections.OrderedDict()
         self.compiled = 0                  # compiles run (for the tests and the logs)
 
     async def check(self, config: str, blob: bytes, backend: str, kind: str, spec: str, client: str,
                     deadline_s: float) -> Refusal | None:
-        """None when the grammar compiles within the bounds (now or before), else why not."""
-        key = hashlib.sha256(json.dumps([config, backend, kind, spec]).encode("utf-8", "surrogatepass")).digest()
+        """None when the grammar compiles within the bounds (now or before), else why not. With
+        `deadline_s` 0 nothing new is tried, but what the engine ended is refused all the same."""
+        refusal = self.cooling(client)
+        if refusal is not None:
+            return refusal
+        key = grammar_key(config, backend, kind, spec)
         known = self._known.get(key)
         if known is not None:
             refusal, at = known
             if refusal is None or time.monotonic() - at < REFUSAL_TTL_S:
                 self._known.move_to_end(key)
                 return refusal
+        if deadline_s <= 0:
+            return None
         job = self._running.get(key)
         if job is None:
             job = self._running[key] = _Job(key, config, blob, backend, kind, spec, deadline_s)
@@ -192,11 +219,51 @@ class GrammarChecks:
                 await self._stop()
             self._running.pop(job.key, None)
             if outcome is None or outcome.code != grpc.StatusCode.UNAVAILABLE:
-                self._known[job.key] = (outcome, time.monotonic())
-                while len(self._known) > KNOWN:
-                    self._known.popitem(last=False)
+                self._remember(job.key, outcome)
             if not job.done.done():
                 job.done.set_result(outcome)
+
+    def _remember(self, key: bytes, outcome: Refusal | None) -> None:
+        self._known[key] = (outcome, time.monotonic())
+        self._known.move_to_end(key)
+        while len(self._known) > KNOWN:
+            self._known.popitem(last=False)
+
+    def ended(self, key: bytes, client: str, why: str) -> None:
+        """The engine core ended a sequence of `client`'s under the grammar `key` for its cost (`why`,
+        the core's stop reason): the grammar is refused from now on, and the client cools down."""
+        self._remember(key, Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "grammar too costly",
+                                    f"the engine ended a sequence under it for what it cost: {why}"))
+        host = host_of(client)
+        strikes = self._strikes.pop(host, {})
+        strikes[key] = time.monotonic()
+        self._strikes[host] = strikes
+        while len(self._strikes) > STRIKERS:
+            self._strikes.popitem(last=False)
+        log.warning("the engine ended a sequence of %s for its grammar's cost (%d grammar(s) of its ended within "
+                    "%g s): %s", host, len(strikes), STRIKES_KEPT_S, why)
+
+    def cooling(self, client: str) -> Refusal | None:
+        """Why `client`'s structured outputs are refused for now, if they are (module docstring)."""
+        host = host_of(client)
+        strikes = self._strikes.get(host)
+        if not strikes:
+            return None
+        now = time.monotonic()
+        for key in [k for k, at in strikes.items() if now - at > STRIKES_KEPT_S]:
+            del strikes[key]
+        if not strikes:
+            del self._strikes[host]
+            return None
+        latest = max(strikes.values())
+        left = latest + min(COOLDOWN_MAX_S, COOLDOWN_S * 2.0 ** min(len(strikes) - 1, 64)) - now
+        if left <= 0:
+            return None
+        return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "grammars ended for cost",
+                       f"the engine ended sequences under {len(strikes)} of this client's grammars for what they "
+                       f"cost (within {STRIKES_KEPT_S / 60:g} minutes, the latest {now - latest:.0f} s ago), holding "
+                       f"up every request of the engine; its structured outputs are refused for {left:.0f} s more, "
+                       f"twice as long for each more (requests without one are served)")
 
     async def _compile(self, job: _Job) -> Refusal | None:
         child = await self._current()
@@ -310,6 +377,12 @@ def checks() -> GrammarChecks:
     return _checks
 
 
+def grammar_key(config: str, backend: str, kind: str, spec: str) -> bytes:
+    """What a grammar's outcome is remembered by: the engine's configuration, the backend and the
+    grammar as vLLM keys it."""
+    return hashlib.sha256(json.dumps([config, backend, kind, spec]).encode("utf-8", "surrogatepass")).digest()
+
+
 def _engine_config(engine: Any) -> tuple[str, bytes]:
     known = _engine_configs.get(engine)
     if known is None:
@@ -320,25 +393,28 @@ def _engine_config(engine: Any) -> tuple[str, bytes]:
     return known
 
 
-async def check(engine: Any, label: str, request: Any, client: str, deadline_s: float) -> None:
-    """Refuses a request whose structured output does not compile within the bounds (module
-    docstring); a request without one, or any with `deadline_s` 0, passes."""
+async def check(engine: Any, label: str, request: Any, client: str, deadline_s: float) -> bytes | None:
+    """Refuses a request whose structured output does not compile within the bounds, or whose grammar
+    or client the engine has ended sequences of (module docstring). Returns the grammar's key, for
+    `grammar_ends.watch`; None for a request without a grammar. With `deadline_s` 0 nothing new is
+    tried."""
     params = getattr(request, "sampling_params", None)
     so = getattr(params, "structured_outputs", None)
-    if so is None or deadline_s <= 0 or getattr(engine.model_config, "skip_tokenizer_init", False):
-        return
+    if so is None or getattr(engine.model_config, "skip_tokenizer_init", False):
+        return None
     from vllm.v1.structured_output.request import get_structured_output_key
     try:
         kind, spec = get_structured_output_key(so)
     except ValueError:
-        return       # nothing to compile: vLLM says so itself
-    backend = so._backend or engine.vllm_config.structured_outputs_config.backend
+        return None       # nothing to compile: vLLM says so itself
+    backend = str(so._backend or engine.vllm_config.structured_outputs_config.backend)
     config, blob = _engine_config(engine)
-    refusal = await checks().check(config, blob, str(backend), kind.name, spec, client, deadline_s)
+    refusal = await checks().check(config, blob, backend, kind.name, spec, client, deadline_s)
     if refusal is not None:
         where = "sampling_params.structured_outputs"
         raise BridgeError(refusal.code, "validation", f"{label}: parameter {where}: {refusal.why}", target=label,
                           parameter=where, reason=refusal.reason)
+    return grammar_key(config, backend, kind.name, spec)
 
 
 def _resident(pid: int) -> int:

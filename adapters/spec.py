@@ -40,7 +40,8 @@ class Policy:
     # of what the other hosts leave, a client the same of its host's); 0: no bound.
     max_live_sequences: int = 12_288
     # How long a new structured-output grammar's trial may take (compiling it and generating under it, in a
-    # process that can be stopped: `grammar_check.py`); 0: not tried, the engine takes whatever it is given.
+    # process that can be stopped: `grammar_check.py`); 0: not tried, the engine takes any grammar but those
+    # it ended sequences of (and their clients' for a while).
     grammar_compile_s: float = 5.0
 
     def operator(self, identity: str) -> bool:

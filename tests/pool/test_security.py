@@ -10,11 +10,12 @@ import datetime
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -539,14 +540,16 @@ def test_the_engine_core_ends_sequences_whose_grammars_grow_too_costly(secured: 
     not take reaches the core, and pool g, which tries nothing, shows what the core does then. A
     sequence ends once its grammar costs more than 10 ms a token; and many sequences each under that
     add up (64 at ~9 ms made every step ~0.6 s longer), so the costliest end once one step's grammars
-    cost more than 20 ms together."""
+    cost more than 20 ms together. The step that showed the cost was paid by every request, so a
+    repeat is refused before it reaches the engine: the grammar, and for a while every structured
+    output of the client whose grammar it was; its other requests, and other clients, are served."""
     generate = Target.method("engine", "generate")
     grammar = 'root ::= e\ne ::= e e | e e e | "a" | "b" | "ab"'
-    with client_as(secured, pki, "bob") as bob:
-        for n, together in ((1, False), (16, True)):
+    with client_as(secured, pki, "bob") as bob, client_as(secured, pki, "alice") as alice:
+        for who, n, together, spec in ((bob, 1, False, grammar), (alice, 16, True, grammar + ' | "ba"')):
             ask = {"temperature": 1.0, "max_tokens": 250, "min_tokens": 250, "n": n,
-                   "structured_outputs": {"grammar": grammar}}
-            items = list(bob.stream(generate, "Hello", ask, f"costly-grammar-{n}", pool="g", timeout=120))
+                   "structured_outputs": {"grammar": spec}}
+            items = list(who.stream(generate, "Hello", ask, f"costly-grammar-{n}", pool="g", timeout=120))
             assert items[-1]["finished"]
             outputs = {out["index"]: out for item in items for out in item["outputs"]}     # each completion's last
             assert sorted(outputs) == list(range(n)), outputs
@@ -559,8 +562,30 @@ def test_the_engine_core_ends_sequences_whose_grammars_grow_too_costly(secured: 
                 assert any("together, over the limit of 20 ms" in r for r in reasons), reasons
             else:
                 assert all("over the limit of 10 ms" in r for r in reasons), reasons
-        after = list(bob.stream(generate, "Hi", {"max_tokens": 2}, "after-costly", pool="g", timeout=60))
-        assert after[-1]["finished"]
+            regex = {"max_tokens": 8, "structured_outputs": {"regex": "[0-9]{3}"}}
+            if n == 1:
+                # bob's grammar is refused for anyone now; bob's other grammars for a while; alice's are served
+                refused = refusal(lambda: list(alice.stream(generate, "Hi", ask, "again", pool="g", timeout=60)))
+                assert refused.reason == "grammar too costly" and "the engine ended a sequence under it" in \
+                    refused.details, refused
+                refused = refusal(lambda: list(bob.stream(generate, "Hi", regex, "bobs-regex", pool="g", timeout=60)))
+                assert refused.reason == "grammars ended for cost" and "1 of this client's grammars" in \
+                    refused.details and "structured_outputs" in refused.details, refused
+                served = list(alice.stream(generate, "Hi", regex, "alices-regex", pool="g", timeout=60))
+                assert re.fullmatch("[0-9]{3}", served[-1]["outputs"][0]["text"]), served[-1]
+        # alice's n=16 ended under her own grammar: her children's ends counted against her too
+        refused = refusal(lambda: list(alice.stream(generate, "Hi", regex, "alices-next", pool="g", timeout=60)))
+        assert refused.reason == "grammars ended for cost", refused
+        for who in (bob, alice):
+            after = list(who.stream(generate, "Hi", {"max_tokens": 2}, "after-costly", pool="g", timeout=60))
+            assert after[-1]["finished"]
+
+
+def refusal(call: Callable[[], object]) -> CallError:
+    with pytest.raises(CallError) as err:
+        call()
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+    return err.value
 
 
 def test_collective_rpc_runs_no_pickle_and_only_allowed_methods(secured: PoolServer, pki: dict[str, str],

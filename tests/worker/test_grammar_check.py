@@ -15,6 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
+from adapters import grammar_check
 from adapters.grammar_check import GrammarChecks
 from bridge_server.tools.tiny_model import ensure_tiny_model
 
@@ -196,3 +197,41 @@ def test_a_hosts_many_connections_take_one_turn(loop: asyncio.AbstractEventLoop,
 
     loop.run_until_complete(scene())
     assert order.index("ipv4:10.0.0.2:5000") == 1, order
+
+
+def test_what_the_engine_ended_is_refused_and_its_client_cools_down(
+        loop: asyncio.AbstractEventLoop, config: tuple[str, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar can pass its trial and still cost the engine core too much where a client steers it;
+    the core then ends its sequences, after a step every request waited on. A repeat must cost
+    nothing: the grammar is refused, and for a while so is every structured output of that client's
+    host (a client could otherwise spend grammars accepted beforehand one by one), twice as long for
+    each other grammar of it ended; other hosts and the trial-less path are refused alike."""
+    monkeypatch.setattr(grammar_check, "COOLDOWN_S", 0.4)
+    checks = GrammarChecks()
+    try:
+        stranger, neighbour, other = "ipv4:10.0.0.1:4001", "ipv4:10.0.0.1:4002", "ipv4:10.0.0.2:5000"
+        steered, known = "x[a-z]{0,40}", "[0-9]{4}"
+        for spec in (steered, known, "[a-z]{8}"):
+            assert check(loop, checks, config, "REGEX", spec, stranger) is None
+        checks.ended(grammar_check.grammar_key(config[0], "xgrammar", "REGEX", steered), stranger, "cost 15 ms a token")
+        for client, spec in ((stranger, known), (neighbour, "[0-9]{5}"), (neighbour, steered)):
+            refusal = check(loop, checks, config, "REGEX", spec, client)
+            assert refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED and refusal.reason == "grammars ended for cost", \
+                refusal
+            assert "1 of this client's grammars" in refusal.why and "requests without one are served" in refusal.why
+        refusal = check(loop, checks, config, "REGEX", steered, other)     # the grammar itself, for anyone
+        assert refusal.reason == "grammar too costly" and "cost 15 ms a token" in refusal.why, refusal
+        assert check(loop, checks, config, "REGEX", known, other) is None
+        assert check(loop, checks, config, "REGEX", steered, other, deadline_s=0).reason == "grammar too costly"
+        loop.run_until_complete(asyncio.sleep(0.45))
+        assert check(loop, checks, config, "REGEX", known, stranger) is None
+        assert check(loop, checks, config, "REGEX", steered, stranger).reason == "grammar too costly"
+        # A second grammar of the same host ended: twice as long (0.8 s), counted from the latest end.
+        checks.ended(grammar_check.grammar_key(config[0], "xgrammar", "REGEX", known), neighbour, "cost 12 ms")
+        loop.run_until_complete(asyncio.sleep(0.45))
+        refusal = check(loop, checks, config, "REGEX", "[a-z]{8}", stranger, deadline_s=0)
+        assert refusal.reason == "grammars ended for cost" and "2 of this client's grammars" in refusal.why, refusal
+        loop.run_until_complete(asyncio.sleep(0.45))
+        assert check(loop, checks, config, "REGEX", "[a-z]{8}", stranger) is None
+    finally:
+        loop.run_until_complete(checks.close())
