@@ -14,7 +14,6 @@ noted, so requests without a grammar pay nothing per token.
 from __future__ import annotations
 
 import functools
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,17 +24,14 @@ from adapters.engine_core import END_PREFIX
 
 __all__ = ["watch"]
 
-# A checked request that has not reached the front-end this long after (its call failed or was
-# cancelled on the way) is forgotten.
-PENDING_S = 300.0
-
 
 @dataclass
 class _Watch:
     """One engine front-end's requests under a checked grammar."""
 
-    # id of a checked request's structured_outputs -> (that object, grammar key, client, when checked)
-    pending: dict[int, tuple[Any, bytes, str, float]] = field(default_factory=dict)
+    # id of a checked request's structured_outputs -> (a weak ref to it, grammar key, client); an entry
+    # goes when its request reaches the front-end, or when the object goes (a call ended on the way)
+    pending: dict[int, tuple[weakref.ref[Any], bytes, str]] = field(default_factory=dict)
     # vLLM's id of each (child) request the front-end tracks -> (grammar key, client)
     running: dict[str, tuple[bytes, str]] = field(default_factory=dict)
 
@@ -58,11 +54,13 @@ def watch(engine: Any, key: bytes, client: str, request: Any) -> None:
             return
         processor.add_request = _noting(w, processor.add_request)
         processor.process_outputs = _seeing_ends(w, processor.request_states, processor.process_outputs)
-    now = time.monotonic()
-    if len(w.pending) > 64:
-        for gone in [k for k, entry in w.pending.items() if now - entry[3] > PENDING_S]:
-            del w.pending[gone]
-    w.pending[id(so)] = (so, key, client, now)
+    pending = w.pending
+    at = id(so)
+    try:
+        ref = weakref.ref(so, lambda _: pending.pop(at, None))
+    except TypeError:
+        return
+    pending[at] = (ref, key, client)
 
 
 def _noting(w: _Watch, add_request: Callable[..., None]) -> Callable[..., None]:
@@ -74,7 +72,7 @@ def _noting(w: _Watch, add_request: Callable[..., None]) -> Callable[..., None]:
         if w.pending:
             so = getattr(getattr(request, "sampling_params", None), "structured_outputs", None)
             entry = w.pending.get(id(so)) if so is not None else None
-            if entry is not None and entry[0] is so:
+            if entry is not None and entry[0]() is so:
                 w.running[request.request_id] = (entry[1], entry[2])
                 if parent_req is None or request_index >= parent_req.n - 1:     # the last child: no more
                     del w.pending[id(so)]
