@@ -33,12 +33,15 @@ A trial cannot show every path: a grammar cheap on a random path can be costly w
 steers it (`logit_bias`), and the engine core then ends its sequences (`engine_core.py`), but only
 after the step that showed the cost, which every request of the engine waited on (~1 s for 16
 sequences). The worker learns of each such end (`grammar_ends.py`), and makes a repeat cost nothing:
-the grammar is refused as a failed trial is, and its client (its host, as for turns) gets no
-structured output for `COOLDOWN_S`, twice as long for each other grammar of its ended within
-`STRIKES_KEPT_S` (at most `COOLDOWN_MAX_S`), whatever grammar it sends meanwhile, known ones too: a
-client that had many grammars accepted first could otherwise spend them one by one. Requests
-without a structured output are served as before. A client with an identity (a token or a
-certificate) answers for itself alone; without one, its host answers.
+the client (its host, as for turns) gets no structured output for `COOLDOWN_S`, twice as long after
+each more end within `STRIKES_KEPT_S` (at most `COOLDOWN_MAX_S`), whatever grammar it sends, known
+ones too (a client that had many grammars accepted first could otherwise spend them one by one); its
+structured requests already in the engine end then too, and ends of requests admitted before the
+cooldown began do not count again. The grammar stays refused to that client, and to every client
+once it was ended for two hosts: one end may have been a noisy step, and the grammar some other
+client's ordinary one. Requests without a structured output are served as before. A client with an
+identity (a token or a certificate) answers for itself alone; without one, its host answers, every
+client of that host with it.
 """
 
 from __future__ import annotations
@@ -159,9 +162,11 @@ class GrammarChecks:
         self._runner: asyncio.Task[None] | None = None
         self._child: _Child | None = None
         self._spare: asyncio.Task[_Child] | None = None
-        # Per host (`host_of`), the grammars whose sequences the engine core ended for their cost, and
-        # when it last did; the least recently struck host first.
-        self._strikes: collections.OrderedDict[str, dict[bytes, float]] = collections.OrderedDict()
+        # Per host (`host_of`), when the engine core ended its sequences for their grammars' cost
+        # (strikes: not the ends during a cooldown, of requests admitted before it); the least
+        # recently struck host first. Per grammar, the hosts it was ended for, when, and why.
+        self._strikes: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
+        self._ends: collections.OrderedDict[bytes, dict[str, tuple[float, str]]] = collections.OrderedDict()
         self.compiled = 0                  # compiles run (for the tests and the logs)
 
     async def check(self, config: str, blob: bytes, backend: str, kind: str, spec: str, client: str,
@@ -172,6 +177,15 @@ class GrammarChecks:
         if refusal is not None:
             return refusal
         key = grammar_key(config, backend, kind, spec)
+        refusal = self._ended_for(key, client)
+        if refusal is not None:
+            return refusal
+        refusal = await self._tried(key, config, blob, backend, kind, spec, client, deadline_s)
+        # A trial may have waited its turn while another request of the client's was ended
+        return refusal if refusal is not None else self.cooling(client)
+
+    async def _tried(self, key: bytes, config: str, blob: bytes, backend: str, kind: str, spec: str, client: str,
+                     deadline_s: float) -> Refusal | None:
         known = self._known.get(key)
         if known is not None:
             refusal, at = known
@@ -229,19 +243,45 @@ class GrammarChecks:
         while len(self._known) > KNOWN:
             self._known.popitem(last=False)
 
-    def ended(self, key: bytes, client: str, why: str) -> None:
+    def ended(self, key: bytes, client: str, why: str) -> bool:
         """The engine core ended a sequence of `client`'s under the grammar `key` for its cost (`why`,
-        the core's stop reason): the grammar is refused from now on, and the client cools down."""
-        self._remember(key, Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "grammar too costly",
-                                    f"the engine ended a sequence under it for what it cost: {why}"))
-        host = host_of(client)
-        strikes = self._strikes.pop(host, {})
-        strikes[key] = time.monotonic()
+        the core's stop reason): the client cools down, unless it is cooling already (the request was
+        admitted before), and the grammar is refused to it, and to everyone once ended for two hosts.
+        Whether a cooldown began."""
+        host, now = host_of(client), time.monotonic()
+        ends = self._ends.pop(key, {})
+        ends[host] = (now, why)
+        self._ends[key] = ends
+        while len(self._ends) > KNOWN:
+            self._ends.popitem(last=False)
+        if self.cooling(client) is not None:
+            return False
+        strikes = self._strikes.pop(host, [])
+        strikes.append(now)
         self._strikes[host] = strikes
         while len(self._strikes) > STRIKERS:
             self._strikes.popitem(last=False)
-        log.warning("the engine ended a sequence of %s for its grammar's cost (%d grammar(s) of its ended within "
-                    "%g s): %s", host, len(strikes), STRIKES_KEPT_S, why)
+        log.warning("the engine ended a sequence of %s for its grammar's cost (%d time(s) within %g s): %s", host,
+                    len(strikes), STRIKES_KEPT_S, why)
+        return True
+
+    def _ended_for(self, key: bytes, client: str) -> Refusal | None:
+        """Why the grammar `key` is refused to `client` for what the engine ended under it, if it is.
+        One host's end does not refuse it to others: a short grammar that was ended once for a
+        noisy step is some other client's ordinary one."""
+        ends = self._ends.get(key)
+        if not ends:
+            return None
+        now = time.monotonic()
+        for gone in [h for h, (at, _) in ends.items() if now - at > REFUSAL_TTL_S]:
+            del ends[gone]
+        host = host_of(client)
+        if host not in ends and len(ends) < 2:
+            return None
+        why = ends[host][1] if host in ends else max(ends.values())[1]
+        whose = "this client's" if host in ends else f"{len(ends)} clients'"
+        return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "grammar too costly",
+                       f"the engine ended {whose} sequences under it for what they cost: {why}")
 
     def cooling(self, client: str) -> Refusal | None:
         """Why `client`'s structured outputs are refused for now, if they are (module docstring)."""
@@ -250,20 +290,20 @@ class GrammarChecks:
         if not strikes:
             return None
         now = time.monotonic()
-        for key in [k for k, at in strikes.items() if now - at > STRIKES_KEPT_S]:
-            del strikes[key]
+        while strikes and now - strikes[0] > STRIKES_KEPT_S:
+            del strikes[0]
         if not strikes:
             del self._strikes[host]
             return None
-        latest = max(strikes.values())
-        left = latest + min(COOLDOWN_MAX_S, COOLDOWN_S * 2.0 ** min(len(strikes) - 1, 64)) - now
+        pause = min(COOLDOWN_MAX_S, COOLDOWN_S * 2.0 ** min(len(strikes) - 1, 64))
+        left = strikes[-1] + pause - now
         if left <= 0:
             return None
         return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "grammars ended for cost",
-                       f"the engine ended sequences under {len(strikes)} of this client's grammars for what they "
-                       f"cost (within {STRIKES_KEPT_S / 60:g} minutes, the latest {now - latest:.0f} s ago), holding "
-                       f"up every request of the engine; its structured outputs are refused for {left:.0f} s more, "
-                       f"twice as long for each more (requests without one are served)")
+                       f"the engine ended this client's sequences for their grammars' cost {len(strikes)} time(s) "
+                       f"within {STRIKES_KEPT_S / 60:g} minutes (the latest {now - strikes[-1]:.0f} s ago), holding up "
+                       f"every request of the engine; its structured outputs are refused for {left:.0f} s more, "
+                       f"twice as long after each more (requests without one are served)")
 
     async def _compile(self, job: _Job) -> Refusal | None:
         child = await self._current()
@@ -461,7 +501,9 @@ def _trial(backend: Any, grammar: Any, vocab_size: int, stop_ids: set[int], toke
            window: int) -> dict[str, Any]:
     """Generates up to `tokens` tokens under a compiled grammar, each a random allowed one other than
     a stop token while there are others (as with `min_tokens`), timing what the engine core does per
-    token: the mask, then the step. Stops once `window` tokens in a row cost `step_s` each on average."""
+    token: the mask, then the step (the thread's CPU time, as the core's bound counts it: a wait for a
+    busy machine's core is not the grammar's). Stops once `window` tokens in a row cost `step_s` each
+    on average."""
     import random
 
     import numpy as np
@@ -471,9 +513,9 @@ def _trial(backend: Any, grammar: Any, vocab_size: int, stop_ids: set[int], toke
     for _ in range(tokens):
         if grammar.is_terminated():
             break
-        started = time.perf_counter()
+        started = time.thread_time()
         grammar.fill_bitmask(mask, 0)
-        cost = time.perf_counter() - started
+        cost = time.thread_time() - started
         allowed = np.flatnonzero(np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[:vocab_size])
         if not len(allowed):
             break
@@ -482,10 +524,10 @@ def _trial(backend: Any, grammar: Any, vocab_size: int, stop_ids: set[int], toke
             if choice not in stop_ids:
                 break
             choice = int(allowed[pick.randrange(len(allowed))])
-        started = time.perf_counter()
+        started = time.thread_time()
         if not grammar.accept_tokens("trial", [choice]):
             break
-        costs.append(cost + time.perf_counter() - started)
+        costs.append(cost + time.thread_time() - started)
         if len(costs) >= window and sum(costs[-window:]) / window > step_s:
             return {"ok": False, "slow": True, "steps": len(costs), "step_s": sum(costs[-window:]) / window}
     return {"ok": True, "steps": len(costs)}
