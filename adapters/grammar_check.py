@@ -92,8 +92,8 @@ START_S = 180.0
 POLL_S = 0.05
 _HEADER = struct.Struct(">I")
 # After the engine core ended a client's sequence for its grammar's cost: how long the client gets no
-# structured output, doubled for each other grammar of its ended within STRIKES_KEPT_S, up to
-# COOLDOWN_MAX_S; and how many clients' ends are remembered.
+# structured output, doubled after each more end within STRIKES_KEPT_S, up to COOLDOWN_MAX_S; and how
+# many clients' ends are remembered.
 COOLDOWN_S = 10.0
 COOLDOWN_MAX_S = 600.0
 STRIKES_KEPT_S = 3600.0
