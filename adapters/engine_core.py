@@ -21,10 +21,12 @@ requests stay as they are.
   more than GRAMMAR_STEP_S a token, over its last GRAMMAR_WINDOW // 2 tokens (or as many as it has
   generated), ends there: finish reason `abort`, its stop reason saying why. Judged from the first
   token on: a grammar can be costly from there (sequences of 7 tokens, ended by nothing, made each
-  step ~4 s when the first 8 tokens went unjudged). What is timed is the thread's own CPU time, and
-  the dearest call of the window is left out: a stall while the thread waited for a core or the
-  interpreter lock is not the grammar's (a 3-token `[0-9]{3}` was ended at "13.2 ms a token" once,
-  on wall-clock time over its 2-6 calls). Many sequences each under that bound add up
+  step ~4 s when the first 8 tokens went unjudged). What is timed is the thread's own CPU time: a
+  stall while the thread waited for a core or the interpreter lock is not the grammar's (a 3-token
+  `[0-9]{3}` was ended at "13.2 ms a token" once, on wall-clock time over its 2-6 calls). No call is
+  left out as an outlier: a grammar whose mask alone blows up at some token shows it in one call
+  of two, and leaving the dearest out cost one more step, dearer than the one before (a bystander's
+  worst wait went from ~1.6 to ~3 s). Many sequences each under that bound add up
   (64 at ~9 ms made every step of the engine ~0.6 s longer): when the grammars of one step's
   sequences together cost more than GRAMMAR_STEP_BUDGET_S, the costliest of them, those past
   GRAMMAR_FLOOR_S a token (a hundred times a JSON schema's), end the same way until the rest fit.
@@ -45,8 +47,8 @@ __all__ = ["END_PREFIX", "GRAMMAR_STEP_BUDGET_S", "GRAMMAR_STEP_S", "grammar_cos
            "share_grammar_time", "stop_costly_grammars", "timed_grammar"]
 
 # What a grammar may cost the engine core a token (its mask and its step), as the mean over its
-# last GRAMMAR_WINDOW calls (two a token) less the dearest: 5 times what the worker's trial allows,
-# 1,000 times a JSON schema's on a small vocabulary.
+# last GRAMMAR_WINDOW calls (two a token): 5 times what the worker's trial allows, 1,000 times a JSON
+# schema's on a small vocabulary.
 GRAMMAR_STEP_S = 0.01
 GRAMMAR_WINDOW = 16
 # What the grammars of one step's sequences may cost together, and the least a sequence's grammar
@@ -102,13 +104,12 @@ def timed_grammar(method: Callable[..., Any]) -> Callable[..., Any]:
 
 def grammar_cost(grammar: Any) -> float | None:
     """What a grammar has cost a token lately: its last GRAMMAR_WINDOW calls, or as many as it has
-    had from its first token's two on (a grammar can be costly from there, and sequences ended only
-    after 8 tokens let a step cost seconds), less the dearest one (a single dear call is no
-    grammar's doing that the next calls do not show too)."""
+    had (judged from its first token's mask on, since a grammar can be costly from there, and
+    sequences ended only after 8 tokens let a step cost seconds)."""
     costs = getattr(grammar, "__dict__", {}).get("_bridge_costs")
-    if not costs or len(costs) < 2:
+    if not costs:
         return None
-    return 2 * (sum(costs) - max(costs)) / (len(costs) - 1)
+    return 2 * sum(costs) / len(costs)
 
 
 def _grammar_of(request: Any) -> Any:
