@@ -170,13 +170,14 @@ class GrammarChecks:
         self.compiled = 0                  # compiles run (for the tests and the logs)
 
     async def check(self, config: str, blob: bytes, backend: str, kind: str, spec: str, client: str,
-                    deadline_s: float) -> Refusal | None:
+                    deadline_s: float, key: bytes | None = None) -> Refusal | None:
         """None when the grammar compiles within the bounds (now or before), else why not. With
-        `deadline_s` 0 nothing new is tried, but what the engine ended is refused all the same."""
+        `deadline_s` 0 nothing new is tried, but what the engine ended is refused all the same.
+        `key`: the grammar's `grammar_key`, where the caller has it already."""
         refusal = self.cooling(client)
         if refusal is not None:
             return refusal
-        key = grammar_key(config, backend, kind, spec)
+        key = key or grammar_key(config, backend, kind, spec)
         refusal = self._ended_for(key, client)
         if refusal is not None:
             return refusal
@@ -449,12 +450,13 @@ async def check(engine: Any, label: str, request: Any, client: str, deadline_s: 
         return None       # nothing to compile: vLLM says so itself
     backend = str(so._backend or engine.vllm_config.structured_outputs_config.backend)
     config, blob = _engine_config(engine)
-    refusal = await checks().check(config, blob, backend, kind.name, spec, client, deadline_s)
+    key = grammar_key(config, backend, kind.name, spec)
+    refusal = await checks().check(config, blob, backend, kind.name, spec, client, deadline_s, key)
     if refusal is not None:
         where = "sampling_params.structured_outputs"
         raise BridgeError(refusal.code, "validation", f"{label}: parameter {where}: {refusal.why}", target=label,
                           parameter=where, reason=refusal.reason)
-    return grammar_key(config, backend, kind.name, spec)
+    return key
 
 
 def _resident(pid: int) -> int:
