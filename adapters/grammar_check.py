@@ -276,6 +276,9 @@ class GrammarChecks:
         now = time.monotonic()
         for gone in [h for h, (at, _) in ends.items() if now - at > REFUSAL_TTL_S]:
             del ends[gone]
+        if not ends:
+            del self._ends[key]
+            return None
         host = host_of(client)
         if host not in ends and len(ends) < 2:
             return None
