@@ -2,7 +2,7 @@
 and `vllm serve`.
 
     python -m bench.bench_engine [--json PATH] [--rounds 6] [--concurrency 8 32 64 256] [--wait-quiet 20]
-                                 [--kinds cumulative delta] [--encodings patch-v1 full]
+                                 [--kinds cumulative delta] [--encodings patch-v2 patch-v1 full]
                                  [--stream-interval N] [--ways ...]
 
 For each concurrency level N, N concurrent 64-token generations (temperature 0, ignore_eos, distinct
@@ -40,9 +40,10 @@ of the way (below). Then the ratios within the run, for each bridge transport ag
 against vllm serve: tok/s, TTFT p50, and the serving process's CPU per token (the worker against the
 in-process loop, which is its own client too, or against vllm serve's API server).
 
-The bridge ways stream in the `patch-v1` encoding (each item after the first as the changes from the
-one before; `x-bridge-stream-encoding`), as the Python client does by default. `--encodings patch-v1
-full` also runs them with whole items (what grpcurl or a client that does not ask gets), on the same
+The bridge ways stream in the `patch-v2` encoding (each item after the first as the changes from the
+one before, as a row of values where it changes what the one before changed; `x-bridge-stream-encoding`),
+as the Python client does by default. `--encodings patch-v2 patch-v1 full` also runs them with patches
+without rows, and with whole items (what grpcurl or a client that does not ask gets), on the same
 worker, for a comparison within the run.
 
 Options for experiments (the client's or the operator's choice; no server change):
@@ -118,7 +119,8 @@ for _k, _v in ENV.items():
 
 WAYS = ("bridge", "bridge-mux", "in-process", "vllm-serve")
 KINDS = ("cumulative", "delta", "final_only")
-ENCODINGS = ("patch-v1", "full")
+ENCODINGS = ("patch-v2", "patch-v1", "full")
+HEADLINE_ENCODING = "patch-v2"     # what the Python client asks for first
 STREAM_METHOD = "/vllm_bridge.v1.Bridge/Stream"
 MUX_METHOD = "/vllm_bridge.v1.Bridge/Multiplex"
 CONTENDED_CORES = 0.25    # a round during which other processes used more than this is not trusted
@@ -419,7 +421,7 @@ def _bridge_request(work: Workload, kind: str,
 
 
 async def bridge_measure(work: Workload, address: str, kind: str, roles: Roles,
-                         encoding: str = "patch-v1") -> dict[str, Any]:
+                         encoding: str = HEADLINE_ENCODING) -> dict[str, Any]:
     import grpc
 
     from bridge_server.wire.protocol import GRPC_OPTIONS
@@ -458,7 +460,7 @@ async def bridge_measure(work: Workload, address: str, kind: str, roles: Roles,
 
 
 async def bridge_mux_measure(work: Workload, address: str, kind: str, roles: Roles,
-                             encoding: str = "patch-v1") -> dict[str, Any]:
+                             encoding: str = HEADLINE_ENCODING) -> dict[str, Any]:
     """The same requests over one `Multiplex` stream, as a client that runs many at once would send them."""
     import grpc
 
@@ -526,7 +528,7 @@ async def bridge_mux_measure(work: Workload, address: str, kind: str, roles: Rol
 
 def run_bridge(work: Workload, kinds: Sequence[str], log_dir: Path,
                transports: Sequence[str] = ("bridge",),
-               encodings: Sequence[str] = ("patch-v1",)) -> dict[str, dict[str, Any]]:
+               encodings: Sequence[str] = (HEADLINE_ENCODING,)) -> dict[str, dict[str, Any]]:
     """One worker and engine for both transports: a call per request ("bridge") and one Multiplex
     stream for all ("bridge-mux"), in each stream encoding. Results are keyed by label (way, kind
     and encoding)."""
@@ -716,7 +718,7 @@ def _front_cpu(level: dict[str, Any]) -> float:
 
 
 def compare(rows: dict[str, Any], work: Workload, kinds: Sequence[str],
-            encodings: Sequence[str] = ("patch-v1",)) -> dict[str, Any]:
+            encodings: Sequence[str] = (HEADLINE_ENCODING,)) -> dict[str, Any]:
     """bridge / in-process for each output kind and encoding, and bridge / vllm-serve: tok/s, TTFT
     p50, and the serving process's CPU per token."""
     bridges = [(w, k, e) for e in encodings for w in ("bridge", "bridge-mux") for k in kinds]
@@ -734,13 +736,13 @@ def compare(rows: dict[str, Any], work: Workload, kinds: Sequence[str],
     return out
 
 
-def _label(way: str, kind: str, encoding: str = "patch-v1") -> str:
+def _label(way: str, kind: str, encoding: str = HEADLINE_ENCODING) -> str:
     """A way's row name: the way, then what differs from the headline (cumulative items; patches
     for the bridge ways)."""
     if way == "vllm-serve":
         return way
     tags = [t for t in (kind if kind != "cumulative" else "",
-                        encoding if way.startswith("bridge") and encoding != "patch-v1" else "") if t]
+                        encoding if way.startswith("bridge") and encoding != HEADLINE_ENCODING else "") if t]
     return f"{way} [{', '.join(tags)}]" if tags else way
 
 
@@ -830,7 +832,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "CPU alone (0: do not wait)")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=["cumulative"],
                    help="RequestOutputKinds to run the bridge and in-process ways with (first: the headline)")
-    p.add_argument("--encodings", nargs="+", choices=ENCODINGS, default=["patch-v1"],
+    p.add_argument("--encodings", nargs="+", choices=ENCODINGS, default=[HEADLINE_ENCODING],
                    help="stream encodings to run the bridge ways with (first: the headline; full: every item "
                         "whole, what clients that do not ask for patches get)")
     p.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))

@@ -19,16 +19,17 @@ import grpc
 from bridge_server.wire.codec import Encoder
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import detail_from_rpc_error
-from bridge_server.wire.options import STREAM_PATCH_V1, RuntimeOptions, to_metadata
+from bridge_server.wire.options import STREAM_PATCH_V1, STREAM_PATCH_V2, RuntimeOptions, to_metadata
 from bridge_server.wire.protocol import GRPC_OPTIONS
 from bridge_server.wire.security import channel, read_token, token_metadata
 from bridge_server.wire.streamstate import DecodedStream
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
 
-# What `stream` asks for unless told otherwise: patches, which the server answers with whole values
-# where it does not know them, so asking costs nothing.
-DEFAULT_STREAM_ENCODING = STREAM_PATCH_V1
+# What `stream` asks for unless told otherwise: patches with rows, else patches without (a server
+# skips the names it does not know), else whole values (from a server that knows neither), so asking
+# costs nothing.
+DEFAULT_STREAM_ENCODING = f"{STREAM_PATCH_V2},{STREAM_PATCH_V1}"
 
 
 class CallError(Exception):
@@ -165,7 +166,7 @@ class BridgeClient:
     def stream(self, target: Target | str, *args: Any, kwargs: Mapping[str, Any] | None = None,
                timeout: float | None = None, **options: Any) -> Iterator[Any]:
         """Streams the call's items, decoded. Items travel as patches against the item before
-        (`stream_encoding="patch-v1"`, the default) or whole (`stream_encoding="full"`); either way
+        (`stream_encoding="patch-v2,patch-v1"`, the default) or whole (`stream_encoding="full"`); either way
         each item decodes to the same value. Patched items are built from the item before, so
         what did not change (a prompt's token ids, a generation's earlier logprobs) is the same
         object in both, as in vLLM's own outputs: change an item's parts only on a copy."""

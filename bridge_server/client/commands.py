@@ -138,8 +138,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--get", action="store_true", help="with --on: read the attribute instead of calling it")
     p.add_argument("--stream", action="store_true", help="stream the result item by item")
     p.add_argument("--stream-encoding", default=None, choices=list(STREAM_ENCODINGS),
-                   help="how items travel (default: patch-v1, patches against the item before; the same "
-                        "values print either way)")
+                   help="how items travel (default: patch-v2, patches against the item before, with rows; "
+                        "the same values print either way)")
     add_connection_options(p)
     p.add_argument("--session", default="cli")
     p.add_argument("--timeout", type=float, default=None, help="deadline in milliseconds")

@@ -28,7 +28,7 @@ MD_AFFINITY = "x-bridge-affinity"
 MD_REFS = "x-bridge-refs"
 MD_RANK = "x-bridge-rank"
 MD_STREAM_ENCODING = "x-bridge-stream-encoding"
-MD_STREAM_TEE = "x-bridge-stream-tee"     # "1": with patch-v1, every item twice (a patch, then whole)
+MD_STREAM_TEE = "x-bridge-stream-tee"     # "1": with patch-v*, every item twice (a patch, then whole)
 # Sent back by a worker in the trailing metadata of every successful gRPC call: the live refs it
 # holds (the pool router reads the same count from its lanes' `MuxReply.worker_refs`).
 MD_WORKER_REFS = "x-bridge-worker-refs"
@@ -48,7 +48,9 @@ AFFINITY_MODES = ("hint", "strict_queue", "strict_fail_fast")
 # Stream encodings by their metadata names (the `StreamEncoding` enum of the .proto).
 STREAM_FULL = "full"
 STREAM_PATCH_V1 = "patch-v1"
-STREAM_ENCODINGS = (STREAM_FULL, STREAM_PATCH_V1)
+STREAM_PATCH_V2 = "patch-v2"      # patch-v1, plus rows
+STREAM_ENCODINGS = (STREAM_FULL, STREAM_PATCH_V1, STREAM_PATCH_V2)
+STREAM_PATCHES = (STREAM_PATCH_V1, STREAM_PATCH_V2)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ import math
 import operator
 from typing import Any
 
+import msgspec
+
 from bridge_server.wire.codec import SCALAR_WRITERS, Encoder, FieldReader, field_reader
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -54,6 +56,17 @@ _INT_ONLY = {int}
 # shadowed object did.
 
 _NOT_A_LEAF = object()
+_UNSET_TYPE = type(msgspec.UNSET)
+
+
+class _Refit(Exception):
+    """A part that a container's shadow cannot follow (a record's field now msgspec UNSET, which the
+    encoder leaves out): the container is sent whole."""
+
+# The ops a row carries (`PatchRow`), as the receiver tells them apart: by op, and for a set by the
+# Value's kind.
+_APPEND_STR, _APPEND_INTS, _SET_INT, _SET_FLOAT, _SET_STR = range(5)
+_SET_CODES = {int: _SET_INT, float: _SET_FLOAT, str: _SET_STR}
 _SIMPLE = frozenset({type(None), bool, int, float, str, bytes})
 _WRITE = SCALAR_WRITERS
 
@@ -109,7 +122,7 @@ class _Str(_Leaf):
         v = self.value
         if type(obj) is str and obj.startswith(v):
             if len(obj) > len(v):
-                p.op(path).append_str = obj[len(v):]
+                p.pend.append((tuple(path), _APPEND_STR, obj[len(v):]))
                 self.value = obj
             return self
         return p.whole(obj, path, depth, active)
@@ -158,9 +171,15 @@ class _Ints(_Node):
         if obj is self.source:       # a growing field, still its list: only the new items are new
             if len(obj) == n:
                 return self
+            if len(obj) == n + 1:        # one token more: the usual case
+                x = obj[n]
+                if type(x) is int and _I64_MIN <= x <= _I64_MAX:
+                    p.pend.append((tuple(path), _APPEND_INTS, [x]))
+                    old.append(x)
+                    return self
             tail = obj[n:] if len(obj) > n else None
             if tail is not None and _all_ints(tail) and _I64_MIN <= min(tail) and max(tail) <= _I64_MAX:
-                p.op(path).append_ints.values.extend(tail)
+                p.pend.append((tuple(path), _APPEND_INTS, tail))
                 old.extend(tail)
                 return self
             return p.whole(obj, path, depth, active)
@@ -171,7 +190,7 @@ class _Ints(_Node):
                 return self
             tail = obj[n:]
             if _I64_MIN <= min(tail) and max(tail) <= _I64_MAX:
-                p.op(path).append_ints.values.extend(tail)
+                p.pend.append((tuple(path), _APPEND_INTS, tail))
                 old.extend(tail)
                 return self
         return p.whole(obj, path, depth, active)
@@ -179,14 +198,14 @@ class _Ints(_Node):
 
 def _diff_parts(p: Patcher, values: Any, leaves: list[Any], kids: list[_Node | None], path: list[int],
                 depth: int, active: set[int], constant: frozenset[int] = frozenset(),
-                grows: frozenset[int] = frozenset()) -> None:
+                grows: frozenset[int] = frozenset(), special: frozenset[int] = frozenset()) -> None:
     """Emits the ops for the parts (fields or items) in `values`, the first len(values) of those
     shadowed, and updates their shadow. `depth` is the parts' own. The parts at `constant` positions
     are a record's fields that its adapter declares to stay the same object through a stream (a
     request's prompt token ids): while they are that object they are not compared, which is what the
     full encoding assumes of them too (it sends its first encoding again). Those at `grows` positions
-    are declared growing lists: their shadows learn which list they shadow."""
-    ops = p.ops
+    are declared growing lists: their shadows learn which list they shadow. `special`: both."""
+    pend = p.pend
     i = -1
     for x in values:
         i += 1
@@ -199,25 +218,32 @@ def _diff_parts(p: Patcher, values: Any, leaves: list[Any], kids: list[_Node | N
                 if cls is str:
                     if x.startswith(old):
                         if len(x) > len(old):
-                            op = ops.add()
-                            op.path.extend(path)
-                            op.path.append(i)
-                            op.append_str = x[len(old):]
+                            pend.append(((*path, i), _APPEND_STR, x[len(old):]))
                         leaves[i] = x
                         continue
                 elif x == old and (cls is not float or x != 0.0 or math.copysign(1.0, x) == math.copysign(1.0, old)):
                     leaves[i] = x
                     continue
-            op = ops.add()
-            op.path.extend(path)
-            op.path.append(i)
-            _WRITE[cls](x, op.set)
+            code = _SET_CODES.get(cls)
+            if code is None or (cls is int and not _I64_MIN <= x <= _I64_MAX):
+                _WRITE[cls](x, p.op(path + [i]).set)     # a kind no row carries
+            else:
+                pend.append(((*path, i), code, x))
             leaves[i] = x
             kids[i] = None
             continue
+        if cls is _UNSET_TYPE:     # a record's field now unset: its fields are not those shadowed
+            raise _Refit
         kid = kids[i]
         path.append(i)
-        kid = p.whole(x, path, depth, active) if kid is None else kid.diff(p, x, path, depth, active)
+        if kid is None:
+            kid = p.whole(x, path, depth, active)
+        else:
+            new = kid.diff(p, x, path, depth, active)
+            if new is kid and i not in special:     # the usual case: the same node, updated in place
+                path.pop()
+                continue
+            kid = new
         path.pop()
         kids[i] = kid
         if i in grows and type(kid) in _GROWABLE:
@@ -269,12 +295,18 @@ class _Seq(_Node):
     def diff(self, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
         leaves, kids = self.leaves, self.kids
         n = len(leaves)
-        if not self._fits(p, obj, depth, active) or len(obj) < n:
+        cls: Any = self.cls
+        if type(obj) is not cls or len(obj) < n or depth >= p.max_depth or id(obj) in active or (
+                cls is list and obj and type(obj[0]) is int and _as_ints(obj)):    # `_fits`, inline
             return p.whole(obj, path, depth, active)
         active.add(id(obj))
         depth += 1
         if obj is not self.source:      # else a growing field, still its list: its items stay as they were
-            _diff_parts(p, obj if len(obj) == n else itertools.islice(obj, n), leaves, kids, path, depth, active)
+            try:
+                _diff_parts(p, obj if len(obj) == n else itertools.islice(obj, n), leaves, kids, path, depth, active)
+            except _Refit:
+                active.discard(id(obj))
+                return p.whole(obj, path, depth - 1, active)
         if len(obj) > n:
             added = p.op(path).append_items.items
             for x in obj[n:]:
@@ -308,7 +340,7 @@ class _Map(_Node):
 class _Record(_Node):
     """A record: its class, its field names as encoded, and their values' shadows."""
 
-    __slots__ = ("cls", "names", "leaves", "kids", "plan", "constant", "grows")
+    __slots__ = ("cls", "names", "leaves", "kids", "plan", "constant", "grows", "special")
 
     def __init__(self, cls: type, names: tuple[str, ...], leaves: list[Any], kids: list[_Node | None],
                  plan: FieldReader, constant: frozenset[int], grows: frozenset[int]) -> None:
@@ -319,6 +351,7 @@ class _Record(_Node):
         self.plan = plan
         self.constant = constant       # positions of fields declared constant (see `_diff_parts`)
         self.grows = grows             # positions of fields declared growing (the same)
+        self.special = constant | grows
 
     def _fields(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> Any:
         """obj's field values, if obj encodes as a record with the same fields in the same order."""
@@ -348,14 +381,27 @@ class _Record(_Node):
         key = id(obj)
         plan = self.plan
         values = None
-        if self.names is plan.names and type(obj) is self.cls and depth < p.max_depth and key not in active:
-            values = plan.values(obj)      # the usual case, inline: every field there, as last time
+        get = plan.get
+        if self.names is plan.names and type(obj) is self.cls and depth < p.max_depth and key not in active \
+                and get is not None:
+            # The usual case, inline: every field there, as last time. (`FieldReader.values` would also
+            # look for a field that is now msgspec UNSET: `_diff_parts` finds one, among those that
+            # changed, for less.)
+            try:
+                values = get(obj)
+            except AttributeError:
+                values = None
         if values is None:
             values = self._fields(p, obj, depth, active)
             if values is None:
                 return p.whole(obj, path, depth, active)
         active.add(key)
-        _diff_parts(p, values, self.leaves, self.kids, path, depth + 1, active, self.constant, self.grows)
+        try:
+            _diff_parts(p, values, self.leaves, self.kids, path, depth + 1, active, self.constant, self.grows,
+                        self.special)
+        except _Refit:
+            active.discard(key)
+            return p.whole(obj, path, depth, active)     # after the ops so far: this set replaces all they did
         active.discard(key)
         return self
 
@@ -363,15 +409,26 @@ class _Record(_Node):
 class Patcher:
     """The sender's side of one stream: puts each item into a message (a `StreamItem` or a
     `MuxEvent`, both of which have `value` and `patch`) as a whole Value the first time and as a
-    patch against the previous item after that."""
+    patch against the previous item after that; with `rows` (patch-v2), a patch whose ops change
+    the same places in the same ways as the patch before it goes as their values only (a row).
 
-    __slots__ = ("encoder", "max_depth", "root", "ops")
+    Why rows: each op is a protobuf message of its own, and building it (the op, its path, its
+    Value) cost more than finding what changed. A generation's items change the same few places
+    token after token (the text, the token ids, two stats), so most of its patches have the shape
+    of the one before, and a row is one message of three packed lists."""
 
-    def __init__(self, encoder: Encoder) -> None:
+    __slots__ = ("encoder", "max_depth", "root", "ops", "pend", "rows", "shape")
+
+    def __init__(self, encoder: Encoder, rows: bool = False) -> None:
         self.encoder = encoder
         self.max_depth = encoder.max_depth
         self.root: _Node | None = None
-        self.ops: Any = None              # the ops of the patch being written
+        self.ops: Any = None              # the patch being written, then its ops once it has any
+        # The ops found and not yet written, in order, each (path, code, value): those of the kinds
+        # a row carries (`_ROW_CODES`). Any other op writes them first, then itself.
+        self.pend: list[tuple[tuple[int, ...], int, Any]] = []
+        self.rows = rows
+        self.shape: list[tuple[tuple[int, ...], int]] | None = None   # the last patch's, if a row could follow it
 
     def put(self, obj: object, msg: Any) -> None:
         root = self.root
@@ -383,18 +440,53 @@ class Patcher:
             return
         patch = msg.patch
         patch.SetInParent()            # present even when nothing changed
-        self.ops = patch.ops
+        self.ops = patch
+        pend = self.pend
         try:
             self.root = root.diff(self, obj, [], 0, set())
+            shape = self.shape
+            row = _as_row(pend, shape) if shape is not None and self.ops is patch else None
+            if row is not None:
+                _write_row(row, patch.row)
+            elif self.rows and self.ops is patch:     # nothing but row kinds: the next may be a row
+                self.shape = list(map(_SHAPE_OF, pend)) or None
+                self.flush()
+            else:
+                self.shape = None
+                self.flush()
         except BaseException:
             self.root = None           # the shadow may be half updated: never patch against it again
+            self.shape = None
             raise
         finally:
             self.ops = None
+            pend.clear()
 
     # -- what the shadows call ------------------------------------------------------------------
+    def flush(self) -> None:
+        """Writes the pending ops as ops."""
+        ops = self.ops
+        if type(ops) is not _OPS:         # the patch's ops, reached once a patch has any
+            ops = self.ops = ops.ops
+        for path, code, value in self.pend:
+            op = ops.add()
+            if path:
+                op.path.extend(path)
+            if code == _APPEND_STR:
+                op.append_str = value
+            elif code == _APPEND_INTS:
+                op.append_ints.values.extend(value)
+            elif code == _SET_INT:
+                op.set.int = value
+            elif code == _SET_FLOAT:
+                op.set.float = value
+            else:
+                op.set.str = value
+        self.pend.clear()
+
     def op(self, path: list[int]) -> Any:
-        """A new op at `path`, for the caller to fill."""
+        """A new op at `path`, for the caller to fill (after the pending ones: ops keep their order)."""
+        self.flush()
         op = self.ops.add()
         if path:
             op.path.extend(path)
@@ -479,5 +571,56 @@ class Patcher:
         return _Record(cls, names, leaves, kids, plan, constant, grows)
 
 
+def _as_row(pend: list[tuple[tuple[int, ...], int, Any]],
+            shape: list[tuple[tuple[int, ...], int]]) -> list[tuple[tuple[int, ...], int, Any]] | None:
+    """The pending ops as the ops of `shape` (the last patch's paths and codes), or None if they are
+    not. An append that `shape` has and this patch lacks is an empty one: a token whose text is not
+    yet complete (part of a character) adds token ids and no text, and it would otherwise break the
+    run of rows twice."""
+    if len(pend) == len(shape) and list(map(_SHAPE_OF, pend)) == shape:
+        return pend
+    if len(pend) > len(shape):
+        return None
+    out = []
+    j = 0
+    for path, code in shape:
+        if j < len(pend) and pend[j][0] == path and pend[j][1] == code:
+            out.append(pend[j])
+            j += 1
+        elif code == _APPEND_STR:
+            out.append((path, code, ""))
+        elif code == _APPEND_INTS:
+            out.append((path, code, ()))
+        else:
+            return None
+    return out if j == len(pend) else None
+
+
+def _write_row(pend: list[tuple[tuple[int, ...], int, Any]], row: Any) -> None:
+    """The pending ops' values as a `PatchRow`: each kind's values in op order (an append_ints op
+    as its count, then its values)."""
+    strs: list[str] = []
+    ints: list[int] = []
+    floats: list[float] = []
+    for _, code, value in pend:
+        if code == _APPEND_STR or code == _SET_STR:
+            strs.append(value)
+        elif code == _APPEND_INTS:
+            ints.append(len(value))
+            ints.extend(value)
+        elif code == _SET_INT:
+            ints.append(value)
+        else:
+            floats.append(value)
+    if strs:
+        row.strs.extend(strs)
+    if ints:
+        row.ints.extend(ints)
+    if floats:
+        row.floats.extend(floats)
+
+
 _PATCHED_ROOTS = (_Record, _Seq, _Ints, _Str)
+_OPS = type(pb.StreamPatch().ops)
+_SHAPE_OF = operator.itemgetter(0, 1)     # a pending op's path and code
 _GROWABLE = (_Ints, _Seq)

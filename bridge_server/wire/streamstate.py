@@ -35,6 +35,14 @@ def _child(node: pb.Value, step: int) -> pb.Value:
     raise _Misfit(f"position {step} of a {kind}")
 
 
+# An op as both receivers apply it: (path, op, what it carries). The op is a `PatchOp` field's name
+# (carrying its Value, text, int values or `Items`), or for a row's sets one of _ROW_SETS (carrying
+# the scalar itself).
+Op = tuple[tuple[int, ...], str, Any]
+_ROW_SETS = {"int": "set_int", "float": "set_float", "str": "set_str"}
+_ROW_KINDS = frozenset({"append_str", "append_ints", *_ROW_SETS.values()})
+
+
 class StreamState:
     """The receiver's side of one stream: the latest item's Value, which each item replaces (a whole
     `value`) or changes (a `patch`). The Value returned is the state itself: decode it before the
@@ -42,13 +50,15 @@ class StreamState:
 
     A stream's patches change the same few places item after item (a generation's text, token ids
     and stats), so the node at each path is remembered until a `set` above it replaces what is
-    below (its children are then other objects)."""
+    below (its children are then other objects). With patch-v2 a patch may be a row: the ops of the
+    patch before it, with new values (`shape` remembers those ops' paths and kinds)."""
 
-    __slots__ = ("value", "_nodes")
+    __slots__ = ("value", "_nodes", "shape")
 
     def __init__(self) -> None:
         self.value: pb.Value | None = None
         self._nodes: dict[tuple[int, ...], pb.Value] = {}
+        self.shape: list[tuple[tuple[int, ...], str]] | None = None
 
     def full(self, value: pb.Value) -> pb.Value:
         self.value = state = pb.Value()
@@ -56,13 +66,68 @@ class StreamState:
         self._nodes.clear()
         return state
 
+    def ops(self, patch: pb.StreamPatch) -> list[Op]:
+        """The patch's ops, a row's spelled out; remembers their shape for a row that follows."""
+        if patch.HasField("row"):
+            if patch.ops:
+                raise CodecError("patch", "ops or a row", "both")
+            return self._row(patch.row)
+        out: list[Op] = []
+        shape: list[tuple[tuple[int, ...], str]] | None = []
+        for op in patch.ops:
+            which = op.WhichOneof("op")
+            if which is None:
+                raise CodecError(f"patch.ops[{len(out)}]", "an op", "none")
+            path = tuple(op.path)
+            carried = getattr(op, which)
+            if which == "append_ints":
+                carried = carried.values
+            out.append((path, which, carried))
+            if shape is not None:
+                kind = _ROW_SETS.get(carried.WhichOneof("kind")) if which == "set" else which
+                shape = shape + [(path, kind)] if kind in _ROW_KINDS else None
+        self.shape = shape or None
+        return out
+
+    def _row(self, row: pb.PatchRow) -> list[Op]:
+        shape = self.shape
+        if shape is None:
+            raise CodecError("patch.row", "a row after a patch of ops that a row can follow", "a row")
+        strs, ints, floats = row.strs, row.ints, row.floats
+        s = i = f = 0
+        out: list[Op] = []
+        try:
+            for path, kind in shape:
+                if kind == "append_str" or kind == "set_str":
+                    out.append((path, kind, strs[s]))
+                    s += 1
+                elif kind == "append_ints":
+                    count = ints[i]
+                    if not 0 <= count <= len(ints) - i - 1:
+                        raise IndexError
+                    out.append((path, kind, ints[i + 1:i + 1 + count]))
+                    i += 1 + count
+                elif kind == "set_int":
+                    out.append((path, kind, ints[i]))
+                    i += 1
+                else:
+                    out.append((path, kind, floats[f]))
+                    f += 1
+        except IndexError:
+            raise CodecError("patch.row", f"the values of the {len(shape)} ops before it", "fewer") from None
+        if (s, i, f) != (len(strs), len(ints), len(floats)):
+            raise CodecError("patch.row", f"the values of the {len(shape)} ops before it", "more")
+        return out
+
     def patch(self, patch: pb.StreamPatch) -> pb.Value:
+        return self.apply(self.ops(patch))
+
+    def apply(self, ops: list[Op]) -> pb.Value:
         state = self.value
         if state is None:
             raise CodecError("stream", "a whole value before the first patch", "a patch")
         nodes = self._nodes
-        for n, op in enumerate(patch.ops):
-            path = tuple(op.path)
+        for n, (path, which, carried) in enumerate(ops):
             try:
                 node = nodes.get(path)
                 if node is None:
@@ -70,19 +135,22 @@ class StreamState:
                     for step in path:
                         node = _child(node, step)
                     nodes[path] = node
-                which = op.WhichOneof("op")
                 kind = node.WhichOneof("kind")
                 if which == "append_str" and kind == "str":
-                    node.str += op.append_str
-                elif which == "set":
-                    node.CopyFrom(op.set)
+                    node.str += carried
+                elif which == "append_ints" and kind == "ints":
+                    node.ints.values.extend(carried)
+                elif which == "set" or which in _SETS:
+                    if which == "set":
+                        node.CopyFrom(carried)
+                    else:
+                        node.Clear()
+                        setattr(node, _SETS[which], carried)
                     size = len(path)
                     for key in [k for k in nodes if len(k) > size and k[:size] == path]:
                         del nodes[key]
-                elif which == "append_ints" and kind == "ints":
-                    node.ints.values.extend(op.append_ints.values)
                 elif which == "append_items" and (kind == "list" or kind == "tuple"):
-                    getattr(node, kind).items.extend(op.append_items.items)
+                    getattr(node, kind).items.extend(carried.items)
                 else:
                     raise _Misfit(f"{which} on a {kind}")
             except _Misfit as exc:
@@ -95,6 +163,9 @@ class StreamState:
         if msg.HasField("patch"):
             return self.patch(msg.patch)
         return self.full(msg.value)
+
+
+_SETS = {v: k for k, v in _ROW_SETS.items()}     # a row's set: the Value field it sets
 
 
 class _Whole(Exception):
@@ -127,14 +198,15 @@ class DecodedStream:
         if not msg.HasField("patch"):
             self.last = self.decoder.decode(self.state.full(msg.value))
             return self.last
-        value = self.state.patch(msg.patch)     # refuses what does not fit, as for any receiver
+        ops = self.state.ops(msg.patch)
+        value = self.state.apply(ops)           # refuses what does not fit, as for any receiver
         try:
-            self.last = self._apply(last, msg.patch)
+            self.last = self._apply(last, ops)
         except _Whole:
             self.last = self.decoder.decode(value)
         return self.last
 
-    def _apply(self, root: Any, patch: pb.StreamPatch) -> Any:
+    def _apply(self, root: Any, ops: list[Op]) -> Any:
         fresh: set[int] = set()          # the containers copied for this item: written in place
 
         def own(obj: Any) -> Any:
@@ -147,32 +219,32 @@ class DecodedStream:
             fresh.add(id(copy))
             return copy
 
-        for op in patch.ops:
-            path = op.path
+        for path, which, carried in ops:
             if not path:
-                root = self._op(op, root)
+                root = self._op(which, carried, root)
                 continue
             root = node = own(root)
             for depth, step in enumerate(path):
                 key = _key(node, step)
                 if depth == len(path) - 1:
-                    node[key] = self._op(op, node[key])
+                    node[key] = self._op(which, carried, node[key])
                 else:
                     node[key] = child = own(node[key])
                     node = child
         return root
 
-    def _op(self, op: pb.PatchOp, old: Any) -> Any:
+    def _op(self, which: str, carried: Any, old: Any) -> Any:
         """What the place that held `old` holds after the op: new objects, never `old` changed."""
-        which = op.WhichOneof("op")
         if which == "set":
-            return self.decoder.decode(op.set)
+            return self.decoder.decode(carried)
+        if which in _SETS:          # a row's int, float or str: decoded as such a Value is
+            return self.decoder.decode(pb.Value(**{_SETS[which]: carried}))
         if which == "append_str" and type(old) is str:
-            return old + op.append_str
+            return old + carried
         if which == "append_ints" and type(old) is list:
-            return old + list(op.append_ints.values)
+            return old + list(carried)
         if which == "append_items" and type(old) in (list, tuple):
-            added = cast(list[Any], self.decoder.decode(pb.Value(list=op.append_items)))
+            added = cast(list[Any], self.decoder.decode(pb.Value(list=carried)))
             return old + (added if type(old) is list else tuple(added))
         raise _Whole
 

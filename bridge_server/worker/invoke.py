@@ -41,7 +41,7 @@ import pydantic
 from adapters.spec import CallContext, Policy
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import BridgeError, clip, quote
-from bridge_server.wire.options import DEFAULT_SESSION, STREAM_PATCH_V1
+from bridge_server.wire.options import DEFAULT_SESSION, STREAM_PATCHES
 from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, LargeRequest
 from bridge_server.wire.stall import READER_STALL_S, StallGuard
 from bridge_server.wire.turns import Turns
@@ -556,7 +556,7 @@ class Invoker:
                      encoding: str | None = None, tee: bool = False) -> AsyncGenerator[tuple[Any, PutItem], None]:
         """Yields each item with the function that puts it into the message that carries it (a
         `StreamItem` or a `MuxEvent`), in the stream's encoding: the caller puts it in place.
-        `tee` (with PATCH_V1): each item comes twice, to be sent as a patch and then whole.
+        `tee` (with a PATCH encoding): each item comes twice, to be sent as a patch and then whole.
         The caller closes it (`contextlib.aclosing`) however it stops: closing is what ends the
         source (vLLM aborts its request), and garbage collection may come much later."""
         plan = plan or self.plan(request.target, caller)
@@ -571,7 +571,7 @@ class Invoker:
                         interval_s, pace)
         activity, receiver = self._activity, id(plan.receiver)
         async with contextlib.aclosing(items):
-            if tee and encoding == STREAM_PATCH_V1:
+            if tee and encoding in STREAM_PATCHES:
                 both = Tee(put, pace.timed(self.results.item_writer(caller, plan.exclusive, None)))
                 async for item in items:
                     activity[receiver] = time.monotonic()

@@ -14,7 +14,7 @@ from typing import Any
 
 from bridge_server.wire.codec import Encoder
 from bridge_server.wire.errors import BridgeError
-from bridge_server.wire.options import STREAM_PATCH_V1
+from bridge_server.wire.options import STREAM_PATCH_V1, STREAM_PATCH_V2
 from bridge_server.wire.patch import Patcher
 from bridge_server.wire.turns import SEND_S_PER_BYTE
 from bridge_server.worker.deadlines import Deadlines, Watchdog
@@ -81,10 +81,10 @@ class Pace:
 
 def item_writer(encoder: Callable[[bool], Encoder], encoding: str | None) -> PutItem:
     """How one stream's items go into their messages: whole Values (FULL), or patches against the
-    item before (PATCH_V1, which the caller asked for). `encoder(stream)` makes the encoder: for a
-    stream of whole values, one that remembers the fields that stay the same object."""
-    if encoding == STREAM_PATCH_V1:
-        return Patcher(encoder(False)).put
+    item before (PATCH_V1, or PATCH_V2 with rows: as the caller asked). `encoder(stream)` makes the
+    encoder: for a stream of whole values, one that remembers the fields that stay the same object."""
+    if encoding == STREAM_PATCH_V1 or encoding == STREAM_PATCH_V2:
+        return Patcher(encoder(False), rows=encoding == STREAM_PATCH_V2).put
     whole = encoder(True)
 
     def put(item: Any, msg: Any) -> None:

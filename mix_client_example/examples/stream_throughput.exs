@@ -1,7 +1,8 @@
 # Generation throughput from Elixir: streams over the shared Multiplex stream against one gRPC call per
-# stream, with their items as patches (patch_v1, the default) and whole (full), in the same run (rounds
-# interleaved, so drift hits all of them). Needs a server with an engine published as "engine"
-# (`make -C .. serve`). ENCODINGS: a comma-separated list of patch_v1 and full (default both).
+# stream, with their items as patches (patch_v2 with rows, the default; patch_v1) and whole (full), in
+# the same run (rounds interleaved, so drift hits all of them). Needs a server with an engine published
+# as "engine" (`make -C .. serve`). ENCODINGS: a comma-separated list of patch_v2, patch_v1 and full
+# (default all three).
 #
 #   mix run examples/stream_throughput.exs [ROUNDS] [ENCODINGS]
 alias Vllm.AsyncLLMEngine, as: Engine
@@ -11,9 +12,9 @@ rounds = System.argv() |> Enum.at(0, "6") |> String.to_integer()
 
 encodings =
   System.argv()
-  |> Enum.at(1, "patch_v1,full")
+  |> Enum.at(1, "patch_v2,patch_v1,full")
   |> String.split(",")
-  |> Enum.map(&Map.fetch!(%{"patch_v1" => :patch_v1, "full" => :full}, &1))
+  |> Enum.map(&Map.fetch!(%{"patch_v2" => :patch_v2, "patch_v1" => :patch_v1, "full" => :full}, &1))
 
 params = %{max_tokens: 64, temperature: 0.0, ignore_eos: true}
 

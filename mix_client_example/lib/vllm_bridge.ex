@@ -22,7 +22,7 @@ defmodule VllmBridge do
   | `server` | which server: a name or an address (`VllmBridge.Config`) | - |
   | `multiplex` | streams only: `true` (default) shares the server's `Multiplex` stream, `false` makes a gRPC call | - |
   | `tensors` | `:struct` (default): tensors arrive as `%VllmBridge.Tensor{}`; `:nx`: as `Nx.Tensor` (needs Nx) | - |
-  | `stream_encoding` | streams only: `:patch_v1` (default) items travel as patches against the item before (`VllmBridge.StreamState`), `:full` each item whole; the same values either way | `x-bridge-stream-encoding` |
+  | `stream_encoding` | streams only: by default (`"patch-v2,patch-v1"`) items travel as patches against the item before (`VllmBridge.StreamState`), as `patch-v2` (with rows) or, from a server older than it, `patch-v1`; `:patch_v2` or `:patch_v1` asks for that one alone, `:full` each item whole; the same values either way | `x-bridge-stream-encoding` |
   | `stream_tee` | streams only, for checking the receiver: `true` has the server send every item twice, rebuilt from its patch and then whole, so the stream yields each item twice | `x-bridge-stream-tee` |
 
   Names (`session_id`, `pool_name`) may be strings or atoms. A malformed or unknown option raises

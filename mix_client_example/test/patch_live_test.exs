@@ -1,6 +1,7 @@
 defmodule VllmBridge.PatchLiveTest do
-  # Streams as patches (`patch-v1`, the default) decode to the same items as whole ones (`full`),
-  # over a gRPC call of their own and over the shared Multiplex stream. Against a running server with
+  # Streams as patches (`patch-v2` with rows, asked for by default as "patch-v2,patch-v1", and
+  # `patch-v1`) decode to the same items as whole ones (`full`), over a gRPC call of their own and
+  # over the shared Multiplex stream. Against a running server with
   # an engine (VLLM_BRIDGE_ADDRESS); excluded without one.
   use ExUnit.Case, async: false
   @moduletag :live
@@ -43,8 +44,10 @@ defmodule VllmBridge.PatchLiveTest do
     via = if multiplex, do: "the shared Multiplex stream", else: "a gRPC call of its own"
 
     test "with stream_tee, every item rebuilt from its patch equals the same item sent whole (#{via})" do
-      for {name, {prompt, params}} <- cases() do
-        items = items(prompt, params, multiplex: unquote(multiplex), stream_tee: true)
+      # the default (patch-v2, with rows), and patch-v1
+      for encoding <- [[], [stream_encoding: :patch_v1]], {name, {prompt, params}} <- cases() do
+        name = "#{name} #{inspect(encoding)}"
+        items = items(prompt, params, [multiplex: unquote(multiplex), stream_tee: true] ++ encoding)
         assert rem(length(items), 2) == 0, "#{name}: #{length(items)} items"
         patched = Enum.take_every(items, 2)
         whole = items |> Enum.drop(1) |> Enum.take_every(2)
@@ -56,7 +59,7 @@ defmodule VllmBridge.PatchLiveTest do
 
         assert %Record{} = last = List.last(whole)
         assert last[:finished] == true, "#{name}"
-        if name in [:cumulative, :logprobs], do: assert(length(whole) > 4, "#{name}: #{length(whole)} items")
+        if name =~ ~r/^(cumulative|logprobs) /, do: assert(length(whole) > 4, "#{name}: #{length(whole)} items")
       end
     end
 
@@ -66,21 +69,25 @@ defmodule VllmBridge.PatchLiveTest do
     test "greedy generations decode to the same records as patches and as whole items (#{via})" do
       for {name, {prompt, params}} <- Keyword.take(cases(), [:cumulative, :logprobs, :stop_string]) do
         runs =
-          for encoding <- [:full, :patch_v1] do
+          for encoding <- [:full, :patch_v1, :patch_v2] do
             items = items(prompt, params, multiplex: unquote(multiplex), stream_encoding: encoding)
             assert [_ | _] = items, "#{name} #{encoding}"
             Enum.map(items, &timeless/1)
           end
 
-        [full, patched] = runs
-        assert List.last(full) == List.last(patched), "#{name}: the last items differ"
+        [full | patched_runs] = runs
         by_tokens = fn items -> Map.new(items, &{tokens(&1), &1}) end
-        {full_by, patched_by} = {by_tokens.(full), by_tokens.(patched)}
-        common = full_by |> Map.keys() |> Enum.filter(&Map.has_key?(patched_by, &1))
-        assert common != [], "#{name}: #{length(full)} and #{length(patched)} items"
+        full_by = by_tokens.(full)
 
-        for n <- common do
-          assert full_by[n] == patched_by[n], "#{name}: the items with #{n} tokens differ"
+        for {patched, encoding} <- Enum.zip(patched_runs, [:patch_v1, :patch_v2]) do
+          assert List.last(full) == List.last(patched), "#{name} #{encoding}: the last items differ"
+          patched_by = by_tokens.(patched)
+          common = full_by |> Map.keys() |> Enum.filter(&Map.has_key?(patched_by, &1))
+          assert common != [], "#{name} #{encoding}: #{length(full)} and #{length(patched)} items"
+
+          for n <- common do
+            assert full_by[n] == patched_by[n], "#{name} #{encoding}: the items with #{n} tokens differ"
+          end
         end
       end
     end
@@ -93,7 +100,7 @@ defmodule VllmBridge.PatchLiveTest do
 
   # The server does send patches when asked, and whole items otherwise (so the tests above compare
   # two encodings, not one twice).
-  test "patch-v1 streams arrive as a value and then patches; full streams as values" do
+  test "patch-v2 streams arrive as a value and then patches and rows; patch-v1 without rows; full as values" do
     {rt, {:ok, server}} = Runtime.resolve!([])
     {:ok, conn} = Connection.get(server)
     %{path: path} = VllmBridge.V1.Bridge.Service.__rpc__(:Stream)
@@ -107,7 +114,7 @@ defmodule VllmBridge.PatchLiveTest do
       }
     end
 
-    for encoding <- ["patch-v1", "full"] do
+    for encoding <- ["patch-v2,patch-v1", "patch-v1", "full"] do
       md = Runtime.stream_metadata(%{rt | stream_encoding: encoding}, Runtime.metadata(rt, "exunit-patch", []))
       id = "exunit-raw-#{encoding}-#{System.unique_integer([:positive])}"
 
@@ -125,23 +132,35 @@ defmodule VllmBridge.PatchLiveTest do
         |> Enum.map(&item_kind/1)
 
       {:ok, h} = Mux.open(server, request.(id <> "-mux"), md, 60_000, 60_000)
-      mux = h |> read_all(&Mux.next/1) |> Enum.map(&elem(&1, 0))
+      mux = h |> read_all(&Mux.next/1) |> Enum.map(&item_kind/1)
 
       for {via, kinds} <- [grpc: grpc, mux: mux] do
         assert length(kinds) >= 2, "#{via}: #{inspect(kinds)}"
 
-        expected =
-          if encoding == "patch-v1",
-            do: [:value | List.duplicate(:patch, length(kinds) - 1)],
-            else: List.duplicate(:value, length(kinds))
+        case encoding do
+          "full" ->
+            assert kinds == List.duplicate(:value, length(kinds)), "#{via} #{encoding}"
 
-        assert kinds == expected, "#{via} #{encoding}"
+          "patch-v1" ->
+            assert kinds == [:value | List.duplicate(:patch, length(kinds) - 1)], "#{via} #{encoding}"
+
+          "patch-v2,patch-v1" ->
+            assert [:value | rest] = kinds
+            assert Enum.all?(rest, &(&1 in [:patch, :row])), "#{via} #{encoding}: #{inspect(kinds)}"
+            # the items that change what the item before changed (all but the first few and the
+            # last) are rows (how many items there are depends on timing)
+            if length(kinds) >= 6, do: assert(:row in kinds, "#{via} #{encoding}: #{inspect(kinds)}")
+        end
       end
     end
   end
 
-  defp item_kind(%PB.StreamItem{patch: %PB.StreamPatch{}}), do: :patch
-  defp item_kind(%PB.StreamItem{}), do: :value
+  defp item_kind(%PB.StreamItem{patch: patch}), do: item_kind(patch)
+  defp item_kind({:patch, patch}), do: item_kind(patch)
+  defp item_kind({:value, _}), do: :value
+  defp item_kind(%PB.StreamPatch{row: %PB.PatchRow{}}), do: :row
+  defp item_kind(%PB.StreamPatch{}), do: :patch
+  defp item_kind(nil), do: :value
 
   defp read_all(handle, next) do
     case next.(handle) do

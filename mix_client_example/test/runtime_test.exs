@@ -42,8 +42,14 @@ defmodule VllmBridge.RuntimeTest do
     raises([multiplex: :yes], ~r/option :multiplex/)
     raises([server: nil], ~r/option :server/)
     raises([tensors: :numpy], ~r/option :tensors/)
-    raises([stream_encoding: :patch_v2], ~r/option :stream_encoding: expected :patch_v1 or :full, got :patch_v2/)
-    raises([stream_encoding: "patch-v2,patch-v1"], ~r/option :stream_encoding/)
+
+    raises(
+      [stream_encoding: :patch_v3],
+      ~r/option :stream_encoding: expected :patch_v2, :patch_v1 or :full, got :patch_v3/
+    )
+
+    raises([stream_encoding: "patch-v3,patch-v2"], ~r/option :stream_encoding/)
+    raises([stream_encoding: "patch-v1,patch-v2"], ~r/option :stream_encoding/)
     raises([stream_tee: 1], ~r/option :stream_tee: expected true or false/)
     raises([timeot: 5], ~r/unknown option :timeot; known: \[:timeout,/)
     raises(:fast, ~r/__runtime__ must be a keyword list, got :fast/)
@@ -87,9 +93,22 @@ defmodule VllmBridge.RuntimeTest do
     assert Runtime.metadata(%Runtime{session_id: "given"}, "own", []) == %{"x-bridge-session" => "given"}
   end
 
-  test "streams ask for patch-v1 unless the options say full; unary calls send no encoding" do
+  test "streams ask for patch-v2, then patch-v1, unless the options say otherwise; unary calls send no encoding" do
     md = %{"x-bridge-session" => "s"}
-    assert Runtime.stream_metadata(%Runtime{}, md) == Map.put(md, "x-bridge-stream-encoding", "patch-v1")
+    assert Runtime.stream_metadata(%Runtime{}, md) == Map.put(md, "x-bridge-stream-encoding", "patch-v2,patch-v1")
+
+    for {opt, wire} <- [
+          patch_v2: "patch-v2",
+          patch_v1: "patch-v1",
+          full: "full",
+          "patch-v2": "patch-v2",
+          "patch-v1": "patch-v1",
+          "patch-v2,patch-v1": "patch-v2,patch-v1"
+        ] do
+      opt = if opt in [:patch_v2, :patch_v1, :full], do: opt, else: Atom.to_string(opt)
+      assert [stream_encoding: ^wire] = Runtime.validate!([stream_encoding: opt], "t")
+      assert Runtime.stream_metadata(%Runtime{stream_encoding: wire}, %{})["x-bridge-stream-encoding"] == wire
+    end
 
     for full <- [:full, "full"] do
       [stream_encoding: wire] = Runtime.validate!([stream_encoding: full], "t")
@@ -100,7 +119,7 @@ defmodule VllmBridge.RuntimeTest do
              Runtime.validate!([stream_encoding: :patch_v1, stream_tee: true], "t")
 
     assert Runtime.stream_metadata(%Runtime{stream_tee: true}, %{}) == %{
-             "x-bridge-stream-encoding" => "patch-v1",
+             "x-bridge-stream-encoding" => "patch-v2,patch-v1",
              "x-bridge-stream-tee" => "1"
            }
 
@@ -111,6 +130,11 @@ defmodule VllmBridge.RuntimeTest do
     assert rt.stream_encoding == "full"
     {rt, _} = Runtime.resolve!(stream_encoding: :patch_v1)
     assert rt.stream_encoding == "patch-v1"
+    {rt, _} = Runtime.resolve!(stream_encoding: :patch_v2)
+    assert rt.stream_encoding == "patch-v2"
+    Application.delete_env(:vllm_bridge, :runtime)
+    {rt, _} = Runtime.resolve!([])
+    assert rt.stream_encoding == "patch-v2,patch-v1"
   end
 
   test "defaults: the app's, then the server's, then the call's own" do

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from adapters.surface import DocSurface, load_surfaces
+from bridge_server.client.client import DEFAULT_STREAM_ENCODING
 from bridge_server.tools import elixir_gen
 from bridge_server.wire import options, protocol
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -226,10 +227,12 @@ def test_runtime_options_are_sent_as_the_protocol_metadata_keys() -> None:
     affinities = re.search(r"^  @affinities ~w\((.*)\)$", runtime, re.M)
     assert profiles and profiles.group(1).split() == list(options.PROFILES)
     assert affinities and affinities.group(1).split() == list(options.AFFINITY_MODES)
-    # the stream encodings it asks for: those it can read, by the protocol's names, patch-v1 by default
-    encodings = re.search(r"^  @stream_encodings ~w\((.*)\)$", runtime, re.M)
-    assert encodings and encodings.group(1).split() == list(options.STREAM_ENCODINGS)
-    assert f'stream_encoding: "{options.STREAM_PATCH_V1}",' in runtime
+    # the stream encodings it asks for: those it can read, by the protocol's names; by default the
+    # Python client's list (patch-v2, then patch-v1)
+    encodings = re.search(r"^  @stream_encodings ~w\((.*)\) \+\+ \[@stream_encoding_default\]$", runtime, re.M)
+    assert encodings and sorted(encodings.group(1).split()) == sorted(options.STREAM_ENCODINGS)
+    assert f'@stream_encoding_default "{DEFAULT_STREAM_ENCODING}"' in runtime
+    assert "stream_encoding: @stream_encoding_default," in runtime
     # not metadata: the deadline, which server, the transport of a stream, how tensors come back
     assert "@local [:timeout, :server, :multiplex, :tensors]" in runtime
 

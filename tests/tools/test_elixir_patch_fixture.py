@@ -5,7 +5,7 @@ make. So the sender (`Patcher`) writes streams that use every op at every depth 
 `RequestOutput`s as its output processor changes them, records whose kind and fields change, lists,
 tuples, maps and enums changing in place) into `mix_client_example/test/fixtures/patch_streams.bin`,
 each item twice, as the `x-bridge-stream-tee` check sends it: the item as it would go (a value or a
-patch), then whole. `test/stream_state_test.exs` applies the patches and compares with the whole
+patch), then whole; every stream as patch-v1, then again as patch-v2 (rows). `test/stream_state_test.exs` applies the patches and compares with the whole
 items. Here: the committed file is what the sender writes now, and the Python receiver agrees with it.
 
 Regenerate with `.venv/bin/python -m tests.tools.test_elixir_patch_fixture`.
@@ -80,27 +80,29 @@ def _grown() -> Iterator[object]:
 def _vllm_streams(encoder_records: dict[type, tuple[str, ...]]) -> Iterator[Iterator[object]]:
     from adapters.async_llm import ASYNC_LLM
     encoder_records[vllm_records()[0]] = next(r.fields for r in ASYNC_LLM.records if r.attr == "RequestOutput")
-    for kind in ("cumulative", "delta", "n2-delta"):
+    for kind in ("cumulative", "delta", "n2-delta", "plain"):
         yield request_outputs(kind)
 
 
 def build() -> bytes:
-    """One MuxReply: for stream n (event id n, from 1), each item as sent, then whole."""
+    """One MuxReply: for stream n (event id n, from 1), each item as sent, then whole. Every stream
+    twice: as patch-v1, then as patch-v2 (with rows)."""
     records: dict[type, tuple[str, ...]] = {Plain: ("x", "y")}
     ref = _refs()
     reply = pb.MuxReply()
-    streams = list(_small_streams())
-    for n, items in enumerate(streams, start=1):
-        _tee(reply, n, items, records, ref)
-    # vLLM's records change in place between items: each stream is encoded as it is made
-    for n, items in enumerate(_vllm_streams(records), start=len(streams) + 1):
-        _tee(reply, n, items, records, ref)
+    n = 0
+    for rows in (False, True):
+        # vLLM's records change in place between items: each stream is encoded as it is made
+        for items in [*_small_streams(), *_vllm_streams(records)]:
+            n += 1
+            _tee(reply, n, items, records, ref, rows)
     return reply.SerializeToString(deterministic=True)
 
 
-def _tee(reply: pb.MuxReply, n: int, items: Iterator[object], records: dict[type, tuple[str, ...]], ref: Any) -> None:
+def _tee(reply: pb.MuxReply, n: int, items: Iterator[object], records: dict[type, tuple[str, ...]], ref: Any,
+         rows: bool) -> None:
     full = Encoder(ref, records=records)
-    patcher = Patcher(Encoder(ref, records=records))
+    patcher = Patcher(Encoder(ref, records=records), rows=rows)
     for item in items:
         sent = reply.events.add(id=n)
         patcher.put(item, sent)
@@ -115,6 +117,7 @@ def test_the_python_receiver_rebuilds_every_whole_item_and_every_op_is_there() -
     reply = pb.MuxReply.FromString(FIXTURE.read_bytes())
     states: dict[int, StreamState] = {}
     kinds = set()
+    rows = 0
     events = list(reply.events)
     for sent, whole in zip(events[0::2], events[1::2], strict=True):
         assert sent.id == whole.id and whole.WhichOneof("kind") == "value"
@@ -122,9 +125,10 @@ def test_the_python_receiver_rebuilds_every_whole_item_and_every_op_is_there() -
         got = state.item(sent).SerializeToString(deterministic=True)
         assert got == whole.value.SerializeToString(deterministic=True)
         kinds |= {(op.WhichOneof("op"), len(op.path) > 1) for op in sent.patch.ops}
+        rows += sent.patch.HasField("row")
     every_op = ("set", "append_str", "append_ints", "append_items")
     assert kinds >= {(op, deep) for op in every_op for deep in (False, True)}     # at the root and below it
-    assert len(states) >= 10
+    assert len(states) >= 20 and rows >= 5
 
 
 if __name__ == "__main__":

@@ -18,7 +18,14 @@ from hypothesis import strategies as st
 
 from bridge_server.wire.codec import CodecError, Encoder
 from bridge_server.wire.decoder import Decoder
-from bridge_server.wire.options import STREAM_FULL, STREAM_PATCH_V1, RuntimeOptions, parse_metadata, to_metadata
+from bridge_server.wire.options import (
+    STREAM_FULL,
+    STREAM_PATCH_V1,
+    STREAM_PATCH_V2,
+    RuntimeOptions,
+    parse_metadata,
+    to_metadata,
+)
 from bridge_server.wire.patch import Patcher
 from bridge_server.wire.streamstate import DecodedStream, StreamState
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -73,27 +80,32 @@ def encoders(**options: Any) -> tuple[Encoder, Patcher]:
 def check_stream(items: Iterator[object], stream_item: type = pb.MuxEvent, **options: Any) -> list[pb.MuxEvent]:
     """Sends each item (taken as the sender's objects are at that moment) both ways and checks that
     the patched state equals the full Value, byte for byte; returns what was sent. A stream's own
-    full encoder (with a memo, as a worker's is) must agree with a fresh encoding too."""
+    full encoder (with a memo, as a worker's is) must agree with a fresh encoding too. Each item is
+    patched twice, without rows (patch-v1: what is returned) and with them (patch-v2, in
+    `check_stream.rows`), and both are received."""
     full, patcher = encoders(**options)
+    with_rows = Patcher(Encoder(by_identity, records=RECORDS, **options), rows=True)
     streamed = Encoder(by_identity, records=RECORDS, memo={}, **options)
-    state = StreamState()
-    decoded = DecodedStream(CLIENT_DECODER)
-    sent, seen = [], []
+    receivers = [(patcher, StreamState(), DecodedStream(CLIENT_DECODER), []),
+                 (with_rows, StreamState(), DecodedStream(CLIENT_DECODER), [])]
+    seen = []
     for i, item in enumerate(items):
         value = full.encode(item)
         expected = value.SerializeToString(deterministic=True)
         assert streamed.encode(item).SerializeToString(deterministic=True) == expected, f"item {i}, whole"
-        msg = stream_item()
-        patcher.put(item, msg)
-        msg = stream_item.FromString(msg.SerializeToString())    # over the wire
-        got = state.item(msg).SerializeToString(deterministic=True)
-        assert got == expected, f"item {i}: {msg}"
-        seen.append((decoded.item(msg), value))
-        assert_same(seen[-1][0], CLIENT_DECODER.decode(value), f"item {i}, decoded")
-        sent.append(msg)
+        for sender, state, decoded, sent in receivers:
+            msg = stream_item()
+            sender.put(item, msg)
+            msg = stream_item.FromString(msg.SerializeToString())    # over the wire
+            got = state.item(msg).SerializeToString(deterministic=True)
+            assert got == expected, f"item {i} (rows: {sender.rows}): {msg}"
+            seen.append((decoded.item(msg), value))
+            assert_same(seen[-1][0], CLIENT_DECODER.decode(value), f"item {i}, decoded")
+            sent.append(msg)
     for i, (item_decoded, value) in enumerate(seen):    # no later item changed an earlier one
-        assert_same(item_decoded, CLIENT_DECODER.decode(value), f"item {i}, decoded, at the end")
-    return sent
+        assert_same(item_decoded, CLIENT_DECODER.decode(value), f"item {i // 2}, decoded, at the end")
+    check_stream.rows = receivers[1][3]      # type: ignore[attr-defined]
+    return receivers[0][3]
 
 
 CLIENT_DECODER = Decoder(resolve_ref=lambda ref: ref, resolve_type=lambda name: None,
@@ -201,6 +213,10 @@ def test_records_whose_fields_come_and_go_are_sent_with_the_fields_they_have() -
         plain.y = 3
         yield [rec, struct, plain]
         yield [rec, struct, plain]
+        rec.a = msgspec.UNSET                  # a dataclass's field, left out while UNSET
+        yield [rec, struct, plain, [1, msgspec.UNSET]]
+        rec.a = [2]
+        yield [rec, struct, plain, [1, msgspec.UNSET]]
 
     check_stream(items())
 
@@ -477,8 +493,22 @@ def test_a_client_decodes_any_patch_as_it_decodes_the_whole_state(data: st.DataO
     decoded.item(pb.MuxEvent(value=first))
     for i in range(data.draw(st.integers(1, 4))):
         assert reference.value is not None
-        msg = pb.MuxEvent(patch=pb.StreamPatch(ops=[random_op(data, reference.value)
-                                                   for _ in range(data.draw(st.integers(0, 3)))]))
+        if reference.shape is not None and data.draw(st.booleans()):     # a row, of the right kinds or not
+            row = pb.PatchRow(strs=[data.draw(st.text(max_size=2)) for _, kind in reference.shape
+                                    if kind in ("append_str", "set_str")])
+            for _, kind in reference.shape:
+                if kind == "append_ints":
+                    row.ints.extend([1, data.draw(st.integers(-5, 5))])
+                elif kind == "set_int":
+                    row.ints.append(data.draw(st.integers(-5, 5)))
+                elif kind == "set_float":
+                    row.floats.append(data.draw(st.sampled_from([0.0, -0.0, 2.5, math.nan])))
+            if data.draw(st.integers(0, 4)) == 0:
+                row.ints.append(1)
+            msg = pb.MuxEvent(patch=pb.StreamPatch(row=row))
+        else:
+            msg = pb.MuxEvent(patch=pb.StreamPatch(ops=[random_op(data, reference.value)
+                                                       for _ in range(data.draw(st.integers(0, 3)))]))
         try:
             expected = CLIENT_DECODER.decode(reference.item(msg))
         except CodecError:
@@ -499,8 +529,10 @@ def vllm_records() -> tuple[Callable[..., Any], Callable[..., Any], Callable[...
 
 def request_outputs(kind: str) -> Iterator[Any]:
     """vLLM's records as its output processor makes them (`kind`: cumulative, delta, or delta with
-    two sequences): the token and logprob lists and the stats object are the same objects from item
-    to item, changed in place."""
+    two sequences, with logprobs; or cumulative without them, "plain"): the token and logprob lists
+    and the stats object are the same objects from item to item, changed in place."""
+    plain = kind == "plain"
+    kind = "cumulative" if plain else kind
     RequestOutput, CompletionOutput, RequestStateStats, Logprob = vllm_records()
     stats = RequestStateStats(arrival_time=1.5)
     tokens: list[int] = []
@@ -517,15 +549,15 @@ def request_outputs(kind: str) -> Iterator[Any]:
         delta = kind != "cumulative"
         done = i == 5
         out = CompletionOutput(index=child, text=f" t{i}" if delta else text,
-                               token_ids=[10 + i] if delta else tokens, cumulative_logprob=-0.5 * i,
-                               logprobs=logprobs[-1:] if delta else logprobs,
+                               token_ids=[10 + i] if delta else tokens, cumulative_logprob=None if plain else -0.5 * i,
+                               logprobs=None if plain else logprobs[-1:] if delta else logprobs,
                                finish_reason="stop" if done else None, stop_reason=15 if done else None)
         yield RequestOutput(request_id="r", prompt="p", prompt_token_ids=[1, 2, 3],
                             prompt_logprobs=prompt_logprobs if i == 0 or not delta else None,
                             outputs=[out], finished=done, metrics=stats, num_cached_tokens=0)
 
 
-@pytest.mark.parametrize("kind", ["cumulative", "delta", "n2-delta"])
+@pytest.mark.parametrize("kind", ["cumulative", "delta", "n2-delta", "plain"])
 @pytest.mark.parametrize("declared", [False, True])
 def test_request_outputs_stream_as_vllm_makes_them(kind: str, declared: bool) -> None:
     """With and without the adapter's declarations of the fields that grow."""
@@ -538,6 +570,11 @@ def test_request_outputs_stream_as_vllm_makes_them(kind: str, declared: bool) ->
                for g in ASYNC_LLM.growing} if declared else {}
     try:
         sent = check_stream(request_outputs(kind), growing_fields=growing)
+        rows = [m for m in check_stream.rows if m.patch.HasField("row")]      # type: ignore[attr-defined]
+        if kind == "plain":     # after the third item, each one changes the same places as the one before
+            assert len(rows) == 6 - 3 and all(m.patch.row.strs and m.patch.row.ints and m.patch.row.floats
+                                                for m in rows)
+            assert sum(m.ByteSize() for m in rows) < sum(m.ByteSize() for m in sent[3:5]) * 3 / 2 / 1.5
         if kind == "cumulative":    # the growing parts grow by appends
             assert {o for m in sent[1:] for _, o in ops(m)} == {"append_str", "append_ints", "append_items", "set"}
             # A client's items are built from the item before: what did not change is shared, what
@@ -572,6 +609,66 @@ def test_a_patch_that_does_not_fit_the_state_is_refused(op: pb.PatchOp) -> None:
         state.patch(patch_of(op))
 
 
+def row_of(strs: list[str] = [], ints: list[int] = [], floats: list[float] = []) -> pb.StreamPatch:  # noqa: B006
+    return pb.StreamPatch(row=pb.PatchRow(strs=strs, ints=ints, floats=floats))
+
+
+def test_a_row_repeats_the_ops_of_the_patch_before_it_with_new_values() -> None:
+    state, decoded = StreamState(), DecodedStream(CLIENT_DECODER)
+    first = pb.MuxEvent(value=Encoder(by_identity).encode(Rec(a="s", b=[[1, 2], 0.5, 3, "x"])))
+    state.item(first)
+    decoded.item(first)
+    ops = patch_of(pb.PatchOp(path=[0], append_str="t"), pb.PatchOp(path=[1, 0], append_ints=pb.Ints(values=[3])),
+                   pb.PatchOp(path=[1, 1], set=pb.Value(float=1.5)), pb.PatchOp(path=[1, 2], set=pb.Value(int=4)),
+                   pb.PatchOp(path=[1, 3], set=pb.Value(str="y")))
+    whole = pb.MuxEvent(value=Encoder(by_identity).encode(Rec(a="st", b=[[1, 2, 3], 1.5, 4, "y"])))
+    for msg in (pb.MuxEvent(patch=ops), whole):       # a whole item between does not count (a tee's)
+        assert state.item(msg) == whole.value
+        assert decoded.item(msg) == {"a": "st", "b": [[1, 2, 3], 1.5, 4, "y"], "c": None}
+    row = pb.MuxEvent(patch=row_of(["uv", "z"], [2, 4, 5, -7], [2.5]))
+    assert CLIENT_DECODER.decode(state.item(row)) == decoded.item(row) == {"a": "stuv", "b": [[1, 2, 3, 4, 5], 2.5, -7, "z"],
+                                                                                  "c": None}
+    again = pb.MuxEvent(patch=row_of(["", ""], [0, 0], [0.0]))       # and again, after a row
+    assert decoded.item(again) == {"a": "stuv", "b": [[1, 2, 3, 4, 5], 0.0, 0, ""], "c": None}
+
+
+def test_an_append_that_adds_nothing_this_time_does_not_break_a_run_of_rows() -> None:
+    """As a token whose text is not yet a whole character adds ids and no text."""
+    ids: list[int] = []
+
+    def items() -> Iterator[object]:
+        for text in ("a", "ab", "abc", "abc", "abcd", "abcd"):
+            ids.append(len(ids))
+            yield Plain(x=text, y=ids)
+
+    check_stream(items())
+    sent = check_stream.rows      # type: ignore[attr-defined]
+    assert [m.patch.HasField("row") for m in sent] == [False, False, True, True, True, True]
+    assert list(sent[3].patch.row.strs) == [""] and list(sent[3].patch.row.ints) == [1, 3]
+
+
+@pytest.mark.parametrize(("before", "row"), [
+    (None, row_of(["x"])),                                                     # no patch before it
+    (patch_of(), row_of()),                                                    # nothing to repeat
+    (patch_of(pb.PatchOp(path=[0], append_str="x")), row_of()),                # too few values
+    (patch_of(pb.PatchOp(path=[0], append_str="x")), row_of(["x", "y"])),      # too many
+    (patch_of(pb.PatchOp(path=[0], append_str="x")), row_of(["x"], [1])),      # values of another kind
+    (patch_of(pb.PatchOp(path=[1], append_ints=pb.Ints(values=[1]))), row_of([], [2, 1])),   # count past the end
+    (patch_of(pb.PatchOp(path=[1], append_ints=pb.Ints(values=[1]))), row_of([], [-1])),     # a negative count
+    (patch_of(pb.PatchOp(path=[1], set=pb.Value(list=pb.Items()))), row_of()),              # a set no row carries
+    (patch_of(pb.PatchOp(path=[0], append_str="x")),
+     pb.StreamPatch(ops=[pb.PatchOp(path=[0], append_str="x")], row=pb.PatchRow(strs=["x"]))),   # ops and a row
+])
+def test_a_row_that_does_not_follow_the_patch_before_it_is_refused(before: pb.StreamPatch | None,
+                                                                   row: pb.StreamPatch) -> None:
+    for receiver in (StreamState(), DecodedStream(CLIENT_DECODER)):
+        receiver.item(pb.MuxEvent(value=Encoder(by_identity).encode(Rec(a="s", b=[1, 2]))))
+        if before is not None:
+            receiver.item(pb.MuxEvent(patch=before))
+        with pytest.raises(CodecError, match="row|ops or a row"):
+            receiver.item(pb.MuxEvent(patch=row))
+
+
 def test_a_patch_before_any_value_is_refused() -> None:
     with pytest.raises(CodecError):
         StreamState().patch(patch_of())
@@ -589,6 +686,7 @@ def test_the_state_is_a_copy_of_what_arrived() -> None:
 
 @pytest.mark.parametrize(("asked", "used"), [(None, None), ("patch-v1", STREAM_PATCH_V1), ("full", STREAM_FULL),
                                              ("patch-v9, patch-v1", STREAM_PATCH_V1), ("patch-v9", STREAM_FULL),
+                                             ("patch-v2,patch-v1", STREAM_PATCH_V2), ("patch-v1,patch-v2", STREAM_PATCH_V1),
                                              (" full ,patch-v1", STREAM_FULL), ("", STREAM_FULL)])
 def test_the_first_known_encoding_a_caller_lists_is_used(asked: str | None, used: str | None) -> None:
     md = [] if asked is None else [("x-bridge-stream-encoding", asked)]

@@ -106,9 +106,9 @@ defmodule VllmBridge.Client do
   Arguments are encoded right away, so unsendable values are reported as `{:error, _}`.
 
   Streams share the server's `Multiplex` stream (`VllmBridge.Mux`) unless `__runtime__` says
-  `multiplex: false`. Their items travel as patches against the item before (`patch-v1`, rebuilt by
-  `VllmBridge.StreamState`) unless it says `stream_encoding: :full`; either way each item decodes
-  to the same value.
+  `multiplex: false`. Their items travel as patches against the item before (`patch-v2`, or
+  `patch-v1` from a server older than it; rebuilt by `VllmBridge.StreamState`) unless it says
+  `stream_encoding: :full`; either way each item decodes to the same value.
   """
   @spec stream(target(), list(), keyword()) :: {:ok, Enumerable.t()} | {:error, Error.t()}
   def stream(target, args, opts) do

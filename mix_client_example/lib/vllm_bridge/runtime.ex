@@ -21,8 +21,11 @@ defmodule VllmBridge.Runtime do
     stream_encoding: "x-bridge-stream-encoding",
     stream_tee: "x-bridge-stream-tee"
   ]
-  # the protocol's STREAM_ENCODINGS: the ones this client can read
-  @stream_encodings ~w(full patch-v1)
+  # the protocol's STREAM_ENCODINGS: the ones this client can read. By default a stream asks for
+  # patch-v2, then patch-v1 (the server takes the first it knows, else full: a server older than
+  # patch-v2 sends patch-v1)
+  @stream_encoding_default "patch-v2,patch-v1"
+  @stream_encodings ~w(full patch-v1 patch-v2) ++ [@stream_encoding_default]
   # the protocol's PROFILES and AFFINITY_MODES
   @profiles ~w(default ml_inference batch_job streaming)
   @affinities ~w(hint strict_queue strict_fail_fast)
@@ -41,7 +44,7 @@ defmodule VllmBridge.Runtime do
             server: nil,
             multiplex: true,
             tensors: :struct,
-            stream_encoding: "patch-v1",
+            stream_encoding: @stream_encoding_default,
             stream_tee: false
 
   @type t :: %__MODULE__{
@@ -106,10 +109,11 @@ defmodule VllmBridge.Runtime do
   defp check!(:rank, v, w), do: bad!(w, :rank, "a non-negative integer", v)
   defp check!(:multiplex, v, _) when is_boolean(v), do: v
   defp check!(:multiplex, v, w), do: bad!(w, :multiplex, "true or false", v)
+  defp check!(:stream_encoding, :patch_v2, _), do: "patch-v2"
   defp check!(:stream_encoding, :patch_v1, _), do: "patch-v1"
   defp check!(:stream_encoding, v, _) when v in @stream_encodings, do: v
   defp check!(:stream_encoding, :full, _), do: "full"
-  defp check!(:stream_encoding, v, w), do: bad!(w, :stream_encoding, ":patch_v1 or :full", v)
+  defp check!(:stream_encoding, v, w), do: bad!(w, :stream_encoding, ":patch_v2, :patch_v1 or :full", v)
   defp check!(:stream_tee, v, _) when is_boolean(v), do: v
   defp check!(:stream_tee, v, w), do: bad!(w, :stream_tee, "true or false", v)
   defp check!(:tensors, :struct, _), do: :struct
@@ -171,8 +175,9 @@ defmodule VllmBridge.Runtime do
   end
 
   @doc """
-  A stream's metadata: the call's, and how its items travel (`patch-v1` unless the options say
-  `full`; with `stream_tee`, every item also whole right after it, to check the receiver).
+  A stream's metadata: the call's, and how its items travel (`patch-v2,patch-v1`, the first the
+  server knows, unless the options say `patch_v2`, `patch_v1` or `full`; with `stream_tee`, every
+  item also whole right after it, to check the receiver).
   """
   @spec stream_metadata(t(), map()) :: %{String.t() => String.t()}
   def stream_metadata(%__MODULE__{} = rt, md) do

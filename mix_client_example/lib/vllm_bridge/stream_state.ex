@@ -1,8 +1,8 @@
 defmodule VllmBridge.StreamState do
   @moduledoc """
-  The receiver's side of a stream that travels as patches (`patch-v1`, the `StreamEncoding` of
-  `bridge.proto`): the latest item's `vllm_bridge.v1.Value`, which each item replaces (a whole
-  `value`) or changes (a `StreamPatch`).
+  The receiver's side of a stream that travels as patches (`patch-v1` and `patch-v2`, the
+  `StreamEncoding` of `bridge.proto`): the latest item's `vllm_bridge.v1.Value`, which each item
+  replaces (a whole `value`) or changes (a `StreamPatch`).
 
   Every item then decodes, as any Value does (`VllmBridge.Codec.decode/2`), to exactly what the
   `full` encoding would have given for it. This follows the Python receiver
@@ -14,8 +14,18 @@ defmodule VllmBridge.StreamState do
       name); into a `list` or `tuple`, the item at that position. Then `set` replaces the target,
       `append_str` appends to a `str`, `append_ints` to an `ints`, `append_items` to a `list` or
       `tuple`;
-    * a patch before any value, a path that does not fit the state, or an op that does not fit its
-      target (or that this client does not know) is an error: the stream fails, it never guesses.
+    * with `patch-v2`, a patch may instead be a `row` (`PatchRow`, and then no ops): the ops of the
+      stream's previous patch (the last item that arrived as a patch, as ops or as a row; whole
+      values in between do not count), the same paths and kinds in the same order, each with its
+      value taken from the row: `strs` holds, in op order, the text of each `append_str` and each
+      `set` of a `str`; `ints` each `set` of an `int`, and for each `append_ints` its count, then
+      that many values; `floats` each `set` of a `float`. The state keeps those paths and kinds
+      (`shape`) after a patch whose ops are all of these kinds (`append_str`, `append_ints`, `set`
+      of an `int`, `float` or `str`), and none after any other patch (or one with no ops);
+    * a patch before any value, a path that does not fit the state, an op that does not fit its
+      target (or that this client does not know), a patch with both ops and a row, a row with no
+      shape before it, or a row whose lists do not hold exactly the values its ops take (fewer,
+      more, a count below zero or past the end) is an error: the stream fails, it never guesses.
 
   The state is plain data, so values already handed out never change.
 
@@ -31,9 +41,16 @@ defmodule VllmBridge.StreamState do
   alias VllmBridge.{Error, Record}
   alias VllmBridge.V1, as: PB
 
-  defstruct value: nil, decoded: nil
+  defstruct value: nil, decoded: nil, shape: nil
 
-  @type t :: %__MODULE__{value: PB.Value.t() | nil, decoded: {:ok, term()} | nil}
+  @typedoc "What a row's op is: its path and kind (a row's `set`s by the kind of Value they set)."
+  @type row_op :: {[non_neg_integer()], :append_str | :append_ints | :set_int | :set_float | :set_str}
+
+  @typedoc """
+  `value`: the latest item's Value (nil before the first); `decoded`: the latest item decoded, when
+  `decoded_item/3` took it; `shape`: the ops a row stands for (nil: a row now is an error).
+  """
+  @type t :: %__MODULE__{value: PB.Value.t() | nil, decoded: {:ok, term()} | nil, shape: [row_op()] | nil}
 
   @doc "A state for a new stream (no item yet)."
   @spec new() :: t()
@@ -46,16 +63,22 @@ defmodule VllmBridge.StreamState do
   """
   @spec item(t(), PB.StreamItem.t() | PB.Value.t() | PB.StreamPatch.t() | {:value | :patch, struct()}) ::
           {:ok, PB.Value.t(), t()} | {:error, Error.t()}
-  def item(state, %PB.StreamItem{patch: %PB.StreamPatch{} = patch}), do: patch(state, patch)
-  def item(state, %PB.StreamItem{value: value}), do: full(state, value)
-  def item(state, %PB.StreamPatch{} = patch), do: patch(state, patch)
-  def item(state, %PB.Value{} = value), do: full(state, value)
-  def item(state, {:patch, %PB.StreamPatch{} = patch}), do: patch(state, patch)
-  def item(state, {:value, value}), do: full(state, value)
+  def item(state, msg) do
+    with {:ok, value, _ops, state} <- next(state, msg), do: {:ok, value, state}
+  end
 
-  # A StreamItem with neither field is an empty Value on the wire (it decodes to nil).
+  # The item's Value, and the ops it was (a row's spelled out), or :value for a whole one.
+  defp next(state, %PB.StreamItem{patch: %PB.StreamPatch{} = patch}), do: next_patch(state, patch)
+  defp next(state, %PB.StreamItem{value: value}), do: full(state, value)
+  defp next(state, %PB.StreamPatch{} = patch), do: next_patch(state, patch)
+  defp next(state, %PB.Value{} = value), do: full(state, value)
+  defp next(state, {:patch, %PB.StreamPatch{} = patch}), do: next_patch(state, patch)
+  defp next(state, {:value, value}), do: full(state, value)
+
+  # A StreamItem with neither field is an empty Value on the wire (it decodes to nil). A whole value
+  # leaves the shape as it was: a row stands for the ops of the last patch, whatever came between.
   defp full(state, nil), do: full(state, %PB.Value{})
-  defp full(state, %PB.Value{} = value), do: {:ok, value, %{state | value: value, decoded: nil}}
+  defp full(state, %PB.Value{} = value), do: {:ok, value, :value, %{state | value: value, decoded: nil}}
 
   @doc """
   Takes a stream's next item, as `item/2` does, and decodes it with `decode` (a function of a
@@ -72,9 +95,9 @@ defmodule VllmBridge.StreamState do
   def decoded_item(state, msg, decode) when is_function(decode, 1) do
     last = state.decoded
 
-    with {:ok, value, state} <- item(state, msg) do
+    with {:ok, value, ops, state} <- next(state, msg) do
       term =
-        with {:patch, %PB.StreamPatch{ops: ops}} <- kind(msg),
+        with ops when is_list(ops) <- ops,
              {:ok, before} <- last,
              {:ok, term} <- follow(before, ops, decode) do
           term
@@ -85,11 +108,6 @@ defmodule VllmBridge.StreamState do
       {:ok, term, %{state | decoded: {:ok, term}}}
     end
   end
-
-  defp kind(%PB.StreamItem{patch: %PB.StreamPatch{} = patch}), do: {:patch, patch}
-  defp kind(%PB.StreamPatch{} = patch), do: {:patch, patch}
-  defp kind({:patch, %PB.StreamPatch{} = patch}), do: {:patch, patch}
-  defp kind(_), do: :value
 
   # The ops on the decoded term, in order; :whole where the term cannot follow one. (The state has
   # taken every op already, so paths and ops fit the Value the term was decoded from.)
@@ -131,12 +149,85 @@ defmodule VllmBridge.StreamState do
 
   defp change_term(_old, _op, _decode), do: :whole
 
-  @doc "Applies a patch: `{:ok, value, state}` or `{:error, %VllmBridge.Error{}}`."
+  @doc "Applies a patch (its ops, or a row): `{:ok, value, state}` or `{:error, %VllmBridge.Error{}}`."
   @spec patch(t(), PB.StreamPatch.t()) :: {:ok, PB.Value.t(), t()} | {:error, Error.t()}
-  def patch(%__MODULE__{value: nil}, %PB.StreamPatch{}),
-    do: {:error, misfit("stream", "a whole value before the first patch", "a patch")}
+  def patch(state, %PB.StreamPatch{} = patch) do
+    with {:ok, value, _ops, state} <- next_patch(state, patch), do: {:ok, value, state}
+  end
 
-  def patch(%__MODULE__{value: root} = state, %PB.StreamPatch{ops: ops}) do
+  defp next_patch(%__MODULE__{} = state, patch) do
+    with {:ok, ops, shape} <- ops(state, patch),
+         {:ok, value} <- apply_ops(state.value, ops) do
+      {:ok, value, ops, %{state | value: value, decoded: nil, shape: shape}}
+    end
+  end
+
+  # The patch's ops (a row's spelled out as the PatchOps it stands for), and the shape a row after
+  # it will take.
+  defp ops(_state, %PB.StreamPatch{ops: [_ | _], row: %PB.PatchRow{}}),
+    do: {:error, misfit("patch", "ops or a row", "both")}
+
+  defp ops(%__MODULE__{shape: shape}, %PB.StreamPatch{row: %PB.PatchRow{} = row}) do
+    with {:ok, ops} <- row(shape, row), do: {:ok, ops, shape}
+  end
+
+  defp ops(_state, %PB.StreamPatch{ops: ops}), do: {:ok, ops, shape(ops, [])}
+
+  # A row can follow a patch of append_str, append_ints, and sets of an int, float or str; nothing
+  # else (nor a patch with no ops).
+  defp shape([], []), do: nil
+  defp shape([], shape), do: Enum.reverse(shape)
+
+  defp shape([%PB.PatchOp{path: path, op: op} | ops], shape) do
+    case row_kind(op) do
+      nil -> nil
+      kind -> shape(ops, [{path, kind} | shape])
+    end
+  end
+
+  defp row_kind({:append_str, _}), do: :append_str
+  defp row_kind({:append_ints, _}), do: :append_ints
+  defp row_kind({:set, %PB.Value{kind: {:int, _}}}), do: :set_int
+  defp row_kind({:set, %PB.Value{kind: {:float, _}}}), do: :set_float
+  defp row_kind({:set, %PB.Value{kind: {:str, _}}}), do: :set_str
+  defp row_kind(_op), do: nil
+
+  defp row(nil, %PB.PatchRow{}),
+    do: {:error, misfit("patch.row", "a row after a patch of ops that a row can follow", "a row")}
+
+  defp row(shape, %PB.PatchRow{strs: strs, ints: ints, floats: floats}) do
+    shape
+    |> Enum.reduce_while({[], strs, ints, floats}, fn {path, kind}, {ops, strs, ints, floats} ->
+      case row_op(kind, strs, ints, floats) do
+        {:ok, op, strs, ints, floats} -> {:cont, {[%PB.PatchOp{path: path, op: op} | ops], strs, ints, floats}}
+        :fewer -> {:halt, :fewer}
+      end
+    end)
+    |> case do
+      {ops, [], [], []} -> {:ok, Enum.reverse(ops)}
+      :fewer -> {:error, misfit("patch.row", "the values of the #{length(shape)} ops before it", "fewer")}
+      _more -> {:error, misfit("patch.row", "the values of the #{length(shape)} ops before it", "more")}
+    end
+  end
+
+  # One op of a row: the op, and what is left of the row's lists.
+  defp row_op(:append_str, [s | strs], ints, floats), do: {:ok, {:append_str, s}, strs, ints, floats}
+  defp row_op(:set_str, [s | strs], ints, floats), do: {:ok, {:set, %PB.Value{kind: {:str, s}}}, strs, ints, floats}
+  defp row_op(:set_int, strs, [i | ints], floats), do: {:ok, {:set, %PB.Value{kind: {:int, i}}}, strs, ints, floats}
+  defp row_op(:set_float, strs, ints, [f | floats]), do: {:ok, {:set, %PB.Value{kind: {:float, f}}}, strs, ints, floats}
+
+  defp row_op(:append_ints, strs, [count | ints], floats) when is_integer(count) and count >= 0 do
+    case Enum.split(ints, count) do
+      {values, ints} when length(values) == count -> {:ok, {:append_ints, %PB.Ints{values: values}}, strs, ints, floats}
+      _ -> :fewer
+    end
+  end
+
+  defp row_op(_kind, _strs, _ints, _floats), do: :fewer
+
+  defp apply_ops(nil, _ops), do: {:error, misfit("stream", "a whole value before the first patch", "a patch")}
+
+  defp apply_ops(root, ops) do
     ops
     |> Enum.with_index()
     |> Enum.reduce_while({:ok, root}, fn {%PB.PatchOp{path: path} = op, n}, {:ok, value} ->
@@ -148,10 +239,6 @@ defmodule VllmBridge.StreamState do
           {:halt, {:error, misfit("patch.ops[#{n}] (path #{inspect(path)})", "an op that fits the state", why)}}
       end
     end)
-    |> case do
-      {:ok, value} -> {:ok, value, %{state | value: value, decoded: nil}}
-      {:error, _} = err -> err
-    end
   end
 
   # The target: what the op does to it. Above it: one step down, then the node rebuilt around the

@@ -5,6 +5,7 @@ defmodule VllmBridge.V1.StreamEncoding do
 
   field :STREAM_ENCODING_FULL, 0
   field :STREAM_ENCODING_PATCH_V1, 1
+  field :STREAM_ENCODING_PATCH_V2, 2
 end
 
 defmodule VllmBridge.V1.Target.Kind do
@@ -221,6 +222,17 @@ defmodule VllmBridge.V1.StreamPatch do
   use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
 
   field :ops, 1, repeated: true, type: VllmBridge.V1.PatchOp
+  field :row, 2, type: VllmBridge.V1.PatchRow
+end
+
+defmodule VllmBridge.V1.PatchRow do
+  @moduledoc false
+
+  use Protobuf, protoc_gen_elixir_version: "0.12.0", syntax: :proto3
+
+  field :strs, 1, repeated: true, type: :string
+  field :ints, 2, repeated: true, type: :sint64
+  field :floats, 3, repeated: true, type: :double
 end
 
 defmodule VllmBridge.V1.PatchOp do
