@@ -73,7 +73,8 @@ class StreamState:
                 raise CodecError("patch", "ops or a row", "both")
             return self._row(patch.row)
         out: list[Op] = []
-        shape: list[tuple[tuple[int, ...], str]] | None = []
+        shape: list[tuple[tuple[int, ...], str]] = []
+        rows = True         # whether every op so far is of a kind a row carries
         for op in patch.ops:
             which = op.WhichOneof("op")
             if which is None:
@@ -83,10 +84,13 @@ class StreamState:
             if which == "append_ints":
                 carried = carried.values
             out.append((path, which, carried))
-            if shape is not None:
+            if rows:
                 kind = _ROW_SETS.get(carried.WhichOneof("kind")) if which == "set" else which
-                shape = shape + [(path, kind)] if kind in _ROW_KINDS else None
-        self.shape = shape or None
+                if kind is not None and kind in _ROW_KINDS:
+                    shape.append((path, kind))
+                else:
+                    rows = False
+        self.shape = shape if rows and shape else None
         return out
 
     def _row(self, row: pb.PatchRow) -> list[Op]:

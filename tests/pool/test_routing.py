@@ -483,3 +483,22 @@ def test_a_large_request_is_read_by_the_router_for_its_target_and_first_argument
     with pytest.raises(BridgeError) as err:
         routed_request(small, "Call")
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid" in err.value.message
+
+
+def test_what_a_router_writes_as_bytes_arrives_with_its_presence() -> None:
+    """The router passes a worker's values and patches on as bytes, in views of the messages clients
+    read. An empty patch (nothing changed since the item before) is zero bytes: in a plain `bytes`
+    field it was not sent at all, so a `Stream` client got an item with neither a value nor a patch
+    (the Elixir client then took an empty Value for the state, and failed on the next patch)."""
+    from vllm_bridge.v1 import bridge_pb2 as pb
+
+    empty_patch = pb.StreamPatch().SerializeToString()
+    assert empty_patch == b""
+    item = pb.StreamItem.FromString(pb.StreamItemView(index=3, patch=empty_patch).SerializeToString())
+    assert item.index == 3 and item.HasField("patch") and not item.HasField("value")
+    item = pb.StreamItem.FromString(pb.StreamItemView(index=4, value=b"").SerializeToString())
+    assert item.HasField("value") and not item.HasField("patch")
+    assert pb.CallReply.FromString(pb.CallReplyView(value=b"").SerializeToString()).HasField("value")
+    for kind in ("value", "patch"):    # a lane's events, and a Multiplex client's
+        event = pb.MuxEvent.FromString(pb.MuxEventView(id=1, **{kind: b""}).SerializeToString())
+        assert event.WhichOneof("kind") == kind
