@@ -63,6 +63,7 @@ class _Refit(Exception):
     """A part that a container's shadow cannot follow (a record's field now msgspec UNSET, which the
     encoder leaves out): the container is sent whole."""
 
+
 # The ops a row carries (`PatchRow`), as the receiver tells them apart: by op, and for a set by the
 # Value's kind.
 _APPEND_STR, _APPEND_INTS, _SET_INT, _SET_FLOAT, _SET_STR = range(5)
@@ -425,7 +426,7 @@ class Patcher:
         self.root: _Node | None = None
         self.ops: Any = None              # the patch being written, then its ops once it has any
         # The ops found and not yet written, in order, each (path, code, value): those of the kinds
-        # a row carries (`_ROW_CODES`). Any other op writes them first, then itself.
+        # a row carries (`_APPEND_STR` ... `_SET_STR`). Any other op writes them first, then itself.
         self.pend: list[tuple[tuple[int, ...], int, Any]] = []
         self.rows = rows
         self.shape: list[tuple[tuple[int, ...], int]] | None = None   # the last patch's, if a row could follow it
