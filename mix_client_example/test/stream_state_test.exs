@@ -69,36 +69,40 @@ defmodule VllmBridge.StreamStateTest do
     values
   end
 
+  # A generation's first item, whole, and its second: a token's text and id appended, then `ops`.
+  defp first_two(ops) do
+    [
+      %PB.StreamItem{index: 0, value: output(" w0", [100], 1)},
+      %PB.StreamItem{
+        index: 1,
+        patch:
+          patch([op([2, 0, 1], {:append_str, " w1"}), op([2, 0, 2], {:append_ints, %PB.Ints{values: [101]}}) | ops])
+      }
+    ]
+  end
+
   defp refused(state, p) do
     assert {:error, %Error{} = e} = StreamState.patch(state, p)
     e
   end
 
   test "a generation's patches rebuild exactly the whole items, and decode to the same records" do
-    items = [
-      %PB.StreamItem{index: 0, value: output(" w0", [100], 1)},
-      %PB.StreamItem{
-        index: 1,
-        patch:
-          patch([
-            op([2, 0, 1], {:append_str, " w1"}),
-            op([2, 0, 2], {:append_ints, %PB.Ints{values: [101]}}),
-            op([4, 0], {:set, v(2)})
-          ])
-      },
-      # a patch with no ops repeats the item before
-      %PB.StreamItem{index: 2, patch: patch([])},
-      %PB.StreamItem{
-        index: 3,
-        patch:
-          patch([
-            op([2, 0, 1], {:append_str, " w2"}),
-            op([2, 0, 2], {:append_ints, %PB.Ints{values: [102, 103]}}),
-            op([3], {:set, v(true)}),
-            op([4, 1], {:set, v(2.5)})
-          ])
-      }
-    ]
+    items =
+      first_two([op([4, 0], {:set, v(2)})]) ++
+        [
+          # a patch with no ops repeats the item before
+          %PB.StreamItem{index: 2, patch: patch([])},
+          %PB.StreamItem{
+            index: 3,
+            patch:
+              patch([
+                op([2, 0, 1], {:append_str, " w2"}),
+                op([2, 0, 2], {:append_ints, %PB.Ints{values: [102, 103]}}),
+                op([3], {:set, v(true)}),
+                op([4, 1], {:set, v(2.5)})
+              ])
+          }
+        ]
 
     expected = [output(" w0", [100], 1), output(" w0 w1", [100, 101], 2), output(" w0 w1", [100, 101], 2)]
     expected = expected ++ [put_in_finished(output(" w0 w1 w2", [100, 101, 102, 103], 2), 2.5)]
@@ -176,27 +180,17 @@ defmodule VllmBridge.StreamStateTest do
   end
 
   test "a row is the patch before's ops with new values, after a row or a whole value too" do
-    items = [
-      %PB.StreamItem{index: 0, value: output(" w0", [100], 1)},
-      %PB.StreamItem{
-        index: 1,
-        patch:
-          patch([
-            op([2, 0, 1], {:append_str, " w1"}),
-            op([2, 0, 2], {:append_ints, %PB.Ints{values: [101]}}),
-            op([4, 0], {:set, v(2)}),
-            op([4, 1], {:set, v(2.5)}),
-            op([1], {:set, v("Hi")})
-          ])
-      },
-      # strs: the append_str's and the str set's; ints: the append's count and values, the int set's
-      %PB.StreamItem{index: 2, patch: row([" w2", "Hey"], [2, 102, 103, 3], [3.5])},
-      # a row after a row: the same ops again (an append of no ints too)
-      %PB.StreamItem{index: 3, patch: row([" w3", "Ho"], [0, 4], [4.5])},
-      # a whole value between does not count: a row still stands for the last patch's ops
-      %PB.StreamItem{index: 4, value: output(" x", [7], 9)},
-      {:patch, row([" y", "Yo"], [1, 8, 10], [0.5])}
-    ]
+    items =
+      first_two([op([4, 0], {:set, v(2)}), op([4, 1], {:set, v(2.5)}), op([1], {:set, v("Hi")})]) ++
+        [
+          # strs: the append_str's and the str set's; ints: the append's count and values, the int set's
+          %PB.StreamItem{index: 2, patch: row([" w2", "Hey"], [2, 102, 103, 3], [3.5])},
+          # a row after a row: the same ops again (an append of no ints too)
+          %PB.StreamItem{index: 3, patch: row([" w3", "Ho"], [0, 4], [4.5])},
+          # a whole value between does not count: a row still stands for the last patch's ops
+          %PB.StreamItem{index: 4, value: output(" x", [7], 9)},
+          {:patch, row([" y", "Yo"], [1, 8, 10], [0.5])}
+        ]
 
     assert Enum.map(run(items), &summary/1) == [
              {"Hello", " w0", [100], {1, 1.5}},
