@@ -166,9 +166,19 @@ def started(engine: Any) -> None:
     """vLLM reads some environment variables again at every use unless told to cache them, which its
     own engine processes do once started. Its front-end in the worker reads one per request per engine
     step (`VLLM_COMPUTE_NANS_IN_LOGITS`, in its stats): 1.6 % of the worker's samples while it streams.
-    Nothing changes the environment of a worker once it runs, so it is cached from here on."""
+    Nothing changes the environment of a worker once it runs, so it is cached from here on.
+
+    And an engine that logs stats records them, at every engine step, for its Prometheus metrics too
+    (a histogram observation per token among them), into this process's default registry, which no
+    one reads: the worker serves no metrics of its own (the pool server's are in a registry of their
+    own). That logger goes; the stats themselves stay (each output's `metrics`, and `do_log_stats`)."""
     from vllm.envs import enable_envs_cache
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
     enable_envs_cache()
+    manager = getattr(engine, "logger_manager", None)
+    loggers = getattr(manager, "stat_loggers", None)
+    if isinstance(loggers, list):
+        loggers[:] = [x for x in loggers if not isinstance(x, PrometheusStatLogger)]
 
 
 def shutdown(engine: Any) -> None:

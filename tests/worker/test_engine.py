@@ -169,6 +169,9 @@ def test_generate_streams_the_same_tokens_as_in_process_vllm(bridge: BridgeClien
     assert out["finish_reason"] == "length" and len(out["token_ids"]) == 24
     assert all(type(t) is int for t in out["token_ids"])
     assert out["token_ids"] == in_process_token_ids(model, "The quick brown fox", 24)
+    # vLLM's per-request stats are there (the worker only stops recording Prometheus metrics it never serves)
+    stats = last["metrics"]
+    assert stats["num_generation_tokens"] == 24 and 0 < stats["first_token_ts"] <= stats["last_token_ts"]
 
 
 def test_a_stream_interval_coalesces_items_without_losing_tokens(bridge: BridgeClient) -> None:

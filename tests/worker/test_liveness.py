@@ -58,6 +58,22 @@ def test_vllm_caches_its_environment_once_an_engine_has_started() -> None:
             envs.disable_envs_cache()
 
 
+def test_an_engine_records_no_prometheus_metrics_that_nothing_reads_and_keeps_its_other_stats() -> None:
+    """vLLM's Prometheus logger records every engine step (a histogram observation per token) into
+    the worker's default registry, which the worker never serves; its other loggers (`do_log_stats`)
+    stay. (vLLM's own classes; the loggers are made without a config, as only their type matters.)"""
+    from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger, StatLoggerManager
+
+    manager = object.__new__(StatLoggerManager)
+    kept, dropped = object.__new__(LoggingStatLogger), object.__new__(PrometheusStatLogger)
+    manager.stat_loggers = [kept, dropped]
+    engine = type("Engine", (), {"logger_manager": manager})()
+    assert ASYNC_LLM.lifecycle is not None and ASYNC_LLM.lifecycle.started is not None
+    ASYNC_LLM.lifecycle.started(engine)
+    assert manager.stat_loggers == [kept]
+    ASYNC_LLM.lifecycle.started(type("Quiet", (), {"logger_manager": None})())    # stats off: nothing to drop
+
+
 def test_an_object_that_died_is_seen_at_the_next_quick_look_not_a_probe_interval_later() -> None:
     """A lifecycle's `dead` is cheap to ask, so it is asked every `dead_check_s`: an engine core that
     exits is killed (its calls fail at once) and health changes within that, with full probes still
