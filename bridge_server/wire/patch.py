@@ -296,9 +296,7 @@ class _Seq(_Node):
     def diff(self, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
         leaves, kids = self.leaves, self.kids
         n = len(leaves)
-        cls: Any = self.cls
-        if type(obj) is not cls or len(obj) < n or depth >= p.max_depth or id(obj) in active or (
-                cls is list and obj and type(obj[0]) is int and _as_ints(obj)):    # `_fits`, inline
+        if not self._fits(p, obj, depth, active) or len(obj) < n:
             return p.whole(obj, path, depth, active)
         active.add(id(obj))
         depth += 1
@@ -445,15 +443,18 @@ class Patcher:
         pend = self.pend
         try:
             self.root = root.diff(self, obj, [], 0, set())
-            shape = self.shape
-            row = _as_row(pend, shape) if shape is not None and self.ops is patch else None
+            if not self.rows or self.ops is not patch:     # no rows, or an op of another kind was written
+                self.shape = None
+                self.flush()
+                return
+            # nothing but the kinds a row carries: a row, if they are the last patch's ops; else ops,
+            # and the next patch may be a row of these
+            here = list(map(_SHAPE_OF, pend))
+            row = None if self.shape is None else _as_row(pend, here, self.shape)
             if row is not None:
                 _write_row(row, patch.row)
-            elif self.rows and self.ops is patch:     # nothing but row kinds: the next may be a row
-                self.shape = list(map(_SHAPE_OF, pend)) or None
-                self.flush()
             else:
-                self.shape = None
+                self.shape = here or None
                 self.flush()
         except BaseException:
             self.root = None           # the shadow may be half updated: never patch against it again
@@ -572,13 +573,13 @@ class Patcher:
         return _Record(cls, names, leaves, kids, plan, constant, grows)
 
 
-def _as_row(pend: list[tuple[tuple[int, ...], int, Any]],
+def _as_row(pend: list[tuple[tuple[int, ...], int, Any]], here: list[tuple[tuple[int, ...], int]],
             shape: list[tuple[tuple[int, ...], int]]) -> list[tuple[tuple[int, ...], int, Any]] | None:
-    """The pending ops as the ops of `shape` (the last patch's paths and codes), or None if they are
-    not. An append that `shape` has and this patch lacks is an empty one: a token whose text is not
-    yet complete (part of a character) adds token ids and no text, and it would otherwise break the
-    run of rows twice."""
-    if len(pend) == len(shape) and list(map(_SHAPE_OF, pend)) == shape:
+    """The pending ops (whose paths and codes are `here`) as the ops of `shape` (the last patch's),
+    or None if they are not. An append that `shape` has and this patch lacks is an empty one: a
+    token whose text is not yet complete (part of a character) adds token ids and no text, and it
+    would otherwise break the run of rows twice."""
+    if here == shape:
         return pend
     if len(pend) > len(shape):
         return None
