@@ -29,6 +29,7 @@ very list the last item held; any other list in their place is compared whole, a
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import math
 import operator
@@ -558,10 +559,7 @@ class Patcher:
         names = tuple(n for n, _ in fields)
         if names == plan.names:
             names = plan.names        # the same tuple: `_Record._fields` then takes the fast way
-        declared = self.encoder.constant_fields.get(cls)
-        constant = frozenset(i for i, n in enumerate(names) if n in declared) if declared else frozenset()
-        growing = self.encoder.growing_fields.get(cls)
-        grows = frozenset(i for i, n in enumerate(names) if n in growing) if growing else frozenset()
+        constant, grows = _marked(names, self.encoder.constant_fields.get(cls), self.encoder.growing_fields.get(cls))
         leaves, kids = self._parts(obj, (v for _, v in fields), depth, active)
         for i in constant:
             if kids[i] is not None and type(kids[i]) is not _Enum:
@@ -571,6 +569,15 @@ class Patcher:
             if type(kid) in _GROWABLE:
                 kid.source = fields[i][1]     # type: ignore[union-attr]  # _Ints or _Seq
         return _Record(cls, names, leaves, kids, plan, constant, grows)
+
+
+@functools.lru_cache(maxsize=1024)
+def _marked(names: tuple[str, ...], constant: frozenset[str] | None,
+            growing: frozenset[str] | None) -> tuple[frozenset[int], frozenset[int]]:
+    """Which of a record's fields (by position) its class declares constant, and which growing:
+    the same for every record of a shape, and worked out for each stream's first item."""
+    return (frozenset(i for i, n in enumerate(names) if n in constant) if constant else frozenset(),
+            frozenset(i for i, n in enumerate(names) if n in growing) if growing else frozenset())
 
 
 def _as_row(pend: list[tuple[tuple[int, ...], int, Any]], here: list[tuple[tuple[int, ...], int]],

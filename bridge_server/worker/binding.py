@@ -78,9 +78,18 @@ def bind_arguments(label: str, signature: inspect.Signature, args: list[Any], kw
     """The arguments as the callee will receive them; INVALID_ARGUMENT naming the parameter if not.
     For a constructor of a record class (`constructs`), its `RecordRule` applies to the arguments as
     it would to a map's fields."""
+    bound = bind_checked(label, signature, args, kwargs, building, checks, constructs)
+    return list(bound.args), dict(bound.kwargs)
+
+
+def bind_checked(label: str, signature: inspect.Signature, args: list[Any], kwargs: dict[str, Any],
+                 building: Building, checks: Checks | None = None,
+                 constructs: type | None = None) -> inspect.BoundArguments:
+    """bind_arguments, as the bound arguments themselves: a guard reads them by name, and binding
+    them again for it cost every request as much as binding them did."""
     _no_private(label, "", constructs, kwargs)
     try:
-        bound = signature.bind(*args, **kwargs)
+        bound = _bind_plainly(signature, args, kwargs) or signature.bind(*args, **kwargs)
     except TypeError as exc:
         m = _TYPEERROR_PARAM.search(str(exc))
         raise BridgeError.validation(f"{label}{_short_sig(signature)}: {exc}", target=label,
@@ -101,7 +110,54 @@ def bind_arguments(label: str, signature: inspect.Signature, args: list[Any], kw
                 bound.arguments[pname] = given
     if rule is not None and rule.check is not None:
         rule.check(bound.arguments, building.policy)
-    return list(bound.args), dict(bound.kwargs)
+    return bound
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """A signature without *args or **kwargs, as `_bind_plainly` reads it."""
+
+    order: tuple[str, ...]             # every parameter, in order
+    positional: tuple[str, ...]        # those that may be given by position, in order
+    by_name: frozenset[str]            # those that may be given by name
+    required: frozenset[str]           # those without a default
+
+
+_SHAPES: dict[int, tuple[inspect.Signature, _Shape | None]] = {}   # by id, the signature kept alive with it
+
+
+def _shape(signature: inspect.Signature) -> _Shape | None:
+    held = _SHAPES.get(id(signature))
+    if held is not None and held[0] is signature:
+        return held[1]
+    params = list(signature.parameters.values())
+    P = inspect.Parameter
+    shape = None if any(p.kind in (P.VAR_POSITIONAL, P.VAR_KEYWORD) for p in params) else _Shape(
+        tuple(p.name for p in params),
+        tuple(p.name for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)),
+        frozenset(p.name for p in params if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)),
+        frozenset(p.name for p in params if p.default is P.empty))
+    if len(_SHAPES) < 4096:
+        _SHAPES[id(signature)] = (signature, shape)
+    return shape
+
+
+def _bind_plainly(signature: inspect.Signature, args: list[Any], kwargs: dict[str, Any]) -> inspect.BoundArguments | None:
+    """`signature.bind(*args, **kwargs)` where it cannot fail and the signature has no *args or
+    **kwargs (a request's call, every time), in a third of its time: what `Signature.bind` checks
+    parameter by parameter is checked here with sets worked out once per signature. None where
+    `Signature.bind` must judge (and say what is wrong)."""
+    shape = _shape(signature)
+    if shape is None or len(args) > len(shape.positional):
+        return None
+    given = dict(zip(shape.positional, args))
+    for name in kwargs:
+        if name not in shape.by_name or name in given:
+            return None
+    given.update(kwargs)
+    if not shape.required <= given.keys():
+        return None
+    return inspect.BoundArguments(signature, {n: given[n] for n in shape.order if n in given})
 
 
 # ------------------------------------------------------------------------------------------ checks

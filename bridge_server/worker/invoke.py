@@ -48,7 +48,7 @@ from bridge_server.wire.turns import Turns
 from bridge_server.worker.binding import (
     Building,
     Checks,
-    bind_arguments,
+    bind_checked,
     check_record,
     member_checks,
     member_signature,
@@ -115,6 +115,38 @@ class Plan:
     fill_exit_args: bool = False
 
 
+@dataclass(frozen=True)
+class _MethodShape:
+    """What planning a call of a method learns from the receiver's class alone (the documented
+    entry, the surface checks, the signature and the parameters' checks): the same for every
+    instance, so it is worked out once per class and name; only the receiver is bound per call."""
+
+    func: Callable[..., Any]              # the class's function: a bound method of it is what was planned
+    label: str
+    entry: Entry | None
+    exclusive: bool
+    is_async: bool
+    streams: bool
+    signature: inspect.Signature | None
+    checks: Checks | None
+    profile: str
+    override: Callable[..., Any] | None   # called with the receiver first, in place of the method
+    fill_exit_args: bool
+
+    def plan(self, obj: object, member: Any, exclusive: bool, published: bool) -> Plan:
+        entry = self.entry
+        fn = member if self.override is None else functools.partial(self.override, obj)
+        return Plan(label=self.label, fn=fn, signature=self.signature, checks=self.checks, entry=entry,
+                    exclusive=exclusive or self.exclusive, is_async=self.is_async, streams=self.streams,
+                    profile=self.profile, receiver=obj, published=published,
+                    operator_only=published and (entry is None or not entry.per_client),
+                    fill_exit_args=self.fill_exit_args,
+                    result_ref=entry.result_ref if entry else False)
+
+
+MAX_METHOD_SHAPES = 4096    # (class, method) pairs planned once; past it, planned per call
+
+
 @dataclass
 class Invoker:
     catalog: Catalog
@@ -138,6 +170,7 @@ class Invoker:
         self._shared_lane = ThreadPoolExecutor(self.shared_threads, thread_name_prefix="bridge-shared")
         self._exclusive_lock = asyncio.Lock()
         self._entry_plans: dict[str, Plan] = {}   # catalog targets carry no receiver: plan them once
+        self._method_shapes: dict[tuple[type, str], _MethodShape] = {}
         self._decoders: dict[str, Decoder] = {}   # by identity
         self._building = Building(self.catalog.short_types, self.catalog.rule, self.policy)
         self.stall = StallGuard(self.limits.reader_stall_s)   # bounds every wait on a stream's caller
@@ -268,6 +301,13 @@ class Invoker:
 
     def _plan_member(self, target: pb.Target, obj: object, exclusive: bool, published: bool = False) -> Plan:
         name, kind = target.name, target.kind
+        if kind == pb.Target.METHOD:
+            shape = self._method_shapes.get((type(obj), name))
+            if shape is not None:
+                # the same class function as when it was planned (not one an instance or a patch put there)
+                member = getattr(obj, name, None)
+                if inspect.ismethod(member) and member.__func__ is shape.func:
+                    return shape.plan(obj, member, exclusive, published)
         label = f"{type(obj).__qualname__}.{clip(name, 80)}" if name else type(obj).__qualname__
         if isinstance(obj, CODE_TYPES):
             raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
@@ -306,10 +346,18 @@ class Invoker:
         documented = tuple((p.name, p.type) for p in entry.doc.params) if entry and entry.doc else ()
         cls: type = type(obj)
         checks = member_checks(cls, name, documented) if inspect.ismethod(member) else None
+        override = None
         if entry is not None and entry.override is not None:   # the adapter's version, receiver first
-            member, is_async = functools.partial(entry.override, obj), True
+            override, is_async = entry.override, True
         elif entry is None and (exposed := self.catalog.exposure(obj)) is not None and name in exposed.overrides:
-            member = functools.partial(exposed.overrides[name], obj)    # runs where the method would
+            override = exposed.overrides[name]    # runs where the method would
+        if kind == pb.Target.METHOD and inspect.ismethod(member) and member.__func__ is getattr(cls, name, None) \
+                and len(self._method_shapes) < MAX_METHOD_SHAPES:
+            self._method_shapes[(cls, name)] = _MethodShape(
+                member.__func__, label, entry, entry.exclusive if entry else False, is_async, streams, sig, checks,
+                profile, override, name in _EXIT_METHODS)
+        if override is not None:
+            member = functools.partial(override, obj)
         return Plan(label=label, fn=member, signature=sig, checks=checks, entry=entry, exclusive=exclusive,
                     is_async=is_async, streams=streams, profile=profile, receiver=obj, published=published,
                     operator_only=published and (entry is None or not entry.per_client),
@@ -345,18 +393,25 @@ class Invoker:
 
     def bind(self, plan: Plan, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         """Checks the arguments against the signature (and builds maps into config classes)."""
+        args, kwargs, _ = self._bind(plan, args, kwargs)
+        return args, kwargs
+
+    def _bind(self, plan: Plan, args: list[Any],
+              kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any], inspect.BoundArguments | None]:
+        """bind, and the bound arguments (None where there is no signature to bind them to)."""
         if plan.fn is None:
             if args or kwargs:
                 raise BridgeError.validation(f"{plan.label} is an attribute and takes no arguments; got "
                                              f"{len(args)} positional and {len(kwargs)} keyword", target=plan.label)
-            return args, kwargs
+            return args, kwargs, None
         if plan.fill_exit_args and not args and not kwargs:
             args = [None, None, None]
         if plan.signature is None:
-            return args, kwargs
+            return args, kwargs, None
         entry = plan.entry
         constructs = entry.owner if entry is not None and entry.kind is Kind.CONSTRUCTOR else None
-        return bind_arguments(plan.label, plan.signature, args, kwargs, self._building, plan.checks, constructs)
+        bound = bind_checked(plan.label, plan.signature, args, kwargs, self._building, plan.checks, constructs)
+        return list(bound.args), dict(bound.kwargs), bound
 
     # ------------------------------------------------------------------------------------ execution
     async def run(self, plan: Plan, args: list[Any], kwargs: dict[str, Any], deadline: float | None) -> Any:
@@ -417,10 +472,11 @@ class Invoker:
         """Binds the arguments and runs the entry's guard: everything that can refuse a call before it runs."""
         if plan.operator_only and not self.policy.operator(caller.identity):
             raise _not_operator(plan)
-        args, kwargs = self.bind(plan, args, kwargs)
+        args, kwargs, bound = self._bind(plan, args, kwargs)
         if plan.entry is not None and plan.entry.guard is not None:
             try:
-                result = plan.entry.guard(plan.receiver, _bound_map(plan, args, kwargs), self._context(plan, caller))
+                result = plan.entry.guard(plan.receiver, _bound_map(plan, args, kwargs, bound),
+                                          self._context(plan, caller))
                 settings = await result if inspect.isawaitable(result) else result
             except BridgeError as exc:
                 raise _naming(exc, plan.label)
@@ -516,11 +572,12 @@ class Invoker:
         """`call` for an `immediate` plan, synchronously: a Multiplex or lane request for a trivial
         helper is answered where it is read, with no task and no loop turn, which would cost more
         than the helper. Deadlines do not apply: an inline helper is never pre-empted anyway."""
-        args, kwargs = self.bind(plan, *self.decode(request, caller, plan.label))
+        args, kwargs, bound = self._bind(plan, *self.decode(request, caller, plan.label))
         assert plan.fn is not None
         if plan.entry is not None and plan.entry.guard is not None:     # a plain function (see `immediate`)
             try:
-                refused = plan.entry.guard(plan.receiver, _bound_map(plan, args, kwargs), self._context(plan, caller))
+                refused = plan.entry.guard(plan.receiver, _bound_map(plan, args, kwargs, bound),
+                                           self._context(plan, caller))
             except BridgeError as exc:
                 raise _naming(exc, plan.label)
             if inspect.iscoroutine(refused):     # a plain function that returned a coroutine after all
@@ -602,10 +659,14 @@ def _setting(plan: Plan, args: list[Any], kwargs: dict[str, Any],
     return list(bound.args), dict(bound.kwargs)
 
 
-def _bound_map(plan: Plan, args: list[Any], kwargs: dict[str, Any]) -> Mapping[str, Any]:
+def _bound_map(plan: Plan, args: list[Any], kwargs: dict[str, Any],
+               bound: inspect.BoundArguments | None = None) -> Mapping[str, Any]:
+    """The arguments by name, defaults filled in, as a guard reads them; `bound`: them bound already
+    (args and kwargs were taken from it, so filling in its defaults changes neither)."""
     if plan.signature is None:
         return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
-    bound = plan.signature.bind_partial(*args, **kwargs)
+    if bound is None:
+        bound = plan.signature.bind_partial(*args, **kwargs)
     bound.apply_defaults()
     return bound.arguments
 

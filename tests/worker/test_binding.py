@@ -18,6 +18,7 @@ from bridge_server.wire.errors import BridgeError
 from bridge_server.worker.binding import (
     Building,
     Checks,
+    _bind_plainly,
     _class_hints,
     _class_signature,
     _documented,
@@ -143,6 +144,49 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("case", REFUSED, ids=lambda c: f"{c[0].rpartition('.')[2]}:{c[3]}")
+def _signatures(catalog: Catalog) -> Iterator[inspect.Signature]:
+    def f(a: int, b: int = 2, /, c: int = 3, *, d: int, e: int = 5) -> None: ...
+    def g(a: int, /, b: int) -> None: ...
+    yield from (inspect.signature(f), inspect.signature(g))
+    for e in catalog.entries.values():
+        if e.signature is not None:
+            yield e.signature
+
+
+def test_the_quick_bind_binds_as_python_does_or_leaves_it_to_python(catalog: Catalog) -> None:
+    """A request's arguments are bound without `Signature.bind` where they plainly fit (no *args or
+    **kwargs, each name known once, every required one given); wherever it binds, the arguments and
+    their order, and what the callee gets by position and by name, are what Python's bind gives, and
+    whatever Python would refuse it leaves to Python (which names the problem)."""
+    import itertools
+    import random
+    rng = random.Random(11)
+    quick = 0
+    for sig in _signatures(catalog):
+        names = list(sig.parameters)
+        pool = names + ["no_such_parameter"]
+        counts = sorted({0, 1, 2, 3, len(names) - 1, len(names), len(names) + 1} - {-1})
+        singles = rng.sample(pool, min(len(pool), 12))
+        cases = [(n, set(kw)) for n in counts for kw in itertools.chain([()], ((k,) for k in singles))]
+        cases += [(rng.choice(counts), set(rng.sample(pool, rng.randint(0, len(pool))))) for _ in range(30)]
+        required = [p.name for p in sig.parameters.values() if p.default is p.empty]
+        cases += [(0, set(required)), (0, set(required) | set(singles[:2]))]
+        for n, keys in cases:
+            args, kwargs = list(range(n)), {k: k for k in keys}
+            try:
+                expected = sig.bind(*args, **kwargs)
+            except TypeError:
+                expected = None
+            got = _bind_plainly(sig, args, kwargs)
+            if got is None:
+                continue
+            quick += 1
+            assert expected is not None, (sig, n, keys)
+            assert list(got.arguments.items()) == list(expected.arguments.items()), (sig, n, keys)
+            assert (got.args, got.kwargs) == (expected.args, expected.kwargs), (sig, n, keys)
+    assert quick > 100     # it does bind: most of the catalog's calls take no *args or **kwargs
+
+
 def test_a_value_vllm_would_refuse_later_is_refused_now(catalog: Catalog,
                                                         case: tuple[str, tuple[Any, ...], dict[str, Any], str, str]) -> None:
     name, args, kwargs, parameter, expected = case

@@ -190,3 +190,50 @@ def test_an_object_that_answers_every_attribute_is_not_taken_for_an_iterable() -
         with pytest.raises(BridgeError) as err:
             asyncio.run(first(source))
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and said in err.value.message, err.value
+
+
+def test_a_method_is_planned_once_per_class_and_what_replaces_it_is_planned_anew() -> None:
+    """What planning a method call learns from the class is kept per class and name; each call still
+    binds its own receiver, and a method the class or the instance replaced since is planned again
+    (the surface's checks with it), never served from what was kept."""
+    import grpc
+
+    from bridge_server.wire.errors import BridgeError
+    from bridge_server.worker.catalog import Catalog
+    from bridge_server.worker.invoke import Caller, Invoker
+    from bridge_server.worker.refs import RefRegistry
+    from vllm_bridge.v1 import bridge_pb2 as pb
+
+    class Box:
+        def __enter__(self) -> str:
+            return f"class {id(self)}"
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    invoker = Invoker(Catalog(), RefRegistry("w-test"))
+
+    def plan(obj: object, name: str = "__enter__") -> Any:
+        ref = invoker.refs.put(obj, Caller().session)
+        return invoker.plan(pb.Target(kind=pb.Target.METHOD, name=name, ref=pb.Ref(id=ref.id)), Caller())
+
+    a, b = Box(), Box()
+    first, second = plan(a), plan(b)
+    assert (first.receiver, second.receiver) == (a, b)
+    assert (first.fn(), second.fn()) == (f"class {id(a)}", f"class {id(b)}")
+    assert second.signature is first.signature and not second.fill_exit_args and plan(a, "__exit__").fill_exit_args
+
+    async def patched(self: Box, how: str) -> str:
+        return how
+
+    Box.__enter__ = patched                     # type: ignore[method-assign, assignment]
+    again = plan(a)
+    assert again.is_async and again.receiver is a
+    b.__enter__ = lambda *given: given          # type: ignore[method-assign]
+    again = plan(b)
+    assert not again.is_async and again.fn(1, 2) == (1, 2) and list(again.signature.parameters) == ["given"]
+    for _ in range(2):      # a member off the surface is refused every time, however often it is asked for
+        with pytest.raises(BridgeError) as err:
+            plan(a, "__init__")
+        assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+    invoker.close()
