@@ -143,7 +143,6 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize("case", REFUSED, ids=lambda c: f"{c[0].rpartition('.')[2]}:{c[3]}")
 def _signatures(catalog: Catalog) -> Iterator[inspect.Signature]:
     def f(a: int, b: int = 2, /, c: int = 3, *, d: int, e: int = 5) -> None: ...
     def g(a: int, /, b: int) -> None: ...
@@ -187,6 +186,7 @@ def test_the_quick_bind_binds_as_python_does_or_leaves_it_to_python(catalog: Cat
     assert quick > 100     # it does bind: most of the catalog's calls take no *args or **kwargs
 
 
+@pytest.mark.parametrize("case", REFUSED, ids=lambda c: f"{c[0].rpartition('.')[2]}:{c[3]}")
 def test_a_value_vllm_would_refuse_later_is_refused_now(catalog: Catalog,
                                                         case: tuple[str, tuple[Any, ...], dict[str, Any], str, str]) -> None:
     name, args, kwargs, parameter, expected = case
