@@ -142,7 +142,8 @@ def _shape(signature: inspect.Signature) -> _Shape | None:
     return shape
 
 
-def _bind_plainly(signature: inspect.Signature, args: list[Any], kwargs: dict[str, Any]) -> inspect.BoundArguments | None:
+def _bind_plainly(signature: inspect.Signature, args: list[Any],
+                  kwargs: dict[str, Any]) -> inspect.BoundArguments | None:
     """`signature.bind(*args, **kwargs)` where it cannot fail and the signature has no *args or
     **kwargs (a request's call, every time), in a third of its time: what `Signature.bind` checks
     parameter by parameter is checked here with sets worked out once per signature. None where
