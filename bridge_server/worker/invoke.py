@@ -351,17 +351,12 @@ class Invoker:
             override, is_async = entry.override, True
         elif entry is None and (exposed := self.catalog.exposure(obj)) is not None and name in exposed.overrides:
             override = exposed.overrides[name]    # runs where the method would
+        shape = _MethodShape(getattr(member, "__func__", member), label, entry, entry.exclusive if entry else False,
+                             is_async, streams, sig, checks, profile, override, name in _EXIT_METHODS)
         if kind == pb.Target.METHOD and inspect.ismethod(member) and member.__func__ is getattr(cls, name, None) \
                 and len(self._method_shapes) < MAX_METHOD_SHAPES:
-            self._method_shapes[(cls, name)] = _MethodShape(
-                member.__func__, label, entry, entry.exclusive if entry else False, is_async, streams, sig, checks,
-                profile, override, name in _EXIT_METHODS)
-        if override is not None:
-            member = functools.partial(override, obj)
-        return Plan(label=label, fn=member, signature=sig, checks=checks, entry=entry, exclusive=exclusive,
-                    is_async=is_async, streams=streams, profile=profile, receiver=obj, published=published,
-                    operator_only=published and (entry is None or not entry.per_client),
-                    fill_exit_args=name in _EXIT_METHODS, result_ref=entry.result_ref if entry else False)
+            self._method_shapes[(cls, name)] = shape     # a class's own method: the same for every instance
+        return shape.plan(obj, member, exclusive, published)
 
     # -------------------------------------------------------------------------------------- binding
     async def decode_in_turn(self, request: pb.CallRequest | LargeRequest, caller: Caller, plan: Plan,
