@@ -23,7 +23,9 @@ proportion to its length: a generation's token ids, and worse its logprobs (a di
 would make each item of a long generation dearer than the one before, and the whole stream
 quadratic. So fields that an adapter declares growing (`adapters.spec.Growing`: one list, only
 appended to, through the stream) are compared by their new items only, while they are still the
-very list the last item held; any other list in their place is compared whole, as always.
+very list the last item held; any other list in their place is compared whole, as always. Their new
+items are not even shadowed (nothing looks at them again while the list stays), so should another
+list take its place, those items are sent again.
 """
 
 from __future__ import annotations
@@ -309,9 +311,19 @@ class _Seq(_Node):
                 return p.whole(obj, path, depth - 1, active)
         if len(obj) > n:
             added = p.op(path).append_items.items
-            for x in obj[n:]:
-                p.fill(x, added.add(), depth, active)
-                p.add_part(x, leaves, kids, depth, active)
+            if obj is self.source:
+                # Nothing compares a growing list's items while it is still the list (above), so its new
+                # ones are encoded and not shadowed (a logprob dict per token cost as much to shadow as to
+                # encode). Should another list take its place, each of them is sent again (`_OPAQUE`).
+                for x in obj[n:]:
+                    p.fill(x, added.add(), depth, active)
+                    simple = type(x) in _SIMPLE
+                    leaves.append(x if simple else _NOT_A_LEAF)
+                    kids.append(None if simple else _OPAQUE)
+            else:
+                for x in obj[n:]:
+                    p.fill(x, added.add(), depth, active)
+                    p.add_part(x, leaves, kids, depth, active)
         active.discard(id(obj))
         return self
 
