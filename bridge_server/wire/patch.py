@@ -572,7 +572,11 @@ class Patcher:
         if names == plan.names:
             names = plan.names        # the same tuple: `_Record._fields` then takes the fast way
         constant, grows = _marked(names, self.encoder.constant_fields.get(cls), self.encoder.growing_fields.get(cls))
-        leaves, kids = self._parts(obj, (v for _, v in fields), depth, active)
+        values = [v for _, v in fields]
+        if _SIMPLE.issuperset(map(type, values)):    # scalars only (a logprob, stats): nothing to shadow but them
+            leaves, kids = values, [None] * len(values)
+        else:
+            leaves, kids = self._parts(obj, values, depth, active)
         for i in constant:
             if kids[i] is not None and type(kids[i]) is not _Enum:
                 leaves[i] = fields[i][1]      # the object itself: skipped while it stays
