@@ -119,9 +119,10 @@ class Growing:
     """Fields of a class sent by value (a RecordType, a dataclass) that, through one stream, hold
     one list which only grows: items once in it are never changed, only new ones appended (vLLM's
     cumulative token ids and logprobs). While a field is still that same list, a patch sender
-    compares only the new items, and a stream's whole-value encoder encodes only them onto a copy
-    of its last encoding; without the declaration each would go over every item again at every
-    step, a cost per item that grows with the generation (see `wire/patch.py`)."""
+    sends only the new items (and shadows none of them that holds other values), and a stream's
+    whole-value encoder encodes only them onto a copy of its last encoding; without the declaration
+    each would go over every item again at every step, a cost per item that grows with the
+    generation (see `wire/patch.py`)."""
 
     module: str
     attr: str
