@@ -573,10 +573,10 @@ class Patcher:
             names = plan.names        # the same tuple: `_Record._fields` then takes the fast way
         constant, grows = _marked(names, self.encoder.constant_fields.get(cls), self.encoder.growing_fields.get(cls))
         values = [v for _, v in fields]
-        if _SIMPLE.issuperset(map(type, values)):    # scalars only (a logprob, stats): nothing to shadow but them
-            leaves, kids = values, [None] * len(values)
-        else:
-            leaves, kids = self._parts(obj, values, depth, active)
+        if _SIMPLE.issuperset(map(type, values)):    # scalars only (a logprob, stats): they are their own shadow
+            scalars: list[_Node | None] = [None] * len(values)
+            return _Record(cls, names, values, scalars, plan, constant, grows)
+        leaves, kids = self._parts(obj, values, depth, active)
         for i in constant:
             if kids[i] is not None and type(kids[i]) is not _Enum:
                 leaves[i] = fields[i][1]      # the object itself: skipped while it stays
