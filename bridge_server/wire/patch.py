@@ -97,7 +97,9 @@ class _Node:
 
 class _Opaque(_Node):
     """Encoded as something never compared (a ref, a tensor, a set, a container subclass, a value
-    past the depth limit): sent whole every time, as the full encoding would (refs included)."""
+    past the depth limit): sent whole every time, as the full encoding would (refs included). Also
+    the shadow of what is trusted by identity and so never shadowed (a growing list's items, a field
+    declared constant): sent whole should another object take its place."""
 
     __slots__ = ()
 
@@ -207,7 +209,8 @@ def _diff_parts(p: Patcher, values: Any, leaves: list[Any], kids: list[_Node | N
     shadowed, and updates their shadow. `depth` is the parts' own. The parts at `constant` positions
     are a record's fields that its adapter declares to stay the same object through a stream (a
     request's prompt token ids): while they are that object they are not compared, which is what the
-    full encoding assumes of them too (it sends its first encoding again). Those at `grows` positions
+    full encoding assumes of them too (it sends its first encoding again); they are not shadowed
+    either, so another object in their place is sent whole, as the full encoding encodes it anew. Those at `grows` positions
     are declared growing lists: their shadows learn which list they shadow. `special`: both."""
     pend = p.pend
     i = -1
@@ -525,13 +528,26 @@ class Patcher:
         leaves.append(kid.member if type(kid) is _Enum else _NOT_A_LEAF)
         kids.append(kid)
 
-    def _parts(self, owner: Any, values: Any, depth: int, active: set[int]) -> tuple[list[Any], list[_Node | None]]:
+    def _parts(self, owner: Any, values: Any, depth: int, active: set[int],
+               constant: frozenset[int] = frozenset()) -> tuple[list[Any], list[_Node | None]]:
+        """The shadows of `values`, `owner`'s parts. Those at `constant` positions (a record's fields
+        declared constant) are compared by identity only (`_diff_parts`): they are their own leaf and
+        are not shadowed (a request's prompt logprobs would cost the first item a shadow of every
+        one of them)."""
         leaves: list[Any] = []
         kids: list[_Node | None] = []
         active.add(id(owner))
         try:
-            for x in values:
-                self.add_part(x, leaves, kids, depth + 1, active)
+            if not constant:
+                for x in values:
+                    self.add_part(x, leaves, kids, depth + 1, active)
+                return leaves, kids
+            for i, x in enumerate(values):
+                if i in constant and type(x) not in _SIMPLE and not isinstance(x, enum.Enum):
+                    leaves.append(x)
+                    kids.append(_OPAQUE)
+                else:
+                    self.add_part(x, leaves, kids, depth + 1, active)
         finally:
             active.discard(id(owner))
         return leaves, kids
@@ -576,10 +592,7 @@ class Patcher:
         if _SIMPLE.issuperset(map(type, values)):    # scalars only (a logprob, stats): they are their own shadow
             scalars: list[_Node | None] = [None] * len(values)
             return _Record(cls, names, values, scalars, plan, constant, grows)
-        leaves, kids = self._parts(obj, values, depth, active)
-        for i in constant:
-            if kids[i] is not None and type(kids[i]) is not _Enum:
-                leaves[i] = fields[i][1]      # the object itself: skipped while it stays
+        leaves, kids = self._parts(obj, values, depth, active, constant)
         for i in grows:
             kid = kids[i]
             if type(kid) in _GROWABLE:

@@ -233,7 +233,9 @@ def test_a_place_patched_again_after_something_above_it_was_replaced_is_found_an
 def test_fields_declared_constant_are_trusted_while_they_stay_the_same_object_as_the_full_encoding_does() -> None:
     """An adapter declares the fields of a record that stay the same object through a stream (a
     request's prompt token ids): the full encoding of a stream sends their first encoding again
-    while they are that object, and so do patches, without comparing a long prompt every item."""
+    while they are that object, and so do patches, without comparing a long prompt every item.
+    Another object in their place, even an equal one, is sent whole, as the full encoding encodes it
+    anew."""
     prompt = list(range(1000))
     items = [Plain(x=prompt, y=1), Plain(x=prompt, y=2), Plain(x=list(prompt), y=3), Plain(x=[7], y=4)]
     whole = Encoder(by_identity, records=RECORDS, constant_fields={Plain: frozenset({"x"})}, memo={})
@@ -246,7 +248,28 @@ def test_fields_declared_constant_are_trusted_while_they_stay_the_same_object_as
         sent.append(msg)
         assert state.item(msg).SerializeToString(deterministic=True) == \
             whole.encode(item).SerializeToString(deterministic=True)
-    assert [ops(m) for m in sent[1:]] == [[([1], "set")], [([1], "set")], [([0], "set"), ([1], "set")]]
+    assert [ops(m) for m in sent[1:]] == [[([1], "set")], [([0], "set"), ([1], "set")],
+                                          [([0], "set"), ([1], "set")]]
+
+
+def test_a_field_declared_constant_is_not_shadowed() -> None:
+    """A request's prompt logprobs (a dict of records per prompt token) are declared constant: the
+    first item encodes them, and nothing reads them again to keep a copy that is never compared
+    (for a 200-token prompt with 5 logprobs that copy cost the first item 14 ms)."""
+    held = [Counted({i: -0.5 * i}) for i in range(50)]
+    records = {**RECORDS, Counted: ("v",)}
+    options: dict[str, Any] = {"records": records, "constant_fields": {Plain: frozenset({"x"})}}
+    patcher = Patcher(Encoder(by_identity, **options))
+    Counted.reads = 0
+    Encoder(by_identity, **options).encode(Plain(x=held, y=0))
+    encoding = Counted.reads
+    Counted.reads = 0
+    patcher.put(Plain(x=held, y=0), pb.MuxEvent())
+    assert Counted.reads == encoding
+    Counted.reads = 0
+    msg = pb.MuxEvent()
+    patcher.put(Plain(x=held, y=1), msg)
+    assert Counted.reads == 0 and ops(msg) == [([1], "set")]
 
 
 
