@@ -210,8 +210,9 @@ def _diff_parts(p: Patcher, values: Any, leaves: list[Any], kids: list[_Node | N
     are a record's fields that its adapter declares to stay the same object through a stream (a
     request's prompt token ids): while they are that object they are not compared, which is what the
     full encoding assumes of them too (it sends its first encoding again); they are not shadowed
-    either, so another object in their place is sent whole, as the full encoding encodes it anew. Those at `grows` positions
-    are declared growing lists: their shadows learn which list they shadow. `special`: both."""
+    either, so another object in their place is sent whole, as the full encoding encodes it anew.
+    Those at `grows` positions are declared growing lists: their shadows learn which list they
+    shadow. `special`: both."""
     pend = p.pend
     i = -1
     for x in values:
