@@ -500,8 +500,11 @@ def _field_types_error(cls: type, fields: dict[str, Any]) -> str | None:
         return None
     if getattr(getattr(cls, "__struct_config__", None), "array_like", False):
         return None       # converted from a list only: a map is "the wrong type" whatever its fields
+    # an enum field's value has become its member by now (`check_record`), which msgspec converts
+    # from its value only: the member would be blamed for whatever the class refused
+    given = {k: v.value if isinstance(v, enum.Enum) else v for k, v in fields.items()}
     try:
-        msgspec.convert(fields, cls)
+        msgspec.convert(given, cls)
     except msgspec.ValidationError as exc:   # "Expected `int`, got `str` - at `$.max_tokens`"
         return f"field {str(exc).rpartition('$.')[2].rstrip('`')}: {str(exc).partition(' - at ')[0]}" \
             if " - at `$." in str(exc) else str(exc)

@@ -122,6 +122,11 @@ REFUSED = [
      "got bool True"),     # equal to 1 (DELTA), but msgspec, and so vLLM's engine core, refuses it (and dies)
     ("vllm.AsyncLLMEngine.generate", ("Hi", {"output_kind": "DELTA"}, "r"), {}, "sampling_params.output_kind",
      "got str 'DELTA'"),
+    # what the class itself refuses is what is said, an enum given by value alongside or not
+    ("vllm.AsyncLLMEngine.generate", ("Hi", {"temperature": 0.0, "n": 2, "output_kind": 1}, "r"), {},
+     "sampling_params", "n must be 1 when using greedy sampling, got 2"),
+    ("vllm.AsyncLLMEngine.generate", ("Hi", {"top_p": 0.0, "output_kind": 0}, "r"), {}, "sampling_params",
+     "top_p must be in (0, 1], got 0.0"),
     ("vllm.AsyncLLMEngine.generate", ("Hi", {"structured_outputs": {"json": 3}}, "r"), {},
      "sampling_params.structured_outputs.json", "expected str | dict | None, got int 3"),
     ("vllm.AsyncLLMEngine.generate", ("Hi", {}, 7), {}, "request_id", "expected str, got int 7"),
