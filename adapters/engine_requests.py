@@ -317,6 +317,7 @@ def check_sampling_params(engine: Any, label: str, name: str, params: Any) -> No
     if type(params).__name__ != "SamplingParams":
         return
     _check_structured_outputs(label, name, params)
+    _check_bad_words(engine, label, name, params)
     bound = engine.model_config.get_vocab_size()
     for field in ("stop_token_ids", "allowed_token_ids"):
         ids = getattr(params, field, None)
@@ -325,6 +326,23 @@ def check_sampling_params(engine: Any, label: str, name: str, params: Any) -> No
     bias = getattr(params, "logit_bias", None)
     if bias:
         _within_vocabulary(label, f"{name}.logit_bias", list(bias), bound)
+
+
+def _check_bad_words(engine: Any, label: str, name: str, params: Any) -> None:
+    """vLLM turns each bad word into tokens as the engine's tokenizer encodes it without its leading
+    whitespace, and indexes the first: a word the tokenizer makes no token of failed the request as a
+    bare IndexError. Whitespace alone is refused before (`sampling_rule`); this asks the tokenizer,
+    for what else it may drop (once per word, where vLLM encodes each twice; their number and
+    characters are bounded by MAX_BAD_WORDS and MAX_WORDS_CHARS)."""
+    words = getattr(params, "bad_words", None)
+    tokenizer = getattr(engine, "tokenizer", None)
+    if not words or tokenizer is None:
+        return          # without a tokenizer vLLM makes no tokens of them either
+    for i, word in enumerate(words):
+        if isinstance(word, str) and not tokenizer.encode(text=word.lstrip(), add_special_tokens=False):
+            raise BridgeError.validation(f"{label}: parameter {name}.bad_words[{i}]: expected a word, got "
+                                         f"{quote(word)}, of which this engine's tokenizer makes no token",
+                                         target=label, parameter=f"{name}.bad_words[{i}]")
 
 
 # The most stop strings and bad words one request may carry: vLLM tokenizes each bad word before the
@@ -419,10 +437,14 @@ def sampling_rule(fields: Mapping[str, Any], policy: Policy) -> None:
                                   f"{label}: field {key}: {chars:,} characters in all is over this server's limit of "
                                   f"{MAX_WORDS_CHARS:,}", target=label, parameter=key, reason=f"{key} too long")
     words = fields.get("bad_words")
-    if isinstance(words, (list, tuple)) and "" in words:   # vLLM indexes each word's first token: IndexError
-        where = f"bad_words[{list(words).index('')}]"
-        raise BridgeError.validation(f"{label}: field {where}: expected a word, got an empty string", target=label,
-                                     parameter=where)
+    if isinstance(words, (list, tuple)):
+        # vLLM tokenizes each word with its leading whitespace stripped and indexes its first token: a
+        # word of whitespace only (or none) failed as a bare IndexError (see `_check_bad_words`)
+        blank = next((i for i, w in enumerate(words) if isinstance(w, str) and not w.lstrip()), None)
+        if blank is not None:
+            got = "an empty string" if not words[blank] else f"whitespace only ({quote(words[blank])})"
+            raise BridgeError.validation(f"{label}: field bad_words[{blank}]: expected a word, got {got}",
+                                         target=label, parameter=f"bad_words[{blank}]")
     n = fields.get("n")
     if type(n) is int and n > MAX_N:
         raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",

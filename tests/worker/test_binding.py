@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -265,9 +266,34 @@ def test_a_struct_the_engine_core_would_refuse_is_refused_whatever_its_field() -
     check_engine_types("g", "sampling_params", {"output_kind": True})      # not a struct: the binding's to check
 
 
-def test_an_empty_bad_word_is_named(catalog: Catalog) -> None:
-    """vLLM indexes each bad word's first token: an empty one failed as a bare IndexError."""
+@pytest.mark.parametrize(("words", "said"), [(["ok", ""], "an empty string"), (["ok", " "], "whitespace only"),
+                                           (["ok", "\t\u3000"], "whitespace only")])
+def test_an_empty_bad_word_is_named(catalog: Catalog, words: list[str], said: str) -> None:
+    """vLLM strips each bad word's leading whitespace, tokenizes it and indexes its first token: an
+    empty word, or one of whitespace only, failed as a bare IndexError."""
     with pytest.raises(BridgeError) as err:
-        bind(catalog, "vllm.AsyncLLMEngine.generate", "Hi", {"bad_words": ["ok", ""]}, "r")
+        bind(catalog, "vllm.AsyncLLMEngine.generate", "Hi", {"bad_words": words}, "r")
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.parameter == "bad_words[1]", err.value
-    assert "expected a word, got an empty string" in err.value.message
+    assert f"expected a word, got {said}" in err.value.message
+
+
+def test_a_bad_word_the_tokenizer_makes_nothing_of_is_named() -> None:
+    """What a tokenizer's normalizer drops makes no token either (vLLM's bare IndexError again): the
+    engine's own tokenizer is asked. Here a real one whose normalizer drops every "z"."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from vllm import SamplingParams
+
+    from adapters.engine_requests import check_sampling_params
+
+    inner = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    inner.normalizer = normalizers.Replace("z", "")
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    engine = types.SimpleNamespace(tokenizer=PreTrainedTokenizerFast(tokenizer_object=inner),
+                                   model_config=types.SimpleNamespace(get_vocab_size=lambda: 3))
+    check_sampling_params(engine, "g", "sampling_params", SamplingParams(max_tokens=2, bad_words=["a", "b z"]))
+    with pytest.raises(BridgeError) as err:
+        check_sampling_params(engine, "g", "sampling_params", SamplingParams(max_tokens=2, bad_words=["a", "zz"]))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.parameter == "sampling_params.bad_words[1]", err.value
+    assert "'zz', of which this engine's tokenizer makes no token" in err.value.message
