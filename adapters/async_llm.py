@@ -39,6 +39,7 @@ from adapters.fair_share import admit_to_shared
 from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Finalizer, Growing, Lifecycle, Policy,
                            RecordRule, RecordType)
 from bridge_server.wire.errors import BridgeError, clip, quote
+from bridge_server.wire.options import connection_of
 
 log = logging.getLogger("vllm_bridge.engine")
 # ------------------------------------------------------------------------------------------ prompts
@@ -115,6 +116,13 @@ def _live_ids(engine: Any) -> Any:
     return getattr(processor, "external_req_ids", None)
 
 
+def _owner(ctx: CallContext) -> str:
+    """Whose a request is: its client's identity; where the server does not authenticate (every
+    identity is ""), the connection it came over, so that one stranger cannot end another's
+    requests by guessing their ids. (A client's Multiplex streams and calls share its connection.)"""
+    return ctx.identity or connection_of(ctx.client)
+
+
 def _own(engine: Any, request_id: Any, identity: str) -> None:
     if not isinstance(request_id, str):
         return
@@ -156,7 +164,7 @@ def _request_guard(method: str, params_name: str) -> Any:
         check_logprobs(label, params_name, params, logprobs)
         rank = admit_to_shared(engine, label, args, params, logprobs, ctx.client, _live_ids(engine),
                                ctx.policy.max_live_sequences) if ctx.published else None
-        _own(engine, args.get("request_id"), ctx.identity)
+        _own(engine, args.get("request_id"), _owner(ctx))
         _asker.set((ctx.client, ctx.policy.grammar_compile_s))
         return None if rank is None else {"priority": rank}
     return guard
@@ -200,9 +208,15 @@ def _abort_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None
                           f"give the request ids the requests were started with", target=label,
                           parameter="internal", reason="not allowed")
     ids = args.get("request_id")
-    owners, live = _owners.get(engine, {}), _live_ids(engine)
-    for rid in [ids] if isinstance(ids, str) else list(ids or ()):
-        others = owners.get(rid, set()) - {ctx.identity} if isinstance(rid, str) else set()
+    listed = [ids] if isinstance(ids, str) else list(ids or ())
+    for i, rid in enumerate(listed):
+        if not isinstance(rid, str):    # vLLM compares them with its own ids: anything else aborts nothing
+            where = "request_id" if rid is ids else f"request_id[{i}]"
+            raise BridgeError.validation(f"{label}: parameter {where}: expected a request id (str), got "
+                                         f"{type(rid).__name__} {quote(rid, 40)}", target=label, parameter=where)
+    owners, live, owner = _owners.get(engine, {}), _live_ids(engine), _owner(ctx)
+    for rid in listed:
+        others = owners.get(rid, set()) - {owner}
         if others and (live is None or rid in live):
             raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
                               f"{label}: request {quote(rid)} was started by another client; a client aborts "

@@ -41,7 +41,7 @@ from bridge_server.pool.poolstate import (
     pool_error,
 )
 from bridge_server.wire.errors import BridgeError, quote
-from bridge_server.wire.options import PROFILES, RuntimeOptions, explicit_timeout, parse_metadata
+from bridge_server.wire.options import PROFILES, RuntimeOptions, explicit_timeout, multiplex_client, parse_metadata
 from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, parse_request, read_large_call
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -71,7 +71,7 @@ def client_of(identity: str, context: grpc.aio.ServicerContext, multiplex: bool 
     if identity:
         return identity
     peer = context.peer() or ""
-    return f"{peer} multiplex {next(_streams)}" if multiplex else peer
+    return multiplex_client(peer, next(_streams)) if multiplex else peer
 
 
 def session_key(identity: str, session: str) -> str:

@@ -42,6 +42,20 @@ MD_IDENTITY = "x-bridge-identity"
 MD_CLIENT = "x-bridge-client"
 # Keys only the pool server sets, on what it sends its workers: it drops them from what clients send.
 ROUTER_ONLY_KEYS = frozenset({MD_COLLECTIVE, MD_IDENTITY, MD_CLIENT})
+# How the pool server names, in MD_CLIENT, an unauthenticated client's Multiplex stream: its connection
+# and the stream (each stream is a client of its own for fairness; `connection_of` takes it back).
+_MULTIPLEX_OF = " multiplex "
+
+
+def multiplex_client(connection: str, stream: int) -> str:
+    """An unauthenticated client's Multiplex stream as the pool server's queue knows it."""
+    return f"{connection}{_MULTIPLEX_OF}{stream}"
+
+
+def connection_of(client: str) -> str:
+    """The connection of a client key without an identity (a peer address, or one of its Multiplex
+    streams): whose a request is, where the server cannot tell clients apart by who they are."""
+    return client.partition(_MULTIPLEX_OF)[0]
 
 DEFAULT_SESSION = "default"
 AFFINITY_MODES = ("hint", "strict_queue", "strict_fail_fast")

@@ -164,3 +164,41 @@ def test_a_routed_client_that_does_not_ask_for_patches_gets_whole_values(routed:
             request, metadata=[("x-bridge-stream-encoding", "patch-v1")]))
     assert len(items) >= 2 and all(i.HasField("value") and not i.HasField("patch") for i in items)
     assert patched[0].HasField("value") and all(i.HasField("patch") for i in patched[1:])
+
+
+def test_without_authentication_a_connection_aborts_only_the_requests_it_started(routed: PoolServer) -> None:
+    """Without authentication every client's identity is the same (""): a request is the
+    connection's that started it. Another connection that names its id is refused; the connection
+    that started it ends it, whether it started it over Multiplex or with a call of its own, and
+    request ids that are not strings are refused by position."""
+    abort = Target.method("engine", "abort")
+    # (channels of one process share their connections unless told not to: two clients here)
+    own = [("grpc.use_local_subchannel_pool", 1)]
+    with BridgeClient(routed.address, channel_options=own) as alice, \
+            BridgeClient(routed.address, channel_options=own) as bob, alice.multiplex() as mux:
+        for attempt in range(3):
+            plain = alice.stream(GENERATE, "Once upon a time", {"max_tokens": 2000, "ignore_eos": True},
+                                 f"conn-plain-{attempt}")
+            muxed = mux.stream(GENERATE, "Once upon a time", {"max_tokens": 2000, "ignore_eos": True},
+                               f"conn-mux-{attempt}")
+            next(plain), next(muxed)
+            tries: list[CallError | None] = []
+            for args in ((f"conn-plain-{attempt}",), ([f"conn-mux-{attempt}"],)):
+                try:
+                    bob.call(abort, *args, timeout=10)
+                    tries.append(None)
+                except CallError as e:
+                    tries.append(e)
+            assert alice.call(abort, [f"conn-plain-{attempt}", f"conn-mux-{attempt}"], timeout=10) is None
+            ends = [list(plain)[-1], list(muxed)[-1]]
+            # Only requests still running when alice aborted them say whether bob's tries were refused.
+            if all(end["outputs"][0]["finish_reason"] == "abort" for end in ends):
+                break
+        else:
+            pytest.fail("alice's requests finished on their own three times before they could be aborted")
+        assert all(e is not None and e.code == grpc.StatusCode.PERMISSION_DENIED and e.reason == "not yours"
+                   for e in tries), tries
+        with pytest.raises(CallError) as err:
+            alice.call(abort, ["conn-plain-0", 5], timeout=10)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "request_id[1]" in err.value.details
+        assert "expected a request id (str), got int 5" in err.value.details
