@@ -13,7 +13,10 @@ nothing until its deadline. Call sites quote client input with `quote`, which ke
 from __future__ import annotations
 
 import errno
+import functools
 import logging
+import os
+import sys
 import traceback as tb
 from dataclasses import dataclass, field
 
@@ -126,11 +129,11 @@ class BridgeError(Exception):
         if not text:
             # vLLM raises bare AssertionErrors; say which call failed and which check it tripped.
             frames = tb.extract_tb(exc.__traceback__)
-            where = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+            where = f" at {_importable(frames[-1].filename)}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
             text = f"{py_type} with no message{where}"
         dead = py_type == "EngineDeadError"    # the engine, not the call, failed: say so the same way every time
         return cls(code, "engine" if dead else "python_error", f"{target}: {py_type}: {text}", target=target,
-                   python_type=py_type, traceback="".join(tb.format_exception(exc)),
+                   python_type=py_type, traceback=_traceback(exc),
                    reason="engine dead" if dead else "")
 
     def detail(self) -> pb.ErrorDetail:
@@ -158,6 +161,39 @@ class BridgeError(Exception):
 
 # An OSError's errno that says a resource ran out (files, memory, disk), not that the call was wrong.
 _EXHAUSTED_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOSPC})
+
+
+def _traceback(exc: BaseException) -> str:
+    """The exception's traceback, each file named as it is imported (`vllm/v1/engine/async_llm.py`),
+    not by where the server keeps it: a caller debugging its call needs the frames, and no stranger
+    needs the server's directories."""
+    shown = tb.TracebackException.from_exception(exc)
+    seen: set[int] = set()
+    pending = [shown]
+    while pending:
+        each = pending.pop()
+        if id(each) in seen:
+            continue
+        seen.add(id(each))
+        for frame in each.stack:
+            frame.filename = _importable(frame.filename)
+        pending += [e for e in (each.__cause__, each.__context__, *(getattr(each, "exceptions", None) or ()))
+                    if e is not None]
+    return "".join(shown.format())
+
+
+def _importable(path: str) -> str:
+    """A source file's path from the import root it lies under (the last part of it, if none)."""
+    for root in _import_roots():
+        if path.startswith(root):
+            return path[len(root):]
+    return os.path.basename(path)
+
+
+@functools.lru_cache(maxsize=1)
+def _import_roots() -> tuple[str, ...]:
+    roots = {os.path.join(os.path.abspath(p), "") for p in sys.path if p and os.path.isdir(p)}
+    return tuple(sorted(roots, key=len, reverse=True))
 
 
 def _py_status(exc: BaseException) -> grpc.StatusCode:

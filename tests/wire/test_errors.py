@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -77,6 +78,28 @@ def _raised(exc: BaseException, cause: BaseException | None = None) -> BaseExcep
         raise exc from cause
     except BaseException as caught:   # noqa: BLE001 - with its traceback, as a handler gets it
         return caught
+
+
+def test_a_traceback_names_files_as_they_are_imported_not_where_the_server_keeps_them() -> None:
+    """A caller gets the frames of what failed, each file from its import root (the caller's own
+    `json/decoder.py`, `tests/wire/test_errors.py`), through causes too; no absolute path."""
+    import json
+
+    from bridge_server.wire.errors import BridgeError
+
+    def decode() -> None:
+        try:
+            json.loads("{")
+        except ValueError as exc:
+            raise RuntimeError("could not read it") from exc
+
+    try:
+        decode()
+    except RuntimeError as caught:
+        err = BridgeError.from_exception(caught, "t")
+    text = err.traceback
+    assert 'File "json/decoder.py"' in text and 'File "tests/wire/test_errors.py"' in text, text
+    assert "direct cause" in text and 'File "/' not in text and str(Path.home()) not in text, text
 
 
 def test_a_wrapper_with_no_message_is_reported_by_what_it_wraps() -> None:
