@@ -236,6 +236,12 @@ class Invoker:
     def plan(self, target: pb.Target, caller: Caller = Caller()) -> Plan:
         kind = target.kind
         if kind in (pb.Target.FUNCTION, pb.Target.MODULE_ATTR, pb.Target.CONSTRUCTOR):
+            given = target.WhichOneof("receiver")
+            if given is not None:      # a receiver it would not use: the caller meant something else
+                raise BridgeError.validation(
+                    f"{clip(target.name, 80)}: target kind {pb.Target.Kind.Name(kind)} takes no receiver, got "
+                    f"target.{given}; call a member of a ref or object with kind METHOD, GET_ATTR, SET_ATTR or "
+                    f"ITERATE", parameter=f"target.{given}")
             plan = self._entry_plans.get(target.name)
             if plan is None:
                 plan = self._entry_plans[target.name] = self._plan_entry(self.catalog.lookup(target.name))

@@ -165,6 +165,24 @@ def test_a_malformed_multiplex_request_fails_only_its_call(server: PoolServer, c
     assert_untouched(server, client)
 
 
+def test_a_function_given_a_receiver_is_refused_not_called_without_it(server: PoolServer, client: BridgeClient) -> None:
+    """A function, a module attribute or a constructor has no receiver: one given with it means the
+    caller meant something else, and is told so rather than the receiver dropped (through the pool
+    server, and straight to a worker, where an unknown ref is not refused first)."""
+    worker = server.pool("e").workers[0]
+    receivers: list[dict[str, Any]] = [{"object": "engine"}, {"object": ""}, {"ref": pb.Ref(id="x")}]
+    with BridgeClient(worker.address) as direct:
+        for via, receiver in [(client, receivers[0]), *((direct, r) for r in receivers)]:
+            target = pb.Target(kind=pb.Target.FUNCTION, name=f"{D}.divide", **receiver)
+            with pytest.raises(CallError) as err:
+                via.call(Target(target), 6, 3, timeout=10)
+            given = next(iter(receiver))
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value.details
+            assert f"takes no receiver, got target.{given}" in err.value.details, err.value.details
+    assert client.call(Target.fn(f"{D}.divide"), 6, 3, timeout=10) == 2
+    assert_untouched(server, client)
+
+
 def test_a_target_of_unknown_kind_and_no_name_is_answered(server: PoolServer, client: BridgeClient) -> None:
     code, details, took = raw_call(server, "Call", pb.CallRequest(target=pb.Target(kind=99)).SerializeToString())
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "target kind 99" in details and took < 5
