@@ -34,7 +34,7 @@ from bridge_server.pool.multiplex import forward_multiplex
 from bridge_server.pool.poolstate import Backend, Flight, pool_error
 from bridge_server.pool.router import Router, client_of, read_route, routed_request, session_key, time_left
 from bridge_server.wire.errors import STATUS_DETAILS_KEY, BridgeError, caller_gone, mux_error_status, status_code
-from bridge_server.wire.options import MD_IDENTITY, MD_WORKER_REFS, ROUTER_ONLY_KEYS
+from bridge_server.wire.options import MD_CLIENT, MD_IDENTITY, MD_WORKER_REFS, ROUTER_ONLY_KEYS
 from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, parse_request, read_release
 from bridge_server.wire.security import MD_AUTHORIZATION, ServerSecurity
 from bridge_server.wire.stall import StallGuard
@@ -399,7 +399,8 @@ class Forwarder:
                 p.unpin(session_key(identity, req.session_id))
                 session_backends.update(p.backends)
             targets.update((b.id, b) for b in session_backends)
-        fwd = _forwarded(md, identity)
+        # the client's connection too: without authentication a session's release ends only its refs
+        fwd = [*_forwarded(md, identity), (MD_CLIENT, client_of(identity, context))]
         timeout = time_left(route)
 
         async def one(b: Backend) -> int:

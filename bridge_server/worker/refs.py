@@ -3,7 +3,9 @@
 A ref belongs to the client identity that created it (with authentication on; "" for everyone
 without): another identity can neither use nor release it (PERMISSION_DENIED). Within an identity a
 ref is owned by a session (for bulk release and caps) but is not locked to it: any session of that
-identity that presents the id may use it, so refs can pass between Elixir processes. Ids are
+identity that presents the id may use it, so refs can pass between Elixir processes. Without
+authentication every client's session of a name is the same one, so a session released by name
+ends only the refs the releasing connection made in it (where connections can be told apart). Ids are
 unguessable and start with the worker id, so whoever holds an id can tell which worker holds the
 object. When a ref goes away its id leaves a tombstone, so a late user is told why it is gone rather
 than "unknown". Limits bound what clients make a worker hold: refs per session (the oldest go),
@@ -21,7 +23,7 @@ import sys
 import time
 import types
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -43,6 +45,7 @@ class RefEntry:
     last_used: float = field(default_factory=time.monotonic)
     pinned: bool = False          # published objects: never evicted by cap or TTL
     expires: float | None = None  # time.monotonic() when it goes, however it is used
+    connection: str = ""          # without authentication, the connection whose call created it
 
 
 class RefGone(BridgeError):
@@ -147,7 +150,7 @@ class RefRegistry:
         return len(self._sessions)
 
     def put(self, obj: object, session_id: str, *, owner: str = "", exclusive: bool = False, pinned: bool = False,
-            ref_id: str | None = None, expires_in: float | None = None) -> RefEntry:
+            ref_id: str | None = None, expires_in: float | None = None, connection: str = "") -> RefEntry:
         key = (owner, session_id)
         owned = self._sessions.get(key)
         if owned is None:
@@ -179,7 +182,7 @@ class RefRegistry:
                 self._bytes_per_owner[owner] = held + nbytes
                 self._charged[id(obj)] = (owner, nbytes)
         entry = RefEntry(ref_id or f"{self.worker_id}.{secrets.token_urlsafe(18)}", obj, owner, session_id,
-                         _type_name(obj), exclusive, pinned=pinned)
+                         _type_name(obj), exclusive, pinned=pinned, connection="" if owner else connection)
         if expires_in and not pinned:
             entry.expires = entry.created + expires_in
         self._refs[entry.id] = entry
@@ -213,12 +216,19 @@ class RefRegistry:
             raise self._foreign(foreign[0])
         return sum(self._drop(r, "released by the client") for r in ref_ids if r in self._refs)
 
-    def release_session(self, session_id: str, owner: str = "") -> int:
-        owned: dict[str, None] | None = self._sessions.pop((owner, session_id), None)
-        if owned is None:
+    def release_session(self, session_id: str, owner: str = "", connection: str | None = None) -> int:
+        """Releases a session's refs. Without authentication (`owner` ""), every client's session of a
+        name is one, so a `connection` given releases only the refs its own calls made there: a
+        stranger naming the session ("default", say) does not end everyone's."""
+        if connection is not None and not owner:
+            held: Mapping[str, None] = self._sessions.get((owner, session_id)) or {}
+            mine = [r for r in held if self._refs[r].connection == connection]
+            return sum(self._drop(r, f"released with its session {session_id!r}") for r in mine)
+        gone: dict[str, None] | None = self._sessions.pop((owner, session_id), None)
+        if gone is None:
             return 0
         self._session_gone(owner)
-        return sum(self._drop(r, f"released with its session {session_id!r}") for r in list(owned))
+        return sum(self._drop(r, f"released with its session {session_id!r}") for r in list(gone))
 
     def _session_gone(self, owner: str) -> None:
         left = self._sessions_per_owner.pop(owner, 1) - 1

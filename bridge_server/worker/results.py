@@ -22,6 +22,7 @@ import grpc
 
 from bridge_server.wire.codec import Encoder, TooCostly
 from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.options import connection_of
 from bridge_server.wire.turns import (
     MAX_RESULT_WORK,
     MAX_TURN_S,
@@ -80,7 +81,8 @@ class Results:
                                   f"the result holds a {type(obj).__name__} ({_short_repr(obj)[:80]}), which is not "
                                   f"part of the documented surface: no ref to it leaves the worker", reason="code")
             entry = self.refs.put(obj, caller.session, owner=caller.identity, exclusive=exclusive,
-                                  expires_in=self.expires_in if self.catalog.expires(obj) else None)
+                                  expires_in=self.expires_in if self.catalog.expires(obj) else None,
+                                  connection=connection_of(caller.client))
             if minted is not None:
                 minted.append(entry.id)
             return pb.Ref(id=entry.id, session_id=caller.session, worker_id=self.refs.worker_id,

@@ -32,7 +32,7 @@ from adapters.spec import Policy
 from bridge_server.wire import eventloop
 from bridge_server.wire.errors import BridgeError, caller_gone, server_error, target_label
 from bridge_server.wire.jsonvalue import from_json
-from bridge_server.wire.options import MD_WORKER_REFS, RuntimeOptions, parse_metadata
+from bridge_server.wire.options import MD_WORKER_REFS, RuntimeOptions, connection_of, parse_metadata
 from bridge_server.wire.protocol import (
     MIN_PING_INTERVAL_S,
     LargeRequest,
@@ -235,7 +235,9 @@ class BridgeService:
             refs = self.invoker.refs
             released = refs.release(list(request.ref_ids), identity)
             if request.session_id:
-                released += refs.release_session(request.session_id, identity)
+                # (without authentication, a connection releases what it made in the session: see refs.py)
+                caller = self._caller(context, parse_metadata(context.invocation_metadata()))
+                released += refs.release_session(request.session_id, identity, connection_of(caller.client))
             self._refs_trailer(context)
             return pb.ReleaseReply(released=released)
         except Exception as exc:

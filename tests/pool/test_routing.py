@@ -312,6 +312,31 @@ def test_release_routes_refs_to_their_workers_and_sessions_to_every_worker(serve
         assert c.call(Target.get(refs[4], "world_size")) == 1
 
 
+def test_without_authentication_a_connection_releases_only_its_own_refs_of_a_session(server: PoolServer) -> None:
+    """Without authentication every client's session of a name is one session (the default one is
+    everybody's): releasing it by name ends only the refs the releasing connection made there, and
+    the others' stay usable. (Over a unix socket, a worker's private one here, connections have no
+    address to tell them apart by: there a session's release ends it all, as before.)"""
+    from bridge_server.client.client import BridgeClient
+    from bridge_server.wire.options import RuntimeOptions
+
+    own = [("grpc.use_local_subchannel_pool", 1)]      # two connections, as two processes have
+
+    def connect(address: str) -> BridgeClient:
+        return BridgeClient(address, options=RuntimeOptions(pool="b"), channel_options=own)
+
+    with connect(server.address) as alice, connect(server.address) as bob:
+        hers = [alice.call(PC, session_id="everyones") for _ in range(3)]
+        his = [bob.call(PC, session_id="everyones") for _ in range(2)]
+        assert bob.release(session_id="everyones") == 2
+        assert all(alice.call(Target.get(ref, "world_size")) == 1 for ref in hers)
+        for ref in his:
+            with pytest.raises(CallError) as err:
+                bob.call(Target.get(ref, "world_size"))
+            assert err.value.code == grpc.StatusCode.NOT_FOUND and "released with its session" in err.value.details
+        assert alice.release(session_id="everyones") == 3
+
+
 def test_multiplex_through_the_pool_routes_each_call_like_a_plain_call(server: PoolServer) -> None:
     with server.client(pool="b") as c, c.multiplex() as mux:
         plain = {s: holder(c.call(PC, session_id=s)) for s in ("mux-1", "mux-2", "mux-3", "mux-4")}
