@@ -335,10 +335,21 @@ class _Seq(_Node):
 class _Map(_Node):
     """A dict: its entries' shadows in order. Changed maps are sent whole (no op walks into a map)."""
 
-    __slots__ = ("entries",)
+    __slots__ = ("changed", "entries")
 
     def __init__(self, entries: list[tuple[_Node, _Node]]) -> None:
         self.entries = entries
+        self.changed = False      # sent whole at the item before, in place of another map
+
+    def diff(self, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
+        if self.same(p, obj, depth, active):
+            return self
+        if self.changed:          # different twice in a row: see `_Churn`
+            return _CHURN.diff(p, obj, path, depth, active)
+        node = p.whole(obj, path, depth, active)
+        if type(node) is _Map:
+            node.changed = True
+        return node
 
     def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
         entries = self.entries
@@ -351,6 +362,21 @@ class _Map(_Node):
                        for (k, v), (key, value) in zip(entries, obj.items()))
         finally:
             active.discard(id(obj))
+
+
+class _Churn(_Node):
+    """What stands where a map was different at two items in a row (a DELTA generation's logprob
+    dict, new at every token): it is sent whole every time and never shadowed, as its shadow would
+    only be found different again. Sending a value whole is never wrong; it only costs the bytes."""
+
+    __slots__ = ()
+
+    def diff(self, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
+        p.fill(obj, p.op(path).set, depth, active)
+        return self
+
+
+_CHURN = _Churn()
 
 
 class _Record(_Node):

@@ -392,6 +392,39 @@ def test_a_growing_list_of_records_taken_over_by_another_list_is_sent_as_it_now_
     check_stream(items(), growing_fields={Plain: frozenset({"x"})})
 
 
+def test_a_map_different_at_every_item_is_sent_whole_and_no_longer_shadowed() -> None:
+    """A DELTA generation's logprob dict is new at every token: once a map has been different at two
+    items in a row, it is sent whole without a shadow that would only be found different again, so
+    the sender reads it as often as the whole encoding does. Whatever comes after (the same map
+    again, something else) still arrives exactly."""
+    records = {**RECORDS, Counted: ("v",)}
+    n = 40
+
+    def items(record: Callable[[float], object] = Counted) -> Iterator[Plain]:
+        for i in range(n):
+            yield Plain(x=[{i: record(-0.5 * i), i + 1: record(0.5)}], y=i)
+        same = {7: record(1.0)}
+        for i in range(3):
+            yield Plain(x=[same], y=n + i)
+        yield Plain(x=[None], y=0)
+        yield Plain(x=[{1: 2}], y=0)
+
+    whole = Encoder(by_identity, records=records)
+    patcher = Patcher(Encoder(by_identity, records=records))
+    state, reads = StreamState(), {"whole": 0, "patch": 0}
+    for i, item in enumerate(items()):
+        Counted.reads = 0
+        expected = whole.encode(item).SerializeToString(deterministic=True)
+        reads["whole"] += Counted.reads if i < n else 0
+        Counted.reads = 0
+        msg = pb.MuxEvent()
+        patcher.put(item, msg)
+        reads["patch"] += Counted.reads if i < n else 0
+        assert state.item(msg).SerializeToString(deterministic=True) == expected, i
+    assert reads["patch"] <= reads["whole"] + 12, reads     # the first two items' shadows, and no more
+    check_stream(items(lambda v: Rec(a=v)))      # both encodings, decoded by every receiver
+
+
 def test_refs_tensors_and_sets_are_sent_whole_every_time() -> None:
     opaque, tensor, members = Opaque(), torch.arange(4), {1, 2}
     sent = check_stream(iter([Plain(x=opaque, y=[tensor, members])] * 3))
