@@ -281,13 +281,14 @@ def _same_parts(p: Patcher, owner: Any, values: Any, leaves: list[Any], kids: li
 class _Seq(_Node):
     """A list (of values, not packed) or a tuple: its items' shadows in order."""
 
-    __slots__ = ("cls", "leaves", "kids", "source")
+    __slots__ = ("changed", "cls", "kids", "leaves", "source")
 
     def __init__(self, cls: type, leaves: list[Any], kids: list[_Node | None]) -> None:
         self.cls = cls
         self.leaves = leaves
         self.kids = kids
         self.source: Any = None     # for a growing field: the list shadowed (see the module's doc)
+        self.changed = False        # sent whole at the item before, in place of another one
 
     def _fits(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
         """obj encodes as this kind (not packed ints, not a ref) and can be compared item by item."""
@@ -304,7 +305,15 @@ class _Seq(_Node):
         leaves, kids = self.leaves, self.kids
         n = len(leaves)
         if not self._fits(p, obj, depth, active) or len(obj) < n:
-            return p.whole(obj, path, depth, active)
+            if self.changed:      # sent whole twice in a row (a DELTA output's merged logprobs): `_Churn`
+                return _CHURN.diff(p, obj, path, depth, active)
+            node = p.whole(obj, path, depth, active)
+            if type(node) is _Seq:
+                node.changed = True
+            return node
+        # a list of the same length is compared item by item; one that grew without being the growing
+        # field's list was not the last item's either: shorter at the next item, it churns
+        self.changed = len(obj) > n and obj is not self.source
         active.add(id(obj))
         depth += 1
         if obj is not self.source:      # else a growing field, still its list: its items stay as they were
@@ -343,6 +352,7 @@ class _Map(_Node):
 
     def diff(self, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
         if self.same(p, obj, depth, active):
+            self.changed = False
             return self
         if self.changed:          # different twice in a row: see `_Churn`
             return _CHURN.diff(p, obj, path, depth, active)
@@ -366,8 +376,10 @@ class _Map(_Node):
 
 class _Churn(_Node):
     """What stands where a map was different at two items in a row (a DELTA generation's logprob
-    dict, new at every token): it is sent whole every time and never shadowed, as its shadow would
-    only be found different again. Sending a value whole is never wrong; it only costs the bytes."""
+    dict, new at every token), or a list was sent whole at two items in a row (its logprob list,
+    shorter than the last when vLLM merged waiting outputs): it is sent whole every time and never
+    shadowed, as its shadow would only be found different again. Sending a value whole is never
+    wrong; it only costs the bytes."""
 
     __slots__ = ()
 

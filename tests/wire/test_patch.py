@@ -425,6 +425,36 @@ def test_a_map_different_at_every_item_is_sent_whole_and_no_longer_shadowed() ->
     check_stream(items(lambda v: Rec(a=v)))      # both encodings, decoded by every receiver
 
 
+def test_a_list_sent_whole_at_every_item_is_no_longer_shadowed() -> None:
+    """Under load vLLM merges a DELTA request's waiting outputs: its logprob list is one dict, then
+    three, then one... and whenever it is shorter than the last it is sent whole. Once that has
+    happened at two items in a row, the list is sent whole without a shadow; what arrives is still
+    exactly the whole encoding, whatever comes after."""
+    records = {**RECORDS, Counted: ("v",)}
+    lengths = [3, 1, 3, 1, 2, 1] * 6
+
+    def items(record: Callable[[float], object] = Counted) -> Iterator[Plain]:
+        for i, k in enumerate(lengths):
+            yield Plain(x=[{i: record(-0.5 * j)} for j in range(k)], y=i)
+        yield Plain(x=[{1: record(1.0)}, {2: record(2.0)}], y=0)
+        yield Plain(x=(), y=0)
+
+    whole = Encoder(by_identity, records=records)
+    patcher = Patcher(Encoder(by_identity, records=records))
+    state, reads = StreamState(), {"whole": 0, "patch": 0}
+    for i, item in enumerate(items()):
+        Counted.reads = 0
+        expected = whole.encode(item).SerializeToString(deterministic=True)
+        reads["whole"] += Counted.reads if i >= 4 else 0
+        Counted.reads = 0
+        msg = pb.MuxEvent()
+        patcher.put(item, msg)
+        reads["patch"] += Counted.reads if i >= 4 else 0
+        assert state.item(msg).SerializeToString(deterministic=True) == expected, i
+    assert reads["patch"] == reads["whole"], reads      # from the fifth item on, encoded and nothing more
+    check_stream(items(lambda v: Rec(a=v)))
+
+
 def test_refs_tensors_and_sets_are_sent_whole_every_time() -> None:
     opaque, tensor, members = Opaque(), torch.arange(4), {1, 2}
     sent = check_stream(iter([Plain(x=opaque, y=[tensor, members])] * 3))
