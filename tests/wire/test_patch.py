@@ -392,12 +392,30 @@ def test_a_growing_list_of_records_taken_over_by_another_list_is_sent_as_it_now_
     check_stream(items(), growing_fields={Plain: frozenset({"x"})})
 
 
+def reads_both_ways(items: Iterator[object], counted: Callable[[int], bool]) -> dict[str, int]:
+    """Each item encoded whole and patched (the patch received and checked against the whole value),
+    with the reads of `Counted` records each way, for the items `counted` (by position) picks."""
+    records = {**RECORDS, Counted: ("v",)}
+    whole = Encoder(by_identity, records=records)
+    patcher = Patcher(Encoder(by_identity, records=records))
+    state, reads = StreamState(), {"whole": 0, "patch": 0}
+    for i, item in enumerate(items):
+        Counted.reads = 0
+        expected = whole.encode(item).SerializeToString(deterministic=True)
+        reads["whole"] += Counted.reads if counted(i) else 0
+        Counted.reads = 0
+        msg = pb.MuxEvent()
+        patcher.put(item, msg)
+        reads["patch"] += Counted.reads if counted(i) else 0
+        assert state.item(msg).SerializeToString(deterministic=True) == expected, i
+    return reads
+
+
 def test_a_map_different_at_every_item_is_sent_whole_and_no_longer_shadowed() -> None:
     """A DELTA generation's logprob dict is new at every token: once a map has been different at two
     items in a row, it is sent whole without a shadow that would only be found different again, so
     the sender reads it as often as the whole encoding does. Whatever comes after (the same map
     again, something else) still arrives exactly."""
-    records = {**RECORDS, Counted: ("v",)}
     n = 40
 
     def items(record: Callable[[float], object] = Counted) -> Iterator[Plain]:
@@ -409,18 +427,7 @@ def test_a_map_different_at_every_item_is_sent_whole_and_no_longer_shadowed() ->
         yield Plain(x=[None], y=0)
         yield Plain(x=[{1: 2}], y=0)
 
-    whole = Encoder(by_identity, records=records)
-    patcher = Patcher(Encoder(by_identity, records=records))
-    state, reads = StreamState(), {"whole": 0, "patch": 0}
-    for i, item in enumerate(items()):
-        Counted.reads = 0
-        expected = whole.encode(item).SerializeToString(deterministic=True)
-        reads["whole"] += Counted.reads if i < n else 0
-        Counted.reads = 0
-        msg = pb.MuxEvent()
-        patcher.put(item, msg)
-        reads["patch"] += Counted.reads if i < n else 0
-        assert state.item(msg).SerializeToString(deterministic=True) == expected, i
+    reads = reads_both_ways(items(), lambda i: i < n)
     assert reads["patch"] <= reads["whole"] + 12, reads     # the first two items' shadows, and no more
     check_stream(items(lambda v: Rec(a=v)))      # both encodings, decoded by every receiver
 
@@ -430,7 +437,6 @@ def test_a_list_sent_whole_at_every_item_is_no_longer_shadowed() -> None:
     three, then one... and whenever it is shorter than the last it is sent whole. Once that has
     happened at two items in a row, the list is sent whole without a shadow; what arrives is still
     exactly the whole encoding, whatever comes after."""
-    records = {**RECORDS, Counted: ("v",)}
     lengths = [3, 1, 3, 1, 2, 1] * 6
 
     def items(record: Callable[[float], object] = Counted) -> Iterator[Plain]:
@@ -439,18 +445,7 @@ def test_a_list_sent_whole_at_every_item_is_no_longer_shadowed() -> None:
         yield Plain(x=[{1: record(1.0)}, {2: record(2.0)}], y=0)
         yield Plain(x=(), y=0)
 
-    whole = Encoder(by_identity, records=records)
-    patcher = Patcher(Encoder(by_identity, records=records))
-    state, reads = StreamState(), {"whole": 0, "patch": 0}
-    for i, item in enumerate(items()):
-        Counted.reads = 0
-        expected = whole.encode(item).SerializeToString(deterministic=True)
-        reads["whole"] += Counted.reads if i >= 4 else 0
-        Counted.reads = 0
-        msg = pb.MuxEvent()
-        patcher.put(item, msg)
-        reads["patch"] += Counted.reads if i >= 4 else 0
-        assert state.item(msg).SerializeToString(deterministic=True) == expected, i
+    reads = reads_both_ways(items(), lambda i: i >= 4)
     assert reads["patch"] == reads["whole"], reads      # from the fifth item on, encoded and nothing more
     check_stream(items(lambda v: Rec(a=v)))
 
