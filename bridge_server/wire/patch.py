@@ -305,12 +305,7 @@ class _Seq(_Node):
         leaves, kids = self.leaves, self.kids
         n = len(leaves)
         if not self._fits(p, obj, depth, active) or len(obj) < n:
-            if self.changed:      # sent whole twice in a row (a DELTA output's merged logprobs): `_Churn`
-                return _CHURN.diff(p, obj, path, depth, active)
-            node = p.whole(obj, path, depth, active)
-            if type(node) is _Seq:
-                node.changed = True
-            return node
+            return _resend(self.changed, p, obj, path, depth, active)   # (a DELTA output's merged logprobs)
         # a list of the same length is compared item by item; one that grew without being the growing
         # field's list was not the last item's either: shorter at the next item, it churns
         self.changed = len(obj) > n and obj is not self.source
@@ -354,12 +349,7 @@ class _Map(_Node):
         if self.same(p, obj, depth, active):
             self.changed = False
             return self
-        if self.changed:          # different twice in a row: see `_Churn`
-            return _CHURN.diff(p, obj, path, depth, active)
-        node = p.whole(obj, path, depth, active)
-        if type(node) is _Map:
-            node.changed = True
-        return node
+        return _resend(self.changed, p, obj, path, depth, active)
 
     def same(self, p: Patcher, obj: Any, depth: int, active: set[int]) -> bool:
         entries = self.entries
@@ -389,6 +379,18 @@ class _Churn(_Node):
 
 
 _CHURN = _Churn()
+
+
+def _resend(changed: bool, p: Patcher, obj: Any, path: list[int], depth: int, active: set[int]) -> _Node:
+    """obj sent whole in place of a map or list whose shadow it did not fit: shadowed, and marked as
+    sent whole in place of another (`changed`); or, when that shadow had been sent so itself
+    (`changed`), without a shadow from then on (`_Churn`)."""
+    if changed:
+        return _CHURN.diff(p, obj, path, depth, active)
+    node = p.whole(obj, path, depth, active)
+    if type(node) is _Map or type(node) is _Seq:
+        node.changed = True
+    return node
 
 
 class _Record(_Node):
