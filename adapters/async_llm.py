@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import time
+import traceback
 import weakref
 from collections.abc import AsyncGenerator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -81,13 +82,31 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
         return engine.input_processor.process_inputs(
             request_id, given, params, kwargs.get("arrival_time"), kwargs.get("lora_request"), tokenization,
             kwargs.get("trace_headers"), kwargs.get("priority", 0), kwargs.get("data_parallel_rank"))
-    request = await asyncio.get_running_loop().run_in_executor(pool, build)
+    try:
+        request = await asyncio.get_running_loop().run_in_executor(pool, build)
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:
+        _refuse_unreadable(f"{PREFIX}.{method}", _PARAMS_NAME[method], exc)
+        raise
     check_grammar_backend(f"{PREFIX}.{method}", request)
     client, compile_s = _asker.get()
     key = await grammar_check.check(engine, f"{PREFIX}.{method}", request, client, compile_s)
     if key is not None:
         grammar_ends.watch(engine, key, client, request)
     return request
+
+
+_PARAMS_NAME = {"generate": "sampling_params", "encode": "pooling_params", "add_request": "params"}
+
+
+def _refuse_unreadable(label: str, params_name: str, exc: BaseException) -> None:
+    """vLLM's structured-output checks index a request's grammar parts unchecked (on `auto`, guidance's
+    reads a structural tag or schema that xgrammar refused): a KeyError or TypeError raised there is
+    about the request's structured output, so it is refused as such, by name, not passed on bare."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if any(f"{os.sep}structured_output{os.sep}" in f.filename for f in frames):
+        where = f"{params_name}.structured_outputs"
+        raise BridgeError.validation(f"{label}: parameter {where}: vLLM could not read it: {type(exc).__name__}: "
+                                     f"{clip(str(exc), 200)}", target=label, parameter=where) from exc
 
 
 def _truncated_to(engine: Any, prompt: Any, params: Any) -> int | None:

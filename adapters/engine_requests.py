@@ -228,6 +228,48 @@ def _check_structured_outputs(label: str, name: str, params: Any) -> None:
             continue
         raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation", f"{label}: parameter {where}: {why}",
                           target=label, parameter=where, reason="schema too large")
+    _check_structural_tag(label, f"{name}.structured_outputs.structural_tag", getattr(so, "structural_tag", None))
+
+
+def _check_structural_tag(label: str, where: str, tag: Any) -> None:
+    """vLLM reads a structural tag in one of two shapes: `{"structures": [{"begin", "schema",
+    "end"}...], "triggers": [...]}` (the older), or one with a `format` that xgrammar reads. On the
+    `auto` backend a tag xgrammar refuses is read again by guidance's checks, which index its parts
+    unchecked, so a tag of neither shape came back as a bare KeyError ('triggers'). Its shape is
+    checked here, by name; what is inside a `format` is xgrammar's to judge."""
+    if not isinstance(tag, str):
+        return       # vLLM's own type check names it
+    try:
+        value = json.loads(tag)
+    except (ValueError, RecursionError):
+        raise BridgeError.validation(f"{label}: parameter {where}: expected a JSON object as text, got "
+                                     f"{quote(tag, 60)}, which is not JSON", target=label, parameter=where) from None
+    if not isinstance(value, dict):
+        raise BridgeError.validation(f"{label}: parameter {where}: expected a JSON object, got a JSON "
+                                     f"{type(value).__name__}", target=label, parameter=where)
+    if "structures" not in value:
+        if "format" not in value:
+            raise BridgeError.validation(
+                f"{label}: parameter {where}: expected an object with a 'format' (or with 'structures' and "
+                f"'triggers'), got one with keys {quote(sorted(map(str, value)), 80)}", target=label, parameter=where)
+        return
+    structures, triggers = value["structures"], value.get("triggers")
+    if not isinstance(structures, list):
+        raise BridgeError.validation(f"{label}: parameter {where}['structures']: expected a list, got "
+                                     f"{type(structures).__name__}", target=label, parameter=where)
+    for i, item in enumerate(structures):
+        missing = [k for k in ("begin", "schema", "end") if not isinstance(item, dict) or k not in item]
+        bad = [k for k in ("begin", "end") if not missing and not isinstance(item[k], str)]
+        if missing or bad:
+            why = f"without {', '.join(missing)}" if missing else f"whose {', '.join(bad)} is not text"
+            got = "an object " + why if isinstance(item, dict) else f"a JSON {type(item).__name__}"
+            raise BridgeError.validation(f"{label}: parameter {where}['structures'][{i}]: expected an object with "
+                                         f"text 'begin' and 'end' and a 'schema', got {got}",
+                                         target=label, parameter=where)
+    if not isinstance(triggers, list) or not all(isinstance(t, str) for t in triggers):
+        got = "none" if triggers is None else quote(triggers, 60)
+        raise BridgeError.validation(f"{label}: parameter {where}['triggers']: expected a list of text, got {got}",
+                                     target=label, parameter=where)
 
 
 def check_engine_types(label: str, name: str, value: Any) -> None:

@@ -120,6 +120,15 @@ class BridgeError(Exception):
         text = str(exc)
         code = grpc.StatusCode.INVALID_ARGUMENT if pure and isinstance(exc, AssertionError) else _py_status(exc)
         cause = exc.__cause__
+        refusal = exc if text or cause is None else cause      # a wrapper with nothing to say: its cause
+        named = getattr(refusal, "parameter", None)
+        if isinstance(refusal, ValueError) and isinstance(named, str) and named:
+            # vLLM's request checks name what they refused (VLLMValidationError): a refusal of an
+            # argument like ours, which says which one, and that the rule is vLLM's.
+            shown, said = clip(named, 80), str(refusal.args[0]) if refusal.args else str(refusal)
+            return cls(grpc.StatusCode.INVALID_ARGUMENT, "validation",
+                       f"{target}: parameter {shown}: vLLM refused it: {clip(said, 600)}{_value_shown(refusal)}",
+                       target=target, parameter=shown, python_type=type(refusal).__name__)
         if not text and cause is not None and not isinstance(cause, BridgeError):
             # A wrapper with nothing to say (vLLM's EngineGenerateError raised `from` what failed):
             # what failed is the message, and its kind the status, unless the wrapper has its own.
@@ -161,6 +170,13 @@ class BridgeError(Exception):
 
 # An OSError's errno that says a resource ran out (files, memory, disk), not that the call was wrong.
 _EXHAUSTED_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOSPC})
+
+
+def _value_shown(exc: BaseException) -> str:
+    """What the refused value was, as vLLM recorded it (it may be what it made of the client's: -1
+    logprobs is the whole vocabulary)."""
+    value = getattr(exc, "value", None)
+    return "" if value is None else f" (the value it checked: {quote(value, 80)})"
 
 
 def _traceback(exc: BaseException) -> str:

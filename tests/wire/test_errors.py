@@ -117,6 +117,26 @@ def test_a_wrapper_with_no_message_is_reported_by_what_it_wraps() -> None:
         grpc.StatusCode.INVALID_ARGUMENT
 
 
+
+def test_a_refusal_that_names_its_parameter_is_a_validation_error_naming_it() -> None:
+    """vLLM's request checks raise a ValueError that carries the parameter and the value it checked
+    (VLLMValidationError); raised alone or wrapped by a wrapper with nothing to say, it is reported
+    as a refusal of that parameter, not as a Python error."""
+    from vllm.exceptions import VLLMValidationError
+
+    from bridge_server.wire.errors import BridgeError
+    refused = VLLMValidationError("Requested sample logprobs of 1024, which is greater than max allowed: 20",
+                                  parameter="logprobs", value=1024)
+    for exc in (refused, _raised(EngineGenerateError(), refused)):
+        err = BridgeError.from_exception(exc, "vllm.AsyncLLMEngine.generate")
+        assert (err.code, err.category, err.parameter) == (grpc.StatusCode.INVALID_ARGUMENT, "validation", "logprobs")
+        assert err.message == ("vllm.AsyncLLMEngine.generate: parameter logprobs: vLLM refused it: Requested sample "
+                               "logprobs of 1024, which is greater than max allowed: 20 (the value it checked: 1024)")
+    # a plain ValueError stays a Python error, with its type
+    plain = BridgeError.from_exception(ValueError("allowed_token_ids is not None and empty!"), "t")
+    assert (plain.category, plain.python_type, plain.parameter) == ("python_error", "ValueError", "")
+
+
 WIDE = "日本語😀é"    # three and four bytes each in UTF-8, nine and twelve percent-encoded
 
 

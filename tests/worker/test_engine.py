@@ -690,6 +690,18 @@ BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words
     ("prompt logprobs for every completion", "word " * 80, {**greedy(4), "n": 64, "temperature": 0.8,
                                                             "prompt_logprobs": 20}, {},
      grpc.StatusCode.RESOURCE_EXHAUSTED, "comes to 548,352 logprobs"),
+    # vLLM's own refusals keep the parameter it names, and a structural tag of neither shape vLLM
+    # reads is refused by its part (guidance's checks indexed it unchecked: a bare KeyError)
+    ("logprobs of the whole vocabulary, past the engine's most", "hi", {**greedy(2), "logprobs": -1}, {},
+     grpc.StatusCode.INVALID_ARGUMENT, "parameter logprobs: vLLM refused it: Requested sample logprobs of 1024"),
+    ("a structural tag of neither shape", "hi", {**greedy(2), "structured_outputs": {"structural_tag": "{}"}}, {},
+     grpc.StatusCode.INVALID_ARGUMENT, "structural_tag: expected an object with a 'format' (or with 'structures'"),
+    ("a structural tag's structures without triggers", "hi", {**greedy(2), "structured_outputs": {
+        "structural_tag": '{"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}]}'}}, {},
+     grpc.StatusCode.INVALID_ARGUMENT, "structural_tag['triggers']: expected a list of text, got none"),
+    ("a structural tag's format that is not an object", "hi", {**greedy(2), "structured_outputs": {
+        "structural_tag": '{"format": 5}'}}, {},
+     grpc.StatusCode.INVALID_ARGUMENT, "parameter sampling_params.structured_outputs: vLLM could not read it: Key"),
     ("a private field of SamplingParams", "hi", {**greedy(2), "_bad_words_token_ids": [[5000]]}, {},
      grpc.StatusCode.PERMISSION_DENIED, "field _bad_words_token_ids on SamplingParams is private"),
     ("another private field of SamplingParams", "hi", {**greedy(4), "min_tokens": 2, "_all_stop_token_ids": {5000}},
@@ -788,6 +800,20 @@ def test_a_structured_output_only_another_backend_takes_is_refused_and_the_engin
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "look-around" in err.value.details, err.value
     after = list(bridge.stream(GENERATE, "Hello", greedy(4), "so-after"))
     assert after[-1]["finished"] is True and len(after[-1]["outputs"][0]["token_ids"]) == 4
+
+
+def test_structural_tags_of_both_shapes_vllm_reads_pass_the_shape_check(bridge: BridgeClient) -> None:
+    """The check of a structural tag's shape must let through both that vLLM reads: the older
+    `structures` and `triggers`, and one with a `format` (here a constant string, which the output
+    then is, up to its end of sequence)."""
+    older = '{"structures": [{"begin": "<a>", "schema": {"type": "integer"}, "end": "</a>"}], "triggers": ["<a"]}'
+    items = list(bridge.stream(GENERATE, "Hello", {**greedy(6), "structured_outputs": {"structural_tag": older}},
+                               "tag-older"))
+    assert items[-1]["finished"] is True
+    formatted = '{"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}'
+    items = list(bridge.stream(GENERATE, "Hello", {**greedy(6), "ignore_eos": False,
+                                                   "structured_outputs": {"structural_tag": formatted}}, "tag-format"))
+    assert items[-1]["outputs"][0]["text"] == "hi" and items[-1]["outputs"][0]["finish_reason"] == "stop"
 
 
 def test_a_grammar_that_compiles_too_long_is_refused_and_structured_requests_go_on(bridge: BridgeClient) -> None:
