@@ -67,7 +67,12 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
     from vllm.entrypoints.utils import _validate_truncation_size
 
     tokenization = dict(kwargs.get("tokenization_kwargs") or {})
-    _validate_truncation_size(engine.model_config.max_model_len, params.truncate_prompt_tokens, tokenization)
+    try:
+        _validate_truncation_size(engine.model_config.max_model_len, params.truncate_prompt_tokens, tokenization)
+    except ValueError as exc:
+        where, label = f"{_PARAMS_NAME[method]}.truncate_prompt_tokens", f"{PREFIX}.{method}"
+        raise BridgeError.validation(f"{label}: parameter {where}: vLLM refused it: {clip(str(exc), 400)}",
+                                     target=label, parameter=where) from None
     pool = _tokenizing.get(engine)
     if pool is None:
         pool = _tokenizing[engine] = ThreadPoolExecutor(1, thread_name_prefix="bridge-tokenize")
@@ -84,7 +89,7 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
             kwargs.get("trace_headers"), kwargs.get("priority", 0), kwargs.get("data_parallel_rank"))
     try:
         request = await asyncio.get_running_loop().run_in_executor(pool, build)
-    except (KeyError, TypeError, IndexError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         _refuse_unreadable(f"{PREFIX}.{method}", _PARAMS_NAME[method], exc)
         raise
     check_grammar_backend(f"{PREFIX}.{method}", request)
@@ -99,14 +104,19 @@ _PARAMS_NAME = {"generate": "sampling_params", "encode": "pooling_params", "add_
 
 
 def _refuse_unreadable(label: str, params_name: str, exc: BaseException) -> None:
-    """vLLM's structured-output checks index a request's grammar parts unchecked (on `auto`, guidance's
-    reads a structural tag or schema that xgrammar refused): a KeyError or TypeError raised there is
-    about the request's structured output, so it is refused as such, by name, not passed on bare."""
+    """What vLLM's structured-output checks raise is about the request's structured output: a grammar,
+    regex or schema they refuse (a ValueError, or the JSONDecodeError of a schema that is not JSON),
+    or one whose parts they index unchecked (on `auto`, guidance's checks read a structural tag or
+    schema that xgrammar refused: a KeyError or TypeError). Each is refused by the parameter's name,
+    not passed on as a bare Python error."""
+    if getattr(exc, "parameter", None):
+        return       # vLLM named the parameter itself (`errors.py` reports it)
     frames = traceback.extract_tb(exc.__traceback__)
-    if any(f"{os.sep}structured_output{os.sep}" in f.filename for f in frames):
+    if any(f"{os.sep}structured_output{os.sep}" in f.filename or "structured_output" in f.name for f in frames):
         where = f"{params_name}.structured_outputs"
-        raise BridgeError.validation(f"{label}: parameter {where}: vLLM could not read it: {type(exc).__name__}: "
-                                     f"{clip(str(exc), 200)}", target=label, parameter=where) from exc
+        verb = "refused" if isinstance(exc, ValueError) else "could not read"
+        raise BridgeError.validation(f"{label}: parameter {where}: vLLM {verb} it: {type(exc).__name__}: "
+                                     f"{clip(str(exc), 400)}", target=label, parameter=where) from exc
 
 
 def _truncated_to(engine: Any, prompt: Any, params: Any) -> int | None:

@@ -702,6 +702,11 @@ BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words
     ("a structural tag's format that is not an object", "hi", {**greedy(2), "structured_outputs": {
         "structural_tag": '{"format": 5}'}}, {},
      grpc.StatusCode.INVALID_ARGUMENT, "parameter sampling_params.structured_outputs: vLLM could not read it: Key"),
+    ("a schema that is not JSON", "hi", {**greedy(2), "structured_outputs": {"json": "not json"}}, {},
+     grpc.StatusCode.INVALID_ARGUMENT, "parameter sampling_params.structured_outputs: vLLM refused it: JSONDecodeErr"),
+    ("a truncation past the model's length", "hi", {**greedy(2), "truncate_prompt_tokens": 10**6}, {},
+     grpc.StatusCode.INVALID_ARGUMENT, "parameter sampling_params.truncate_prompt_tokens: vLLM refused it: "
+     "truncate_prompt_tokens value (1000000) is greater than max_model_len"),
     ("a private field of SamplingParams", "hi", {**greedy(2), "_bad_words_token_ids": [[5000]]}, {},
      grpc.StatusCode.PERMISSION_DENIED, "field _bad_words_token_ids on SamplingParams is private"),
     ("another private field of SamplingParams", "hi", {**greedy(4), "min_tokens": 2, "_all_stop_token_ids": {5000}},
