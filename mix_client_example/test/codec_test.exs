@@ -57,6 +57,9 @@ defmodule VllmBridge.CodecTest do
   test "special cases: nan, atoms, non-UTF-8 binaries" do
     assert {:nan, []} = wire(:nan)
     assert {:hello, []} = wire(:hello)
+    # a name the application has no atom for stays a string: the atom table is never grown from outside
+    fresh = "never_an_atom_#{System.unique_integer([:positive])}"
+    assert Codec.decode(%PB.Value{kind: {:atom, fresh}}) == fresh
     assert {%Bytes{data: <<255, 0>>}, []} = wire(<<255, 0>>)
     assert %PB.Value{kind: {:str, "x"}} = elem(Codec.encode("x"), 0)
     assert %PB.Value{kind: {:bytes, "x"}} = elem(Codec.encode(VllmBridge.bytes("x")), 0)

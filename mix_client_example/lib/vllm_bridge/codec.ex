@@ -139,7 +139,14 @@ defmodule VllmBridge.Codec do
   defp dec({:set, %{items: items}}, ctx), do: items |> Enum.map(&d(&1, ctx)) |> MapSet.new()
   defp dec({:frozenset, %{items: items}}, ctx), do: %FrozenSet{set: items |> Enum.map(&d(&1, ctx)) |> MapSet.new()}
   defp dec({:map, %{entries: entries}}, ctx), do: Map.new(entries, &{d(&1.key, ctx), d(&1.value, ctx)})
-  defp dec({:atom, a}, _), do: String.to_atom(a)
+  # Atoms are never collected: only one the application already has comes back as an atom, so a
+  # server (or what it relays) cannot fill the atom table; any other name stays a string.
+  defp dec({:atom, a}, _) do
+    String.to_existing_atom(a)
+  rescue
+    ArgumentError -> a
+  end
+
   defp dec({:tensor, t}, {_, false}), do: %Tensor{dtype: t.dtype, shape: t.shape, data: t.data}
   defp dec({:tensor, t}, {_, true}), do: Tensor.maybe_nx(%Tensor{dtype: t.dtype, shape: t.shape, data: t.data})
 
