@@ -74,7 +74,11 @@ _PY_STATUS: dict[str, grpc.StatusCode] = {
     "DistNetworkError": grpc.StatusCode.FAILED_PRECONDITION,  # a rendezvous' port in use, a peer not there
     "MemoryError": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "ArithmeticError": grpc.StatusCode.INVALID_ARGUMENT,     # division by zero, overflow: of the arguments given
+    "ImportError": grpc.StatusCode.FAILED_PRECONDITION,      # what the call needs is not installed here (ray)
 }
+# torch says what is wrong with a tensor's arguments only in a RuntimeError's text.
+_TORCH_STATUS = (("Trying to create tensor with negative dimension", grpc.StatusCode.INVALID_ARGUMENT),
+                 ("can't allocate memory", grpc.StatusCode.RESOURCE_EXHAUSTED))
 
 
 @dataclass
@@ -215,6 +219,11 @@ def _import_roots() -> tuple[str, ...]:
 def _py_status(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, OSError) and exc.errno in _EXHAUSTED_ERRNOS:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if type(exc) is RuntimeError:
+        text = str(exc)
+        code = next((c for said, c in _TORCH_STATUS if said in text), None)
+        if code is not None:
+            return code
     return next((c for t in type(exc).__mro__ if (c := _PY_STATUS.get(t.__name__))), grpc.StatusCode.UNKNOWN)
 
 

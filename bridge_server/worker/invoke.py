@@ -41,7 +41,7 @@ import pydantic
 from adapters.spec import CallContext, Policy
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import BridgeError, clip, quote
-from bridge_server.wire.options import DEFAULT_SESSION, STREAM_PATCHES
+from bridge_server.wire.options import DEFAULT_SESSION, STREAM_PATCHES, connection_of
 from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, LargeRequest
 from bridge_server.wire.stall import READER_STALL_S, StallGuard
 from bridge_server.wire.turns import Turns
@@ -57,7 +57,7 @@ from bridge_server.worker.binding import (
 from bridge_server.worker.catalog import Catalog, Entry, Kind
 from bridge_server.worker.deadlines import Deadlines, with_deadline
 from bridge_server.worker.openfiles import room_for_files
-from bridge_server.worker.refs import RefRegistry
+from bridge_server.worker.refs import RefRegistry, payer_of
 from bridge_server.worker.results import CODE_TYPES, Results, take_turn
 from bridge_server.worker.streams import Pace, PutItem, Tee, iterable, iterate, lazily
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -163,7 +163,7 @@ class Invoker:
     # Called with what a result_ref entry (an engine's constructor) made, before the caller gets it.
     adopt: Callable[[object], Awaitable[None]] | None = None
     _activity: dict[int, float] = field(default_factory=dict)   # id(receiver) -> when it last yielded an item
-    _making: dict[str, int] = field(default_factory=dict)       # engines being made, by identity
+    _making: dict[tuple[str, str | None], int] = field(default_factory=dict)   # engines being made, by payer
 
     def __post_init__(self) -> None:
         self._exclusive_lane = ThreadPoolExecutor(1, thread_name_prefix="bridge-exclusive")
@@ -512,22 +512,22 @@ class Invoker:
         return entry is not None and entry.result_ref and isinstance(entry.owner, type) and \
             entry.owner in self.catalog.lifecycles
 
-    def _count_engines(self, identity: str) -> int:
-        seen = {id(e.obj) for e in self.refs.owned(identity) if self.catalog.lifecycle(e.obj) is not None}
-        return len(seen) + self._making.get(identity, 0)
-
     async def _made(self, plan: Plan, caller: Caller, args: list[Any], kwargs: dict[str, Any],
                     deadline: float | None) -> Any:
-        """Runs a plan that makes an engine, within the caller's limit of engines (each costs GBs)."""
-        limit, identity = self.limits.max_engines_per_client, caller.identity
-        if self._count_engines(identity) >= limit:
+        """Runs a plan that makes an engine, within the caller's limit of engines (each costs GBs):
+        an identity's own, or, without one, its connection's share of what clients hold together
+        (`refs.Tally`: one that made two and left kept every other client from making any)."""
+        limit = self.limits.max_engines_per_client
+        payer = payer_of(caller.identity, connection_of(caller.client))
+        held = self.refs.tally(lambda obj: self.catalog.lifecycle(obj) is not None, self._making)
+        why = held.refusal(*payer, 1, limit, "engines")
+        if why:
             raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
-                              f"{plan.label}: this client already holds {limit} engine(s) on this worker, its limit "
-                              f"(max_engines_per_client): release one first", target=plan.label,
-                              reason="max_engines_per_client")
-        self._making[identity] = self._making.get(identity, 0) + 1
+                              f"{plan.label}: no new engine on this worker: {why} (max_engines_per_client): release "
+                              f"one first", target=plan.label, reason="max_engines_per_client")
+        self._making[payer] = self._making.get(payer, 0) + 1
         # Counted until the build really ends: one its caller gave up on still starts an engine core.
-        on_end: list[Callable[[], None]] = [functools.partial(self._made_one, identity)]
+        on_end: list[Callable[[], None]] = [functools.partial(self._made_one, payer)]
         token = _ON_END.set(on_end)
         try:
             return await self.run_checked(plan, args, kwargs, deadline)
@@ -536,8 +536,10 @@ class Invoker:
             for hook in on_end:
                 hook()
 
-    def _made_one(self, identity: str) -> None:
-        self._making[identity] -= 1
+    def _made_one(self, payer: tuple[str, str | None]) -> None:
+        left = self._making.pop(payer) - 1
+        if left:
+            self._making[payer] = left
 
     async def call(self, request: pb.CallRequest | LargeRequest, caller: Caller, deadlines: Deadlines,
                    plan: Plan | None = None, out: pb.Value | None = None) -> pb.Value:

@@ -13,6 +13,13 @@ sessions per worker and refs per identity (refused: RESOURCE_EXHAUSTED, naming t
 memory of the tensors an identity's refs hold: a ref to an object built from a 64 MiB tensor costs
 one ref of 100,000 but 64 MiB of the worker's memory, and the worker is every client's.
 
+Without authentication the clients are one identity, and each limit is theirs together; so each
+connection takes only its share of it, as the engine's fair share does: a host at most three
+quarters of what the other hosts left, and a connection the same of its host's (one connection
+that made 100,000 refs and left shut every other client out of making any, for good). A session's
+cap bounds each payer's refs in it, and evicts only the adder's own oldest: a stranger filling the
+shared `default` session evicted every other connection's refs in it.
+
 The registry is touched only from the worker's event loop thread, so it needs no locks.
 """
 
@@ -29,8 +36,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from bridge_server.wire.errors import BridgeError, clip
+from bridge_server.wire.protocol import host_of
 
 Finalizer = Callable[[object], None]
+SHARE = 0.75     # without an identity: of what the others left, the most a host, or a host's connection, holds
 
 
 @dataclass
@@ -46,6 +55,58 @@ class RefEntry:
     pinned: bool = False          # published objects: never evicted by cap or TTL
     expires: float | None = None  # time.monotonic() when it goes, however it is used
     connection: str = ""          # without authentication, the connection whose call created it
+    payer: str = ""               # whose limits it counts against (`_payer`)
+    host: str | None = None       # without an identity: the payer's host
+
+
+def payer_of(owner: str, connection: str) -> tuple[str, str | None]:
+    """Whom a ref counts against: its identity, or, without one, its connection, within its host."""
+    if owner:
+        return owner, None
+    return "\0" + connection, host_of(connection)
+
+
+@dataclass
+class Tally:
+    """One kind of holding (refs, bytes, sessions) per payer; and, for payers without an identity,
+    per host and in all, since their limit is one for them all."""
+    by_payer: dict[str, int] = field(default_factory=dict)
+    by_host: dict[str, int] = field(default_factory=dict)
+    anonymous: int = 0
+
+    def held(self, payer: str) -> int:
+        return self.by_payer.get(payer, 0)
+
+    def add(self, payer: str, host: str | None, n: int) -> None:
+        _bump(self.by_payer, payer, n)
+        if host is not None:
+            _bump(self.by_host, host, n)
+            self.anonymous += n
+
+    def refusal(self, payer: str, host: str | None, n: int, limit: int, unit: str) -> str:
+        """Why `payer` may not hold `n` more under `limit` ("": it may). An identity has the limit
+        to itself; the clients without one have it together, each connection its share."""
+        mine = self.held(payer)
+        if host is None:
+            return "" if mine + n <= limit else f"this client holds {mine:,} {unit}, and its limit is {limit:,}"
+        if self.anonymous + n > limit:
+            return f"clients without an identity hold {self.anonymous:,} {unit} together, and their limit is {limit:,}"
+        host_held = self.by_host.get(host, 0)
+        host_cap = SHARE * (limit - (self.anonymous - host_held))
+        cap = max(SHARE * (host_cap - (host_held - mine)), 1)
+        if mine + n <= cap:
+            return ""
+        return (f"this connection holds {mine:,} {unit}, its share: without authentication the limit ({limit:,}) is every "
+                f"client's, of which a host holds at most {SHARE:.0%} of what the other hosts left ({int(host_cap):,} "
+                f"for this one, which holds {host_held:,}), and a connection the same of its host's")
+
+
+def _bump(counts: dict[str, int], key: str, n: int) -> None:
+    left = counts.get(key, 0) + n
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 class RefGone(BridgeError):
@@ -121,7 +182,7 @@ def _type_name(obj: object) -> str:
 
 
 class RefRegistry:
-    """Refs by id, grouped by (owner, session); evicts by per-session cap (oldest first) and idle TTL."""
+    """Refs by id, grouped by (owner, session); evicts by per-session cap (a payer's oldest first) and idle TTL."""
 
     def __init__(self, worker_id: str, *, session_cap: int = 10_000, idle_ttl_s: float | None = None,
                  finalize: Finalizer | None = None, tombstones: int = 100_000, max_sessions: int = 10_000,
@@ -132,13 +193,15 @@ class RefRegistry:
         self.max_sessions = max_sessions
         self.max_refs_per_client = max_refs_per_client
         self.max_ref_bytes_per_client = max_ref_bytes_per_client
-        self._bytes_per_owner: dict[str, int] = {}
-        self._sessions_per_owner: dict[str, int] = {}
-        self._charged: dict[int, tuple[str, int]] = {}   # id(obj) -> who pays for its tensors, how much
+        self._bytes = Tally()
+        self._session_tally = Tally()
+        self._session_payer: dict[tuple[str, str], tuple[str, str | None]] = {}   # who made each session
+        self._charged: dict[int, tuple[str, str | None, int]] = {}   # id(obj) -> who pays for its tensors, how much
         self._finalize = finalize
         self._refs: dict[str, RefEntry] = {}
         self._sessions: dict[tuple[str, str], OrderedDict[str, None]] = {}
-        self._per_owner: dict[str, int] = {}
+        self._in_session: dict[tuple[tuple[str, str], str], OrderedDict[str, None]] = {}   # (session, payer): its refs
+        self._count = Tally()
         self._holders: dict[int, int] = {}   # id(obj) -> number of live refs to it
         self._gone: OrderedDict[str, str] = OrderedDict()
         self._max_tombstones = tombstones
@@ -152,6 +215,7 @@ class RefRegistry:
     def put(self, obj: object, session_id: str, *, owner: str = "", exclusive: bool = False, pinned: bool = False,
             ref_id: str | None = None, expires_in: float | None = None, connection: str = "") -> RefEntry:
         key = (owner, session_id)
+        payer, host = payer_of(owner, connection)
         owned = self._sessions.get(key)
         if owned is None:
             if len(self._sessions) >= self.max_sessions:
@@ -159,42 +223,55 @@ class RefRegistry:
                                   f"worker {self.worker_id} holds {len(self._sessions):,} sessions, its limit "
                                   f"(max_sessions): release a session first", reason="max_sessions")
             share = self.max_sessions - self.max_sessions // 4
-            if owner and self._sessions_per_owner.get(owner, 0) >= share:   # identities: one may not take all
+            if owner and self._session_tally.held(owner) >= share:   # identities: one may not take all
                 raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
                                   f"worker {self.worker_id} holds {share:,} sessions of this client, the most one "
                                   f"client may hold (max_sessions {self.max_sessions:,}: the last quarter is kept "
                                   f"for other clients): release a session first", reason="max_sessions")
-        if self._per_owner.get(owner, 0) >= self.max_refs_per_client:
+            why = "" if owner else self._session_tally.refusal(payer, host, 1, self.max_sessions, "sessions")
+            if why:
+                raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
+                                  f"worker {self.worker_id}: no new session {clip(session_id, 80)!r}: {why} "
+                                  f"(max_sessions): release a session first", reason="max_sessions")
+        why = self._count.refusal(payer, host, 1, self.max_refs_per_client, "refs")
+        if why:
             raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
-                              f"worker {self.worker_id} holds {self.max_refs_per_client:,} refs of this client, its "
-                              f"limit (max_refs_per_client): release some first", reason="max_refs_per_client")
+                              f"worker {self.worker_id} holds no more refs for this caller: {why} "
+                              f"(max_refs_per_client): release some first", reason="max_refs_per_client")
+        # A session holds at most session_cap refs of each payer (one, with an identity): past it the
+        # adder's own oldest there goes, never another client's.
+        mine = self._in_session.get((key, payer))
+        victim = next(iter(mine)) if mine is not None and len(mine) >= self.session_cap else None
         nbytes = 0
         if not pinned and id(obj) not in self._holders and self.max_ref_bytes_per_client:
             nbytes = held_bytes(obj)
-            held = self._bytes_per_owner.get(owner, 0)
-            if nbytes and held + nbytes > self.max_ref_bytes_per_client:
+            why = self._bytes.refusal(payer, host, nbytes, self.max_ref_bytes_per_client, "bytes") if nbytes else ""
+            if why:
                 raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
-                                  f"worker {self.worker_id} holds {held:,} bytes (tensors, text, containers) in this "
-                                  f"client's refs; a ref to this {_type_name(obj)} ({nbytes:,} bytes) would pass "
-                                  f"its limit of {self.max_ref_bytes_per_client:,} (max_ref_bytes_per_client): "
-                                  f"release some first", reason="max_ref_bytes_per_client")
-            if nbytes:
-                self._bytes_per_owner[owner] = held + nbytes
-                self._charged[id(obj)] = (owner, nbytes)
+                                  f"worker {self.worker_id}: a ref to this {_type_name(obj)} ({nbytes:,} bytes) would "
+                                  f"pass the bytes (tensors, text, containers) refs may hold: {why} "
+                                  f"(max_ref_bytes_per_client): release some first", reason="max_ref_bytes_per_client")
+        if victim is not None:
+            self._drop(victim, f"evicted: session {session_id!r} exceeded its cap of {self.session_cap} refs (of "
+                               f"one client's)")
+            owned = self._sessions.get(key)
+        if nbytes:
+            self._bytes.add(payer, host, nbytes)
+            self._charged[id(obj)] = (payer, host, nbytes)
         entry = RefEntry(ref_id or f"{self.worker_id}.{secrets.token_urlsafe(18)}", obj, owner, session_id,
-                         _type_name(obj), exclusive, pinned=pinned, connection="" if owner else connection)
+                         _type_name(obj), exclusive, pinned=pinned, connection="" if owner else connection,
+                         payer=payer, host=host)
         if expires_in and not pinned:
             entry.expires = entry.created + expires_in
         self._refs[entry.id] = entry
         self._holders[id(obj)] = self._holders.get(id(obj), 0) + 1
-        self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
+        self._count.add(payer, host, 1)
         if owned is None:
             owned = self._sessions[key] = OrderedDict()
-            self._sessions_per_owner[owner] = self._sessions_per_owner.get(owner, 0) + 1
+            self._session_payer[key] = (payer, host)
+            self._session_tally.add(payer, host, 1)
         owned[entry.id] = None
-        while len(owned) > self.session_cap:
-            oldest = next(iter(owned))
-            self._drop(oldest, f"evicted: session {session_id!r} exceeded its cap of {self.session_cap} refs")
+        self._in_session.setdefault((key, payer), OrderedDict())[entry.id] = None
         return entry
 
     def get(self, ref_id: str, owner: str | None = None) -> RefEntry:
@@ -207,9 +284,6 @@ class RefRegistry:
         entry.last_used = time.monotonic()
         return entry
 
-    def owned(self, owner: str) -> list[RefEntry]:
-        return [e for e in self._refs.values() if e.owner == owner]
-
     def release(self, ref_ids: list[str], owner: str | None = None) -> int:
         foreign = [r for r in ref_ids if r in self._refs and owner is not None and self._refs[r].owner != owner]
         if foreign:
@@ -221,19 +295,17 @@ class RefRegistry:
         name is one, so a `connection` given releases only the refs its own calls made there: a
         stranger naming the session ("default", say) does not end everyone's."""
         if connection is not None and not owner:
-            held: Mapping[str, None] = self._sessions.get((owner, session_id)) or {}
-            mine = [r for r in held if self._refs[r].connection == connection]
+            mine = list(self._in_session.get(((owner, session_id), payer_of(owner, connection)[0])) or ())
             return sum(self._drop(r, f"released with its session {session_id!r}") for r in mine)
         gone: dict[str, None] | None = self._sessions.pop((owner, session_id), None)
         if gone is None:
             return 0
-        self._session_gone(owner)
+        self._session_gone((owner, session_id))
         return sum(self._drop(r, f"released with its session {session_id!r}") for r in list(gone))
 
-    def _session_gone(self, owner: str) -> None:
-        left = self._sessions_per_owner.pop(owner, 1) - 1
-        if left > 0:
-            self._sessions_per_owner[owner] = left
+    def _session_gone(self, key: tuple[str, str]) -> None:
+        payer, host = self._session_payer.pop(key, ("", None))
+        self._session_tally.add(payer, host, -1)
 
     def sweep(self, now: float | None = None) -> int:
         """Evicts refs idle for longer than the TTL, and those past their expiry; called periodically
@@ -262,10 +334,13 @@ class RefRegistry:
             owned.pop(ref_id, None)
             if not owned:
                 del self._sessions[key]
-                self._session_gone(entry.owner)
-        left_owned = self._per_owner.pop(entry.owner, 1) - 1
-        if left_owned:
-            self._per_owner[entry.owner] = left_owned
+                self._session_gone(key)
+        self._count.add(entry.payer, entry.host, -1)
+        theirs = self._in_session.get((key, entry.payer))
+        if theirs is not None:
+            theirs.pop(ref_id, None)
+            if not theirs:
+                del self._in_session[(key, entry.payer)]
         self._gone[ref_id] = reason
         while len(self._gone) > self._max_tombstones:
             self._gone.popitem(last=False)
@@ -274,18 +349,28 @@ class RefRegistry:
             self._holders[id(entry.obj)] = left
         else:
             charged = self._charged.pop(id(entry.obj), None)
-            if charged is not None:     # refs never pass between identities: its first owner pays
-                owner, nbytes = charged
-                remaining = self._bytes_per_owner.pop(owner, 0) - nbytes
-                if remaining > 0:
-                    self._bytes_per_owner[owner] = remaining
+            if charged is not None:     # refs never pass between identities: whoever made its first pays
+                payer, host, nbytes = charged
+                self._bytes.add(payer, host, -nbytes)
             if self._finalize is not None:
                 self._finalize(entry.obj)   # the last ref to this object is gone
         return True
 
-    def held_bytes(self, owner: str) -> int:
-        """Tensor bytes charged to an identity's refs."""
-        return self._bytes_per_owner.get(owner, 0)
+    def tally(self, keep: Callable[[object], bool], adding: Mapping[tuple[str, str | None], int]) -> Tally:
+        """The objects `keep` selects (engines, say), each counted once, against whoever made the first
+        ref to it, and `adding`'s, by payer: for a limit of such objects with the same shares."""
+        out, seen = Tally(), set()
+        for e in self._refs.values():
+            if id(e.obj) not in seen and keep(e.obj):
+                seen.add(id(e.obj))
+                out.add(e.payer, e.host, 1)
+        for (payer, host), n in adding.items():
+            out.add(payer, host, n)
+        return out
+
+    def held_bytes(self, owner: str, connection: str = "") -> int:
+        """Bytes charged to an identity's refs (without one, to a connection's)."""
+        return self._bytes.held(payer_of(owner, connection)[0])
 
     def _foreign(self, ref_id: str) -> BridgeError:
         return BridgeError(grpc.StatusCode.PERMISSION_DENIED, "ref",

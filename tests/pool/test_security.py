@@ -731,6 +731,37 @@ def test_a_ref_to_a_published_object_never_ends_it_when_released() -> None:
     asyncio.run(run())
 
 
+def test_without_an_identity_engines_are_shared_out_by_connection_and_host() -> None:
+    """Without authentication the clients' engine limit is one for them all: a stranger that made
+    max_engines_per_client engines and left kept everyone else from making one. Each connection
+    (within its host) takes its share; an engine counts once, against whoever made its first ref,
+    and one being made counts too."""
+    from bridge_server.worker.refs import RefRegistry, payer_of
+
+    class Engine:
+        pass
+
+    refs = RefRegistry("w")
+    stranger, neighbour, elsewhere = "ipv4:127.0.0.1:4001", "ipv4:127.0.0.2:4002", "ipv4:10.0.0.9:4003"
+    engine = Engine()
+    refs.put(engine, "s", connection=stranger)
+    refs.put(engine, "t", connection=neighbour)       # a second ref to the same engine: still its maker's
+    refs.put(object(), "s", connection=stranger)      # not an engine
+
+    def refusal(connection: str, making: dict[tuple[str, str | None], int] | None = None) -> str:
+        held = refs.tally(lambda obj: isinstance(obj, Engine), making or {})
+        return held.refusal(*payer_of("", connection), 1, 3, "engines")
+
+    # of 3, a host alone holds 3/4 and a connection 3/4 of that: the stranger has its 1 (of 1.69)
+    assert "this connection holds 1 engines, its share" in refusal(stranger)
+    assert refusal(neighbour) == "" and refusal(elsewhere) == ""     # loopback is one host: 127.0.0.2 too
+    being_made = {payer_of("", neighbour): 1}
+    assert refusal(elsewhere, being_made) == ""
+    assert "together" in refusal(elsewhere, {**being_made, payer_of("", elsewhere): 1})
+    # an identity has its limit to itself
+    assert refs.tally(lambda obj: isinstance(obj, Engine), {}).refusal(*payer_of("alice", ""), 1, 3, "engines") == ""
+
+
 def test_engine_constructors_refuse_what_calls_back_or_connects_and_take_the_defaults(client: BridgeClient) -> None:
     """`new` (AsyncLLM's own constructor) takes no factories, registries or addresses from a client,
     and vLLM's own defaults for them are not mistaken for given ones."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 from google.protobuf import any_pb2
 from google.rpc import status_pb2
 
@@ -135,6 +136,22 @@ def test_a_refusal_that_names_its_parameter_is_a_validation_error_naming_it() ->
     # a plain ValueError stays a Python error, with its type
     plain = BridgeError.from_exception(ValueError("allowed_token_ids is not None and empty!"), "t")
     assert (plain.category, plain.python_type, plain.parameter) == ("python_error", "ValueError", "")
+
+
+
+def test_what_torch_and_imports_say_of_the_arguments_and_the_server_gets_its_status() -> None:
+    """torch names a bad size or an allocation past memory only in a RuntimeError's text (UNKNOWN
+    before); a module the call needs that is not installed is the server's precondition."""
+    from bridge_server.wire.errors import BridgeError
+    with pytest.raises(RuntimeError) as negative:
+        torch.empty(-1)
+    assert BridgeError.from_exception(negative.value, "t").code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(RuntimeError) as huge:
+        torch.empty(2**62, dtype=torch.uint8)
+    assert BridgeError.from_exception(huge.value, "t").code == grpc.StatusCode.RESOURCE_EXHAUSTED, huge.value
+    missing = BridgeError.from_exception(ModuleNotFoundError("No module named 'ray'"), "t")
+    assert missing.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert BridgeError.from_exception(RuntimeError("engine busy"), "t").code == grpc.StatusCode.UNKNOWN
 
 
 WIDE = "日本語😀é"    # three and four bytes each in UTF-8, nine and twelve percent-encoded

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -65,6 +65,49 @@ def test_session_cap_and_idle_ttl_evict_refs_with_a_reason(tmp_path: Path) -> No
             with pytest.raises(CallError) as err:
                 c.call(Target.get(refs[2], "world_size"))
             assert "expired: idle for more than 1 s" in err.value.details
+    finally:
+        w.stop()
+
+
+def test_without_authentication_a_connection_takes_only_its_share_of_refs_and_evicts_only_its_own(
+        tmp_path: Path) -> None:
+    """Without an identity every client's limits are one. A stranger's connection that made refs up
+    to the limit (max_refs_per_client, sessions alike) and left kept every other client from making
+    any until the worker restarted; and one that filled the shared `default` session past its cap
+    evicted the other connections' refs there. Now a connection holds at most its share (three
+    quarters of its host's, which holds three quarters of the limit when alone), and a session's cap
+    evicts the adder's own oldest only."""
+    w = start_worker(tmp_path, "--session-cap", "8", "--max-refs-per-client", "40", "--max-sessions", "8")
+    own = [("grpc.use_local_subchannel_pool", 1)]      # a connection each, as two processes have
+    make = "vllm.config.ParallelConfig"
+
+    def until_refused(client: BridgeClient, session: Callable[[int], str]) -> tuple[int, CallError]:
+        for made in range(100):
+            try:
+                client.call(make, session_id=session(made))
+            except CallError as err:
+                assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+                return made, err
+        raise AssertionError("never refused")
+
+    try:
+        with BridgeClient(w.address, channel_options=own) as bystander, \
+                BridgeClient(w.address, channel_options=own) as stranger:
+            kept = bystander.call(make)                               # in `default`
+            for _ in range(30):                                       # the stranger fills `default`...
+                stranger.call(make)
+            assert bystander.call(Target.get(kept, "world_size")) == 1    # ... and evicts only its own
+            # sessions: of 8, its host may hold 6, of which the bystander's `default` is one: 3.75
+            made, err = until_refused(stranger, lambda i: f"s-{i}")
+            assert made == 3 and err.reason == "max_sessions" and "this connection holds 3 sessions" in err.details, err
+            # refs: of 40, its host may hold 30, of which the bystander's one: 21.75 (8 in `default`)
+            made, err = until_refused(stranger, lambda i: f"s-{i % 3}")
+            assert made == 21 - 8 - 3 and err.reason == "max_refs_per_client", (made, err)
+            assert "this connection holds 21 refs, its share" in err.details, err.details
+            # the bystander on the same host still makes refs, and a session: 3/4 of what the host has left
+            assert [bystander.call(make, session_id="mine") for _ in range(5)]
+            made, err = until_refused(bystander, lambda i: "mine")
+            assert made == 0 and "this connection holds 6 refs" in err.details, err.details
     finally:
         w.stop()
 
