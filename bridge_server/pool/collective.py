@@ -23,7 +23,7 @@ from bridge_server.pool.poolstate import Backend, Flight, PoolRouter, pool_error
 from bridge_server.pool.router import Route, Router, read_route, routed_request
 from bridge_server.wire.errors import BridgeError, detail_from_rpc_error, target_label
 from bridge_server.wire.options import MD_COLLECTIVE
-from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, count_fields, parse_request
+from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, collective_calls, count_fields, parse_request
 from bridge_server.wire.turns import Turns, read_in_turn
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -115,16 +115,12 @@ def read_collective(request: bytes, limit: int | None) -> pb.CollectiveRequestVi
 def _payloads(request: pb.CollectiveRequestView, pool: PoolRouter) -> tuple[list[bytes], str]:
     """The per-rank CallRequest payloads, as bytes; only the target (for messages) is decoded."""
     ranks = pool.config.workers
-    if request.per_rank:
-        if len(request.per_rank) != ranks:
-            raise BridgeError.validation(f"Collective: per_rank has {len(request.per_rank)} calls, but pool "
-                                         f"{pool.name!r} has {ranks} ranks", parameter="per_rank")
-        payloads = list(request.per_rank)
-    elif request.call:
-        payloads = [request.call] * ranks
-    else:
-        raise BridgeError.validation("Collective: give `call` (the same call on every rank) or `per_rank`",
-                                     parameter="call")
+    payloads = collective_calls(request)
+    if request.per_rank and len(payloads) != ranks:
+        raise BridgeError.validation(f"Collective: per_rank has {len(payloads)} calls, but pool {pool.name!r} has "
+                                     f"{ranks} ranks", parameter="per_rank")
+    if not request.per_rank:
+        payloads *= ranks
     calls = [routed_request(p, f"Collective: the call for rank {r}") for r, p in enumerate(payloads)]
     targets = {(c.target.kind, c.target.name) for c in calls}   # receivers may differ: each rank's own ref
     if len(targets) > 1:

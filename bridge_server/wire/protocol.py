@@ -252,6 +252,20 @@ def read_large_call(data: bytes, rpc: str, limit: int | None, view: type[M]) -> 
 MAX_RELEASE_IDS = 100_000      # ref ids in one Release (a client holds at most max_refs_per_client per worker)
 
 
+def collective_calls(request: pb.CollectiveRequestView) -> list[bytes]:
+    """A Collective's calls as given: the one `call` (for every rank) or `per_rank`, never both,
+    since which of them to run would be a guess."""
+    if request.per_rank and request.call:
+        raise BridgeError.validation("Collective: give `call` (the same call on every rank) or `per_rank` (one per "
+                                     "rank), not both: which to run would be a guess", parameter="call")
+    if request.per_rank:
+        return list(request.per_rank)
+    if request.call:
+        return [request.call]
+    raise BridgeError.validation("Collective: give `call` (the same call on every rank) or `per_rank`",
+                                 parameter="call")
+
+
 def read_release(data: bytes, limit: int | None = None) -> pb.ReleaseRequest:
     """A ReleaseRequest of at most MAX_RELEASE_IDS ids, counted before the parse when it is large:
     parsed first and counted after, 30 million empty ids (57 MiB) took the reader's loop 0.9 s and

@@ -29,6 +29,7 @@ import difflib
 import functools
 import inspect
 import time
+import types
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -113,6 +114,7 @@ class Plan:
     published: bool = False               # the receiver is a published object (shared by every client)
     operator_only: bool = False           # it changes a published object for every client
     fill_exit_args: bool = False
+    protocol: str = ""                    # the context-manager method it calls (`__enter__`, ...), if any
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,7 @@ class _MethodShape:
     profile: str
     override: Callable[..., Any] | None   # called with the receiver first, in place of the method
     fill_exit_args: bool
+    protocol: str
 
     def plan(self, obj: object, member: Any, exclusive: bool, published: bool) -> Plan:
         entry = self.entry
@@ -140,8 +143,30 @@ class _MethodShape:
                     exclusive=exclusive or self.exclusive, is_async=self.is_async, streams=self.streams,
                     profile=self.profile, receiver=obj, published=published,
                     operator_only=published and (entry is None or not entry.per_client),
-                    fill_exit_args=self.fill_exit_args,
+                    fill_exit_args=self.fill_exit_args, protocol=self.protocol,
                     result_ref=entry.result_ref if entry else False)
+
+
+def _check_context_state(plan: Plan) -> None:
+    """A context manager made by a generator (`contextlib.contextmanager`: `set_forward_context`,
+    `graph_capture`, ...) is entered once and exited once after that. Used otherwise it failed with
+    what its machinery tripped on (a second `__enter__`: AttributeError 'args'; an `__exit__` before
+    any enter: RuntimeError "generator didn't stop"), status UNKNOWN. Its state is read from it: its
+    `func` goes when it is entered, and its generator's frame when it is done."""
+    obj = plan.receiver
+    if not isinstance(obj, (contextlib._GeneratorContextManager, contextlib._AsyncGeneratorContextManager)):
+        return
+    gen = obj.gen
+    done = (gen.gi_frame if isinstance(gen, types.GeneratorType) else getattr(gen, "ag_frame", None)) is None
+    entered = not hasattr(obj, "func")
+    entering = plan.protocol in ("__enter__", "__aenter__")
+    if entering and entered or not entering and (not entered or done):
+        state = "exited already" if done and entered else "entered already" if entered else "not entered yet"
+        made = str(getattr(gen, "__qualname__", "") or "a generator")
+        raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
+                          f"{plan.label}: this context manager (made by {clip(made, 80)}) is {state}: one is entered "
+                          f"once, then exited once; make another to use it again", target=plan.label,
+                          reason="context manager state")
 
 
 MAX_METHOD_SHAPES = 4096    # (class, method) pairs planned once; past it, planned per call
@@ -358,7 +383,8 @@ class Invoker:
         elif entry is None and (exposed := self.catalog.exposure(obj)) is not None and name in exposed.overrides:
             override = exposed.overrides[name]    # runs where the method would
         shape = _MethodShape(getattr(member, "__func__", member), label, entry, entry.exclusive if entry else False,
-                             is_async, streams, sig, checks, profile, override, name in _EXIT_METHODS)
+                             is_async, streams, sig, checks, profile, override, name in _EXIT_METHODS,
+                             name if name in _PROTOCOL_METHODS else "")
         if kind == pb.Target.METHOD and inspect.ismethod(member) and member.__func__ is getattr(cls, name, None) \
                 and len(self._method_shapes) < MAX_METHOD_SHAPES:
             self._method_shapes[(cls, name)] = shape     # a class's own method: the same for every instance
@@ -487,6 +513,8 @@ class Invoker:
 
     async def run_checked(self, plan: Plan, args: list[Any], kwargs: dict[str, Any], deadline: float | None) -> Any:
         """run(), with failures of the called code turned into python_error statuses."""
+        if plan.protocol:
+            _check_context_state(plan)
         try:
             return await self.run(plan, args, kwargs, deadline)
         except BridgeError:

@@ -55,7 +55,7 @@ class RefEntry:
     pinned: bool = False          # published objects: never evicted by cap or TTL
     expires: float | None = None  # time.monotonic() when it goes, however it is used
     connection: str = ""          # without authentication, the connection whose call created it
-    payer: str = ""               # whose limits it counts against (`_payer`)
+    payer: str = ""               # whose limits it counts against (`payer_of`)
     host: str | None = None       # without an identity: the payer's host
 
 
@@ -96,9 +96,10 @@ class Tally:
         cap = max(SHARE * (host_cap - (host_held - mine)), 1)
         if mine + n <= cap:
             return ""
-        return (f"this connection holds {mine:,} {unit}, its share: without authentication the limit ({limit:,}) is every "
-                f"client's, of which a host holds at most {SHARE:.0%} of what the other hosts left ({int(host_cap):,} "
-                f"for this one, which holds {host_held:,}), and a connection the same of its host's")
+        return (f"this connection holds {mine:,} {unit}, its share: without authentication the limit "
+                f"({limit:,}) is every client's, of which a host holds at most {SHARE:.0%} of what the other hosts "
+                f"left ({int(host_cap):,} for this one, which holds {host_held:,}), and a connection the same of its "
+                f"host's")
 
 
 def _bump(counts: dict[str, int], key: str, n: int) -> None:

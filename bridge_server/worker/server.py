@@ -37,6 +37,7 @@ from bridge_server.wire.protocol import (
     MIN_PING_INTERVAL_S,
     LargeRequest,
     M,
+    collective_calls,
     health_and_status,
     parse_request,
     read_call,
@@ -214,12 +215,12 @@ class BridgeService:
         label = "Collective"
         try:
             request = self._read(pb.CollectiveRequestView, raw, "Collective")   # calls parsed as Call's are
-            if len(request.per_rank) > 1:
+            calls = collective_calls(request)
+            if len(calls) > 1:
                 raise BridgeError.validation(
-                    f"Collective: this worker is a group of 1 rank, got calls for {len(request.per_rank)} ranks",
+                    f"Collective: this worker is a group of 1 rank, got calls for {len(calls)} ranks",
                     parameter="per_rank")
-            call = read_call(request.per_rank[0] if request.per_rank else request.call, "Collective",
-                             self.max_request_bytes)
+            call = read_call(calls[0], "Collective", self.max_request_bytes)
             label = target_label(call.target)
             reply = pb.CollectiveReply(results=[await self._call(call, context)])
             self._refs_trailer(context)

@@ -211,6 +211,12 @@ def test_collective_argument_errors(tp: BridgeClient, server: PoolServer, tmp_pa
         tp.stub.Collective(pb.CollectiveRequest(per_rank=reqs), timeout=30)
     assert rpc_err.value.code() == grpc.StatusCode.INVALID_ARGUMENT   # type: ignore[attr-defined]
     assert "every rank must run the same target" in rpc_err.value.details()   # type: ignore[attr-defined]
+    # both forms at once: which to run would be a guess (the pool took per_rank, a worker alone `call`)
+    divide = [tp.request(f"{D}.divide", (6, 3))[0]] * 2
+    with pytest.raises(grpc.RpcError) as rpc_err:
+        tp.stub.Collective(pb.CollectiveRequest(call=divide[0], per_rank=divide), timeout=30)
+    assert rpc_err.value.code() == grpc.StatusCode.INVALID_ARGUMENT   # type: ignore[attr-defined]
+    assert "not both" in rpc_err.value.details()   # type: ignore[attr-defined]
     assert tp.collective(f"{D}.divide", 6, 3) == [2, 2] and server.pool("tp").restarts == restarts
 
 

@@ -483,3 +483,16 @@ def test_the_plain_asyncio_loop_serves_too(tmp_path: Path) -> None:
             assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         w.stop()
+
+
+def test_a_collective_on_a_lone_worker_takes_one_form_of_its_calls(client: BridgeClient) -> None:
+    """A worker alone is a group of one rank: `call` or one `per_rank` call runs there once; both
+    at once is refused (the worker ran `call`, a pool `per_rank`), as is neither."""
+    request, _ = client.request("vllm.distributed.divide", (6, 3))
+    assert client.stub.Collective(pb.CollectiveRequest(per_rank=[request]), timeout=10).results[0].value.int == 2
+    for given, needle in ((pb.CollectiveRequest(call=request, per_rank=[request]), "not both"),
+                          (pb.CollectiveRequest(), "give `call`")):
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.Collective(given, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT   # type: ignore[attr-defined]
+        assert needle in err.value.details()   # type: ignore[attr-defined]

@@ -42,6 +42,30 @@ def test_forward_context_is_set_read_and_cleared_through_a_context_manager_ref(c
     assert f"{FC}.get_forward_context" in err.value.details and "Forward context is not set" in err.value.details
 
 
+def test_a_context_manager_ref_used_out_of_order_is_refused_by_its_state(client: BridgeClient) -> None:
+    """A generator's context manager is entered once, then exited once. An exit before any enter
+    (RuntimeError "generator didn't stop") and a second enter (AttributeError 'args') came back as
+    UNKNOWN, naming neither the manager nor its state; and the forward context stays as it was."""
+    config = client.call("vllm.config.VllmConfig")
+    manager = client.call(f"{FC}.set_forward_context", None, config)
+
+    def refused(method: str) -> str:
+        with pytest.raises(CallError) as err:
+            client.call(Target.method(manager, method))
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, err.value
+        assert err.value.reason == "context manager state" and "set_forward_context" in err.value.details
+        return err.value.details
+
+    assert "is not entered yet" in refused("__exit__")
+    assert client.call(f"{FC}.is_forward_context_available") is False
+    client.call(Target.method(manager, "__enter__"))
+    assert "is entered already" in refused("__enter__")
+    assert client.call(f"{FC}.is_forward_context_available") is True
+    client.call(Target.method(manager, "__exit__"))
+    assert "is exited already" in refused("__exit__") and "is exited already" in refused("__enter__")
+    assert client.call(f"{FC}.is_forward_context_available") is False
+
+
 def test_dp_metadata_methods_compute_the_documented_sizes(client: BridgeClient) -> None:
     dp = client.call(f"{FC}.DPMetadata", torch.tensor(7), torch.tensor([5, 7, 3]))
     assert dp.type_name == "vllm.forward_context.DPMetadata"
