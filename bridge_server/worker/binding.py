@@ -71,6 +71,11 @@ class Building:
             self._named[text] = found
         return found
 
+    def others_named(self, annotation: Any, cls: type) -> list[str]:
+        """The other classes of `types` an annotation names besides `cls` (a union of records)."""
+        text = annotation if isinstance(annotation, str) else repr(annotation)
+        return [c.__name__ for short, c in self.types.items() if c is not cls and re.search(rf"\b{short}\b", text)]
+
 
 def bind_arguments(label: str, signature: inspect.Signature, args: list[Any], kwargs: dict[str, Any],
                    building: Building, checks: Checks | None = None,
@@ -367,7 +372,18 @@ def _describe(exc: pydantic.ValidationError, expected: str, value: Any) -> str:
 def _build_argument(label: str, param: inspect.Parameter, value: dict[Any, Any], building: Building) -> Any:
     """A map given where the signature expects one of the catalog's classes is built into it."""
     cls = building.record_for(param.annotation)
-    return value if cls is None else _build_record(label, param.name, cls, value, building)
+    if cls is None:
+        return value
+    try:
+        return _build_record(label, param.name, cls, value, building)
+    except BridgeError as err:
+        others = building.others_named(param.annotation, cls)
+        if not others:
+            raise
+        # `params: SamplingParams | PoolingParams`: a map is built as the first; say how to send another
+        raise dataclasses.replace(err, message=f"{err.message} (a map given for {param.name} is built as "
+                                               f"{cls.__name__}; for {' or '.join(others)}, send a Record of its type "
+                                               f"or a ref to one)") from None
 
 
 def _build_record(label: str, where: str, cls: type, value: dict[Any, Any], building: Building, depth: int = 0) -> Any:

@@ -91,6 +91,7 @@ class Catalog:
     entries: dict[str, Entry] = field(default_factory=dict)
     methods: dict[type, dict[str, Entry]] = field(default_factory=dict)   # class -> name -> entry
     types: dict[str, type] = field(default_factory=dict)    # qualified name -> class clients may build
+    type_aliases: dict[str, type] = field(default_factory=dict)   # constructor name (vllm.PoolingParams) -> class
     records: dict[type, tuple[str, ...]] = field(default_factory=dict)   # plain classes sent by value
     record_constants: dict[type, frozenset[str]] = field(default_factory=dict)   # per stream, see codec
     record_growing: dict[type, frozenset[str]] = field(default_factory=dict)     # per stream, see patch
@@ -124,7 +125,7 @@ class Catalog:
 
     def resolve_type(self, qualname: str) -> type | None:
         """Types a Record or Enum from a client may be rebuilt into: the catalog's own classes."""
-        found = self.types.get(qualname)
+        found = self.types.get(qualname) or self.type_aliases.get(qualname)
         if found is not None:
             return found
         # Enums used in vLLM signatures (CUDAGraphMode, ...) are allowed by their home module.
@@ -250,6 +251,7 @@ def build_catalog(specs: Iterable[AdapterSpec], documents: dict[str, DocSurface]
         for ctor in spec.constructors:
             cls = getattr(importlib.import_module(ctor.module), ctor.attr)
             catalog.types[f"{cls.__module__}.{cls.__qualname__}"] = cls
+            catalog.type_aliases[ctor.name] = cls      # a Record may name its type as its constructor is named
             catalog.add(Entry(name=ctor.name, kind=Kind.CONSTRUCTOR, module=ctor.module, class_name=ctor.attr,
                               attr="__init__", owner=cls, signature=_signature(cls), doc=None, result_ref=True))
         for final in spec.finalizers:

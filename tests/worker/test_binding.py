@@ -140,6 +140,10 @@ REFUSED = [
     ("vllm.AsyncLLMEngine.encode", ("Hi", {"task": "no-such-task"}, "r"), {}, "pooling_params.task",
      "got str 'no-such-task'"),
     ("vllm.AsyncLLMEngine.abort", ("r", 1), {}, "internal", "expected bool, got int 1"),
+    # `params: SamplingParams | PoolingParams`: a map is built as the first, and the message says how to
+    # send the other
+    ("vllm.AsyncLLMEngine.add_request", ("r", "Hi", {"task": "embed"}), {}, "params",
+     "(a map given for params is built as SamplingParams; for PoolingParams, send a Record of its type"),
     ("vllm.distributed.get_pp_indices", (32.0, 0, 2), {}, "num_hidden_layers", "expected int, got float 32.0"),
     ("vllm.distributed.tensor_model_parallel_all_reduce", ([1.0, 2.0],), {}, "input_",
      "expected torch.Tensor, got list"),
@@ -297,3 +301,15 @@ def test_a_bad_word_the_tokenizer_makes_nothing_of_is_named() -> None:
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.parameter == "sampling_params.bad_words[1]", err.value
     assert "'zz', of which this engine's tokenizer makes no token" in err.value.message
+
+
+def test_a_record_may_name_its_type_as_its_constructor_is_named(catalog: Catalog) -> None:
+    """A client that makes `vllm.PoolingParams(...)` may send a Record of type `vllm.PoolingParams`
+    too: it was not allow-listed under that name, so its fields arrived as a plain map, which the
+    parameter then built as the union's first class (SamplingParams)."""
+    from vllm.pooling_params import PoolingParams
+    from vllm.sampling_params import SamplingParams
+    assert catalog.resolve_type("vllm.PoolingParams") is PoolingParams
+    assert catalog.resolve_type("vllm.SamplingParams") is SamplingParams
+    assert catalog.resolve_type("vllm.pooling_params.PoolingParams") is PoolingParams
+    assert catalog.resolve_type("vllm.NoSuchParams") is None
