@@ -147,6 +147,15 @@ class _MethodShape:
                     result_ref=entry.result_ref if entry else False)
 
 
+def _declared(cls: type, name: str) -> tuple[Any, type]:
+    """An attribute's declared type (an annotation, maybe a string) and the class that declares it."""
+    for klass in cls.__mro__:
+        annotations = klass.__dict__.get("__annotations__", {})
+        if name in annotations:
+            return annotations[name], klass
+    return inspect.Parameter.empty, cls
+
+
 def _check_context_state(plan: Plan) -> None:
     """A context manager made by a generator (`contextlib.contextmanager`: `set_forward_context`,
     `graph_capture`, ...) is entered once and exited once after that. Used otherwise it failed with
@@ -358,8 +367,11 @@ class Invoker:
             exclusive = exclusive or entry.exclusive
         profile = entry.profile if entry else "default"
         if kind == pb.Target.SET_ATTR:
+            # the value is checked against the attribute's declared type, as a constructor's argument is
+            annotation, owner = _declared(type(obj), name)
+            value = inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY, annotation=annotation)
             return Plan(label=label, fn=functools.partial(setattr, obj, name), exclusive=exclusive,
-                        signature=inspect.Signature([inspect.Parameter("value", inspect.Parameter.POSITIONAL_ONLY)]),
+                        signature=inspect.Signature([value]), checks=Checks(namespace_of(owner)),
                         receiver=obj, published=published, operator_only=published)
         try:
             member = getattr(obj, name)
@@ -580,11 +592,15 @@ class Invoker:
                               f"start with stream set), not Call", target=plan.label, reason="use Stream")
         args, kwargs = await self.prepare(plan, *await self.decode_in_turn(request, caller, plan, deadlines.call),
                                           caller)
+        setting = request.target.kind == pb.Target.SET_ATTR
+        if setting:        # what the value brings counts against the bytes refs may hold
+            self.refs.room_to_set(plan.receiver, args[0], caller.identity, connection_of(caller.client))
         if self._makes_engines(plan):
             result = await self._made(plan, caller, args, kwargs, deadlines.call)
         else:
             result = await self.run_checked(plan, args, kwargs, deadlines.call)
-        if request.target.kind == pb.Target.SET_ATTR:
+        if setting:
+            self.refs.recount(plan.receiver, caller.identity, connection_of(caller.client))
             result = None
         elif plan.result_ref and result is not None and self.adopt is not None:
             await with_deadline(self.adopt(result), deadlines.call, plan.label, "warming up what it made")

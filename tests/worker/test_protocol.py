@@ -496,3 +496,33 @@ def test_a_collective_on_a_lone_worker_takes_one_form_of_its_calls(client: Bridg
             client.stub.Collective(given, timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT   # type: ignore[attr-defined]
         assert needle in err.value.details()   # type: ignore[attr-defined]
+
+
+def test_setting_an_attribute_is_checked_by_its_type_and_counted_in_the_bytes_refs_hold(tmp_path: Path) -> None:
+    """Bytes were counted only when a ref was made, and a set attribute skipped the type check its
+    constructor applies: a small DPMetadata given a 48 MB tensor 24 times took the worker 1.1 GB
+    past the limit of the bytes refs may hold."""
+    w = start_worker(tmp_path, "--max-ref-bytes-per-client", "1000000")
+    dp = "vllm.forward_context.DPMetadata"
+    try:
+        with BridgeClient(w.address) as c:
+            small = c.call(dp, torch.tensor(7), torch.tensor([5, 7, 3]))
+            with pytest.raises(CallError) as err:                  # its declared type: list[int] | None
+                c.call(Target.set(small, "local_sizes"), "abc")
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert "parameter local_sizes" in err.value.details and "got str 'abc'" in err.value.details
+            c.call(Target.set(small, "local_sizes"), [3, 3, 4])
+            assert c.call(Target.get(small, "local_sizes")) == [3, 3, 4]
+            # 60,000 ints: ~0.5 MB of slots, twice over the limit (a tensor's bytes count the same way)
+            c.call(Target.set(small, "local_sizes"), list(range(60_000)))
+            with pytest.raises(CallError) as err:
+                c.call(Target.set(small, "local_sizes"), list(range(80_000)))
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+            assert "max_ref_bytes_per_client" in err.value.details and "setting a builtins.list" in err.value.details
+            with pytest.raises(CallError) as err:                  # what it holds now is counted
+                c.call(dp, torch.tensor(7), torch.zeros(70_000, dtype=torch.int64))
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+            c.call(Target.set(small, "local_sizes"), None)            # and what it dropped is not
+            assert c.call(dp, torch.tensor(7), torch.zeros(70_000, dtype=torch.int64)) is not None
+    finally:
+        w.stop()
