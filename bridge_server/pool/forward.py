@@ -248,9 +248,10 @@ class Forwarder:
         out = _Outcome()
         try:
             identity = self.security.identity(context)
-            out.pool, reply = await run_collective(self.router, request, context,
-                                                   _forwarded(context.invocation_metadata(), identity), self.limit,
-                                                   identity, self.turns)
+            # whose each rank's call is, as for a Call (refs, sessions, aborts: the caller's own)
+            forwarded = [*_forwarded(context.invocation_metadata(), identity), (MD_CLIENT, client_of(identity, context))]
+            out.pool, reply = await run_collective(self.router, request, context, forwarded, self.limit, identity,
+                                                   self.turns)
             out.code = "OK"
             return reply
         except BaseException as exc:
