@@ -92,7 +92,12 @@ class Tally:
         if self.anonymous + n > limit:
             return f"clients without an identity hold {self.anonymous:,} {unit} together, and their limit is {limit:,}"
         host_held = self.by_host.get(host, 0)
-        host_cap = SHARE * (limit - (self.anonymous - host_held))
+        left = limit - (self.anonymous - host_held)
+        host_cap = max(SHARE * left, 1 if left >= 1 else 0)     # one at least, while the others leave one
+        if host_held + n > host_cap:      # connections cost nothing: however many, a host holds its share
+            return (f"this connection's host holds {host_held:,} {unit}, its share: without authentication the "
+                    f"limit ({limit:,}) is every client's, of which a host holds at most {SHARE:.0%} of what the "
+                    f"other hosts left ({int(host_cap):,} for this one)")
         cap = max(SHARE * (host_cap - (host_held - mine)), 1)
         if mine + n <= cap:
             return ""

@@ -757,9 +757,20 @@ def test_without_an_identity_engines_are_shared_out_by_connection_and_host() -> 
     assert refusal(neighbour) == "" and refusal(elsewhere) == ""     # loopback is one host: 127.0.0.2 too
     being_made = {payer_of("", neighbour): 1}
     assert refusal(elsewhere, being_made) == ""
+    # connections cost nothing: a third on the same host is held to the host's share (2.25 of 3)
+    assert "this connection's host holds 2 engines, its share" in refusal("ipv4:127.0.0.1:4009", being_made)
     assert "together" in refusal(elsewhere, {**being_made, payer_of("", elsewhere): 1})
     # an identity has its limit to itself
     assert refs.tally(lambda obj: isinstance(obj, Engine), {}).refusal(*payer_of("alice", ""), 1, 3, "engines") == ""
+    # refs alike: a thousand connections of one host, a ref each, hold three quarters of 40
+    many = RefRegistry("w", max_refs_per_client=40)
+    held = 0
+    with pytest.raises(BridgeError) as err:
+        for port in range(1000, 2000):
+            many.put(object(), "s", connection=f"ipv4:10.1.2.3:{port}")
+            held += 1
+    assert held == 30 and err.value.reason == "max_refs_per_client", (held, err.value)
+    assert many.put(object(), "s", connection="ipv4:10.9.9.9:1") is not None      # another host: room left
 
 
 def test_engine_constructors_refuse_what_calls_back_or_connects_and_take_the_defaults(client: BridgeClient) -> None:
