@@ -360,6 +360,11 @@ def check_sampling_params(engine: Any, label: str, name: str, params: Any) -> No
         return
     _check_structured_outputs(label, name, params)
     _check_bad_words(engine, label, name, params)
+    allowed = getattr(params, "allowed_token_ids", None)
+    if allowed is not None and not allowed:      # vLLM's own says only "allowed_token_ids is not None and empty!"
+        raise BridgeError.validation(f"{label}: parameter {name}.allowed_token_ids: expected at least one token id "
+                                     f"(or None, for all), got an empty list, which would allow no token",
+                                     target=label, parameter=f"{name}.allowed_token_ids")
     bound = engine.model_config.get_vocab_size()
     for field in ("stop_token_ids", "allowed_token_ids"):
         ids = getattr(params, field, None)

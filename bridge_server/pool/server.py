@@ -27,6 +27,7 @@ from bridge_server.pool.metrics import Metrics, PoolSnapshot
 from bridge_server.pool.router import Router
 from bridge_server.pool.supervisor import Supervisor
 from bridge_server.wire import eventloop
+from bridge_server.wire.errors import quote
 from bridge_server.wire.protocol import connection_limit, health_and_status, public_server_options
 from bridge_server.wire.security import ServerSecurity, check_exposure
 from vllm_bridge.v1 import pool_pb2 as ppb
@@ -63,8 +64,8 @@ class _StatusService:
 
     async def Status(self, request: ppb.StatusRequest, context: grpc.aio.ServicerContext) -> ppb.StatusReply:  # noqa: N802
         if request.pool and request.pool not in self._server.router.pools:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"no pool {request.pool!r}; pools: {', '.join(self._server.router.pools)}")
+            await context.abort(grpc.StatusCode.NOT_FOUND,      # the name as far as it helps: a status fits a header
+                                f"no pool {quote(request.pool)}; pools: {', '.join(self._server.router.pools)}")
         return self._server.status(request.pool)
 
 

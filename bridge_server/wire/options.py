@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -116,15 +117,19 @@ class RuntimeOptions:
     stream_tee: bool = False
 
 
+# Milliseconds as clients write them: ASCII digits, maybe a fraction, or "inf" (none). Python's float()
+# takes more (Arabic-Indic digits, "5_000", " 5 ", "1e3", "nan"), which a header could not carry but a
+# Multiplex start's options can: one form on every path.
+_MILLISECONDS = re.compile(r"(?:[0-9]+(?:\.[0-9]+)?|inf)", re.ASCII)
+
+
 def _ms(key: str, raw: str) -> float | None:
-    try:
-        ms = float(raw)
-    except ValueError:
-        raise BridgeError.validation(f"metadata {key}: expected milliseconds as a number, got {quote(raw)}",
-                                     parameter=key) from None
-    if ms < 0 or math.isnan(ms):
-        raise BridgeError.validation(f"metadata {key}: expected a non-negative number, got {quote(raw)}",
+    if not _MILLISECONDS.fullmatch(raw):
+        kind = "a non-negative number" if raw.lstrip().startswith("-") or raw.strip().lower() == "nan" else \
+            "milliseconds as a number"
+        raise BridgeError.validation(f"metadata {key}: expected {kind} (ASCII digits, or inf), got {quote(raw)}",
                                      parameter=key)
+    ms = float(raw)
     return None if math.isinf(ms) else ms / 1000.0
 
 

@@ -17,6 +17,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.options import MAX_SESSION_ID_CHARS
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 # Multiplex: a batch's requests handled before the event loop turns (a server handles a batch a
@@ -276,6 +277,9 @@ def read_release(data: bytes, limit: int | None = None) -> pb.ReleaseRequest:
     request = None
     if len(data) < LARGE_REQUEST_BYTES or count_fields(data, MAX_RELEASE_IDS + 1) <= MAX_RELEASE_IDS + 1:
         request = parse_request(pb.ReleaseRequest, data, "Release")
+        if len(request.session_id) > MAX_SESSION_ID_CHARS:     # no session has such a name: say so, as its header does
+            raise BridgeError.validation(f"Release: a session id of {len(request.session_id):,} characters; at most "
+                                         f"{MAX_SESSION_ID_CHARS}", parameter="session_id")
         if len(request.ref_ids) <= MAX_RELEASE_IDS:
             return request
     said = f"{len(request.ref_ids):,} ref ids" if request is not None else f"more than {MAX_RELEASE_IDS:,} fields"

@@ -394,7 +394,19 @@ def _build_record(label: str, where: str, cls: type, value: dict[Any, Any], buil
         return cls(**fields)
     except Exception as exc:  # the class's own validation says what is wrong
         why = _field_types_error(cls, fields) or f"{type(exc).__name__}: {exc}"
-        raise BridgeError.validation(f"{what}: {why}", target=label, parameter=where) from None
+        raise BridgeError.validation(f"{what}: {why}", target=label,
+                                     parameter=f"{where}.{field}" if (field := _refused_field(exc, fields)) else where
+                                     ) from None
+
+
+def _refused_field(exc: BaseException, fields: Mapping[str, Any]) -> str | None:
+    """The field a class's own check refused, where it says: vLLM's name it (`parameter`), or start
+    their message with it ("top_k must be 0 (disable), or at least 1, got -5")."""
+    named = getattr(exc, "parameter", None)
+    if isinstance(named, str) and named in fields:
+        return named
+    first = re.match(r"\w+", str(exc))
+    return first.group(0) if first is not None and first.group(0) in fields else None
 
 
 def check_record(label: str, where: str, cls: type, fields: dict[str, Any], building: Building,

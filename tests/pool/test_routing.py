@@ -72,6 +72,15 @@ def test_calls_are_routed_by_pool_name_and_an_unknown_pool_lists_the_pools(serve
         assert err.value.code == grpc.StatusCode.NOT_FOUND
         assert "no pool 'nope'; pools: a, b" in err.value.details
         assert err.value.category == "pool" and err.value.reason == "unknown pool"
+        # the pool status service answers NOT_FOUND too, whatever the name's length (echoed whole, a
+        # 20,000-character name's status passed gRPC's header limit: RESOURCE_EXHAUSTED instead)
+        from vllm_bridge.v1 import pool_pb2 as ppb
+        from vllm_bridge.v1 import pool_pb2_grpc as ppb_grpc
+        for name in ("nope", "n" * 20_000):
+            with pytest.raises(grpc.RpcError) as rpc_err:
+                ppb_grpc.PoolStub(c.channel).Status(ppb.StatusRequest(pool=name), timeout=10)
+            assert rpc_err.value.code() == grpc.StatusCode.NOT_FOUND, rpc_err.value   # type: ignore[attr-defined]
+            assert "pools: a, b" in rpc_err.value.details()   # type: ignore[attr-defined]
         # x-bridge-rank picks the worker of that slot.
         assert [holder(c.call(PC, pool="a", rank=r)) for r in (1, 0, 1)] == ["a-1-g1", "a-0-g1", "a-1-g1"]
         with pytest.raises(CallError) as err:

@@ -124,10 +124,15 @@ REFUSED = [
     ("vllm.AsyncLLMEngine.generate", ("Hi", {"output_kind": "DELTA"}, "r"), {}, "sampling_params.output_kind",
      "got str 'DELTA'"),
     # what the class itself refuses is what is said, an enum given by value alongside or not
+    # (and the parameter is the field it names)
     ("vllm.AsyncLLMEngine.generate", ("Hi", {"temperature": 0.0, "n": 2, "output_kind": 1}, "r"), {},
-     "sampling_params", "n must be 1 when using greedy sampling, got 2"),
-    ("vllm.AsyncLLMEngine.generate", ("Hi", {"top_p": 0.0, "output_kind": 0}, "r"), {}, "sampling_params",
+     "sampling_params.n", "n must be 1 when using greedy sampling, got 2"),
+    ("vllm.AsyncLLMEngine.generate", ("Hi", {"top_p": 0.0, "output_kind": 0}, "r"), {}, "sampling_params.top_p",
      "top_p must be in (0, 1], got 0.0"),
+    ("vllm.AsyncLLMEngine.generate", ("Hi", {"max_tokens": 0}, "r"), {}, "sampling_params.max_tokens",
+     "max_tokens must be at least 1, got 0"),
+    ("vllm.AsyncLLMEngine.generate", ("Hi", {"top_k": -5}, "r"), {}, "sampling_params.top_k",
+     "top_k must be 0 (disable), or at least 1, got -5"),
     ("vllm.AsyncLLMEngine.generate", ("Hi", {"structured_outputs": {"json": 3}}, "r"), {},
      "sampling_params.structured_outputs.json", "expected str | dict | None, got int 3"),
     ("vllm.AsyncLLMEngine.generate", ("Hi", {}, 7), {}, "request_id", "expected str, got int 7"),

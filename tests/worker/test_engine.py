@@ -702,6 +702,8 @@ BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words
     ("a structural tag's format that is not an object", "hi", {**greedy(2), "structured_outputs": {
         "structural_tag": '{"format": 5}'}}, {},
      grpc.StatusCode.INVALID_ARGUMENT, "parameter sampling_params.structured_outputs: vLLM could not read it: Key"),
+    ("an empty list of allowed token ids", "hi", {**greedy(2), "allowed_token_ids": []}, {},
+     grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.allowed_token_ids: expected at least one token id"),
     ("a schema that is not JSON", "hi", {**greedy(2), "structured_outputs": {"json": "not json"}}, {},
      grpc.StatusCode.INVALID_ARGUMENT, "parameter sampling_params.structured_outputs: vLLM refused it: JSONDecodeErr"),
     ("a truncation past the model's length", "hi", {**greedy(2), "truncate_prompt_tokens": 10**6}, {},

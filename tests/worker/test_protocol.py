@@ -356,6 +356,13 @@ def test_parsed_options_are_remembered_but_a_refusal_is_given_every_time() -> No
         with pytest.raises(BridgeError) as err:
             parse_metadata(bad)
         assert err.value.parameter == "x-bridge-timeout-ms" and "'soon'" in err.value.message
+    # milliseconds in one form on every path: a Multiplex start's options carry what a header cannot
+    for raw in ("١٢٠٠٠", "5_000", " 5 ", "1e3", "nan", "-5", "0x10"):
+        with pytest.raises(BridgeError) as err:
+            parse_metadata((("x-bridge-stream-timeout-ms", raw),))
+        assert err.value.parameter == "x-bridge-stream-timeout-ms" and "ASCII digits, or inf" in err.value.message
+    assert parse_metadata((("x-bridge-timeout-ms", "inf"),)).timeout_s is None
+    assert parse_metadata((("x-bridge-timeout-ms", "12.5"),)).timeout_s == 0.0125
 
 
 def test_malformed_values_on_the_wire_are_refused_by_path(worker: WorkerProcess) -> None:
@@ -526,3 +533,12 @@ def test_setting_an_attribute_is_checked_by_its_type_and_counted_in_the_bytes_re
             assert c.call(dp, torch.tensor(7), torch.zeros(70_000, dtype=torch.int64)) is not None
     finally:
         w.stop()
+
+
+def test_a_release_of_a_session_no_header_could_name_is_refused(client: BridgeClient) -> None:
+    """A session id is at most 256 characters wherever it is given: a Release naming a longer one
+    freed nothing and said nothing."""
+    with pytest.raises(CallError) as err:
+        client.release(session_id="s" * 300)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "a session id of 300 characters" in err.value.details
+    assert client.release(session_id="s" * 256) == 0
