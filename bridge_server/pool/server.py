@@ -28,7 +28,7 @@ from bridge_server.pool.router import Router
 from bridge_server.pool.supervisor import Supervisor
 from bridge_server.wire import eventloop
 from bridge_server.wire.errors import quote
-from bridge_server.wire.protocol import connection_limit, health_and_status, public_server_options
+from bridge_server.wire.protocol import HealthWatches, connection_limit, health_and_status, public_server_options
 from bridge_server.wire.security import ServerSecurity, check_exposure
 from vllm_bridge.v1 import pool_pb2 as ppb
 
@@ -95,7 +95,8 @@ class PoolServer:
         self.metrics.watch_unread(lambda: (backlog.total, backlog.ended, backlog.refused))
         self.server.add_generic_rpc_handlers([Forwarder(self.router, self.metrics, security,
                                                         config.max_request_bytes, self.backlog).handler()])
-        self.server.add_generic_rpc_handlers(health_and_status(self.health, _StatusService(self).Status))
+        self.watches = HealthWatches()
+        self.server.add_generic_rpc_handlers(health_and_status(self.health, _StatusService(self).Status, self.watches))
         reflection.enable_server_reflection(
             (SERVICE, POOL_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
@@ -148,6 +149,7 @@ class PoolServer:
         log.info("shutting down: in-flight calls get %.1f s", self.config.grace_s)
         self.state = "stopping"
         await self.health.enter_graceful_shutdown()
+        await self.watches.end()
         self.router.accepting = False
         try:
             await self.server.stop(self.config.grace_s)

@@ -10,7 +10,7 @@ import asyncio
 import functools
 import ipaddress
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -321,15 +321,46 @@ def _serialize(message: Message) -> bytes:
     return message.SerializeToString()
 
 
-def health_and_status(health: Any, status: Callable[..., Awaitable[object]]) -> list[grpc.GenericRpcHandler]:
-    """The standard health service (`health`: grpcio-health-checking's aio servicer) and our
-    `Pool/Status`, as both servers register them."""
+@dataclass
+class HealthWatches:
+    """The health service's Watch streams in progress. grpcio-health-checking's servicer holds each
+    open for as long as its client does, and a stopping server waits for every RPC until its grace
+    period ends: one idle watcher kept it 30 s. At shutdown each says NOT_SERVING, then ends (OK)."""
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    ending: bool = False
+
+    async def watch(self, health: Any, request: Any, context: grpc.aio.ServicerContext) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(health.Watch(request, context))
+        self.tasks.add(task)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not (self.ending and task.cancelled()):
+                task.cancel()          # the caller went: its watch goes with it
+                raise
+        finally:
+            self.tasks.discard(task)
+
+    async def end(self, said_s: float = 0.1) -> None:
+        """Ends them, once they had `said_s` to send the status the shutdown set."""
+        self.ending = True
+        if self.tasks:
+            await asyncio.sleep(said_s)
+        for task in list(self.tasks):
+            task.cancel()
+
+
+def health_and_status(health: Any, status: Callable[..., Awaitable[object]],
+                      watches: HealthWatches) -> list[grpc.GenericRpcHandler]:
+    """The standard health service (`health`: grpcio-health-checking's aio servicer; its Watch
+    streams kept in `watches`) and our `Pool/Status`, as both servers register them."""
     from grpc_health.v1 import health_pb2
 
     from vllm_bridge.v1 import pool_pb2
     request = health_pb2.HealthCheckRequest
     return [parsed_service(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                           {"Check": (health.Check, request, False), "Watch": (health.Watch, request, True)}),
+                           {"Check": (health.Check, request, False),
+                            "Watch": (functools.partial(watches.watch, health), request, True)}),
             parsed_service(pool_pb2.DESCRIPTOR.services_by_name["Pool"].full_name,
                            {"Status": (status, pool_pb2.StatusRequest, False)})]
 

@@ -37,6 +37,7 @@ from bridge_server.wire.protocol import (
     MIN_PING_INTERVAL_S,
     LargeRequest,
     M,
+    HealthWatches,
     collective_calls,
     health_and_status,
     parse_request,
@@ -285,6 +286,7 @@ class Worker:
     lane: LaneServer | None = None
     started: float = field(default_factory=time.monotonic)
     ready: bool = False
+    watches: HealthWatches = field(default_factory=HealthWatches)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
 
     async def start(self) -> None:
@@ -343,6 +345,7 @@ class Worker:
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops taking calls, lets in-flight ones finish within the grace period, then releases refs."""
         await self.health.enter_graceful_shutdown()
+        await self.watches.end()
         grace = self.config.grace_s if grace_s is None else grace_s
         await asyncio.gather(self.server.stop(grace), *([self.lane.stop(grace)] if self.lane else []))
         for task in self._tasks:
@@ -397,7 +400,7 @@ def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
     invoker.adopt = liveness.adopt
     worker = Worker(config, server, invoker, health_servicer, port, liveness)
     holder.append(worker)
-    server.add_generic_rpc_handlers(health_and_status(health_servicer, _StatusService(worker).Status))
+    server.add_generic_rpc_handlers(health_and_status(health_servicer, _StatusService(worker).Status, worker.watches))
     return worker
 
 

@@ -270,9 +270,21 @@ def test_sigterm_lets_in_flight_calls_finish_then_every_process_is_gone(tmp_path
         sockets_dir = Path(worker.address.removeprefix("unix:")).parent
         assert sockets_dir.is_dir()
         gates = [Gate() for _ in range(3)]
+        # a health watcher that never hangs up: told NOT_SERVING at the SIGTERM, then its stream ends
+        # (held open, it kept the stopping server waiting out its whole grace period, 30 s here)
+        watch_channel = grpc.insecure_channel(server.address)
+        seen: list[object] = []
+
+        def watch() -> None:
+            try:
+                for reply in health_pb2_grpc.HealthStub(watch_channel).Watch(health_pb2.HealthCheckRequest()):
+                    seen.append(reply.status)
+            except grpc.RpcError as err:
+                seen.append(err.code())       # type: ignore[attr-defined]
+        watcher = in_thread(watch)
         with server.client(pool="d") as c:
             calls = [in_thread(lambda g=g: c.call(*g.args())) for g in gates]
-            wait_until(lambda: server.pool("d").in_flight == 3, what="3 calls in flight")
+            wait_until(lambda: server.pool("d").in_flight == 3 and seen, what="3 calls in flight, and a watcher")
             server.proc.send_signal(signal.SIGTERM)
             time.sleep(1.0)
             # No new calls are taken, but the server waits for the ones in flight.
@@ -283,7 +295,10 @@ def test_sigterm_lets_in_flight_calls_finish_then_every_process_is_gone(tmp_path
             open_gates(gates)
             for out in calls:
                 assert out.done.wait(30) and out.error is None, out.error
-        assert server.proc.wait(30) == 0
+        assert server.proc.wait(15) == 0          # well within its grace: the watcher held nothing up
+        assert watcher.done.wait(5)
+        assert seen == [health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING], seen
+        watch_channel.close()
         wait_until(lambda: not group_members(worker.pid), timeout=5, what="the worker's group gone")
         assert not sockets_dir.exists()
     finally:
