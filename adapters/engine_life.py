@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import multiprocessing
+import time
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -186,6 +188,19 @@ def shutdown(engine: Any) -> None:
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
-        engine.shutdown()
+        _stop(engine)
         return
-    loop.run_in_executor(None, engine.shutdown)
+    loop.run_in_executor(None, _stop, engine)
+
+
+def _stop(engine: Any, reap_s: float = 5.0) -> None:
+    """vLLM's shutdown, then the exit of its core collected: one that did not stop when asked (a
+    stopped or wedged core) is killed, but not waited for, and stayed a zombie for the worker's life,
+    one more for every engine created again."""
+    manager = getattr(getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None)
+    cores = {p.pid for p in getattr(manager, "processes", None) or ()}
+    engine.shutdown()
+    until = time.monotonic() + reap_s
+    # each look collects the children that have exited (multiprocessing's own bookkeeping)
+    while cores & {p.pid for p in multiprocessing.active_children()} and time.monotonic() < until:
+        time.sleep(0.1)

@@ -771,6 +771,8 @@ def test_a_stopped_engine_core_is_found_dead_and_replaced(server: PoolServer, cl
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and "unhealthy" in err.value.details
     healed = wait_healed(server, 1)
     assert tokens(client, "after-stop") == before
+    # the stopped core, killed, is collected too (it stayed a zombie for the worker's life)
+    wait_until(lambda: not psutil.pid_exists(core.pid), 10, "the old engine core collected")
     assert health(server, "pool/e") == SERVING and server.pool("e").restarts == 0
     print(f"a stopped engine core: found dead and serving again in {time.monotonic() - stopped_at:.1f} s "
           f"({healed:.1f} s after the first check)")
@@ -779,8 +781,10 @@ def test_a_stopped_engine_core_is_found_dead_and_replaced(server: PoolServer, cl
 def test_a_killed_engine_core_is_replaced(server: PoolServer, client: BridgeClient) -> None:
     before = tokens(client, "before-kill")
     killed_at = time.monotonic()
-    engine_core(server).kill()
+    core = engine_core(server)
+    core.kill()
     wait_until(lambda: health(server, "pool/e") != SERVING, 10, "pool/e NOT_SERVING")
     wait_healed(server, 2)
+    wait_until(lambda: not psutil.pid_exists(core.pid), 10, "the old engine core collected")
     assert tokens(client, "after-kill") == before and server.pool("e").restarts == 0
     print(f"a killed engine core: serving again in {time.monotonic() - killed_at:.1f} s")
