@@ -25,6 +25,7 @@ The registry is touched only from the worker's event loop thread, so it needs no
 
 from __future__ import annotations
 
+import math
 import secrets
 import sys
 import time
@@ -93,7 +94,7 @@ class Tally:
             return f"clients without an identity hold {self.anonymous:,} {unit} together, and their limit is {limit:,}"
         host_held = self.by_host.get(host, 0)
         left = limit - (self.anonymous - host_held)
-        host_cap = max(SHARE * left, 1 if left >= 1 else 0)     # one at least, while the others leave one
+        host_cap = math.ceil(SHARE * left) if left > 0 else 0     # rounded up: a host alone takes a small limit whole
         if host_held + n > host_cap:      # connections cost nothing: however many, a host holds its share
             return (f"this connection's host holds {host_held:,} {unit}, its share: without authentication the "
                     f"limit ({limit:,}) is every client's, of which a host holds at most {SHARE:.0%} of what the "

@@ -746,22 +746,23 @@ def test_without_an_identity_engines_are_shared_out_by_connection_and_host() -> 
     engine = Engine()
     refs.put(engine, "s", connection=stranger)
     refs.put(engine, "t", connection=neighbour)       # a second ref to the same engine: still its maker's
+    refs.put(Engine(), "s", connection=stranger)
     refs.put(object(), "s", connection=stranger)      # not an engine
 
     def refusal(connection: str, making: dict[tuple[str, str | None], int] | None = None) -> str:
         held = refs.tally(lambda obj: isinstance(obj, Engine), making or {})
-        return held.refusal(*payer_of("", connection), 1, 3, "engines")
+        return held.refusal(*payer_of("", connection), 1, 4, "engines")
 
-    # of 3, a host alone holds 3/4 and a connection 3/4 of that: the stranger has its 1 (of 1.69)
-    assert "this connection holds 1 engines, its share" in refusal(stranger)
+    # of 4, a host alone holds 3 (3/4, rounded up) and a connection 3/4 of that: the stranger has its 2
+    assert "this connection holds 2 engines, its share" in refusal(stranger)
     assert refusal(neighbour) == "" and refusal(elsewhere) == ""     # loopback is one host: 127.0.0.2 too
     being_made = {payer_of("", neighbour): 1}
     assert refusal(elsewhere, being_made) == ""
-    # connections cost nothing: a third on the same host is held to the host's share (2.25 of 3)
-    assert "this connection's host holds 2 engines, its share" in refusal("ipv4:127.0.0.1:4009", being_made)
+    # connections cost nothing: a third on the same host is held to the host's share (3 of 4)
+    assert "this connection's host holds 3 engines, its share" in refusal("ipv4:127.0.0.1:4009", being_made)
     assert "together" in refusal(elsewhere, {**being_made, payer_of("", elsewhere): 1})
     # an identity has its limit to itself
-    assert refs.tally(lambda obj: isinstance(obj, Engine), {}).refusal(*payer_of("alice", ""), 1, 3, "engines") == ""
+    assert refs.tally(lambda obj: isinstance(obj, Engine), {}).refusal(*payer_of("alice", ""), 1, 4, "engines") == ""
     # refs alike: a thousand connections of one host, a ref each, hold three quarters of 40
     many = RefRegistry("w", max_refs_per_client=40)
     held = 0
