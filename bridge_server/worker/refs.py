@@ -375,6 +375,10 @@ class RefRegistry:
             out.add(payer, host, n)
         return out
 
+    def holds(self, obj: object) -> bool:
+        """Whether any ref holds `obj`."""
+        return id(obj) in self._holders
+
     def room_to_set(self, obj: object, value: object, owner: str, connection: str) -> None:
         """Refuses setting `value` on an object refs hold where the bytes it brings would pass its
         payer's share of max_ref_bytes_per_client: bytes were counted only when a ref was made, so an

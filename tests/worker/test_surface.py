@@ -66,6 +66,38 @@ def test_a_context_manager_ref_used_out_of_order_is_refused_by_its_state(client:
     assert client.call(f"{FC}.is_forward_context_available") is False
 
 
+def test_context_managers_of_one_state_are_exited_innermost_first(client: BridgeClient) -> None:
+    """`set_forward_context` restores, on exit, the context it found on entering: a, b, exit a,
+    exit b left every client with a's stale context. Exits go innermost first, as nested `with`
+    statements go; a manager whose refs are all released no longer counts."""
+    config = client.call("vllm.config.VllmConfig")
+    a, b, c, d = (client.call(f"{FC}.set_forward_context", None, config) for _ in range(4))
+    for m in (a, b):
+        client.call(Target.method(m, "__enter__"))
+    with pytest.raises(CallError) as err:
+        client.call(Target.method(a, "__exit__"))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and err.value.reason == "context manager order"
+    assert "1 context manager(s) of the same state were entered after this one" in err.value.details
+    client.call(Target.method(b, "__exit__"))
+    client.call(Target.method(a, "__exit__"))
+    assert client.call(f"{FC}.is_forward_context_available") is False
+    # an inner one released while entered: the outer one exits, and the state is what it was before it
+    for m in (c, d):
+        client.call(Target.method(m, "__enter__"))
+    client.release(d)
+    client.call(Target.method(c, "__exit__"))
+    assert client.call(f"{FC}.is_forward_context_available") is False
+    # managers of another object's state are their own: a DPMetadata's sizes, in any order against these
+    dp = client.call(f"{FC}.DPMetadata", torch.tensor(7), torch.tensor([5, 7, 3]))
+    sizes = client.call(Target.method(dp, "sp_local_sizes"), 2)
+    outer = client.call(f"{FC}.set_forward_context", None, config)
+    client.call(Target.method(outer, "__enter__"))
+    client.call(Target.method(sizes, "__enter__"))
+    client.call(Target.method(outer, "__exit__"))
+    client.call(Target.method(sizes, "__exit__"))
+    assert client.call(Target.get(dp, "local_sizes")) is None
+
+
 def test_dp_metadata_methods_compute_the_documented_sizes(client: BridgeClient) -> None:
     dp = client.call(f"{FC}.DPMetadata", torch.tensor(7), torch.tensor([5, 7, 3]))
     assert dp.type_name == "vllm.forward_context.DPMetadata"
