@@ -252,12 +252,7 @@ class RefRegistry:
         nbytes = 0
         if not pinned and id(obj) not in self._holders and self.max_ref_bytes_per_client:
             nbytes = held_bytes(obj)
-            why = self._bytes.refusal(payer, host, nbytes, self.max_ref_bytes_per_client, "bytes") if nbytes else ""
-            if why:
-                raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
-                                  f"worker {self.worker_id}: a ref to this {_type_name(obj)} ({nbytes:,} bytes) would "
-                                  f"pass the bytes (tensors, text, containers) refs may hold: {why} "
-                                  f"(max_ref_bytes_per_client): release some first", reason="max_ref_bytes_per_client")
+            self._room_for_bytes(payer, host, nbytes, f"a ref to this {_type_name(obj)}")
         if victim is not None:
             self._drop(victim, f"evicted: session {session_id!r} exceeded its cap of {self.session_cap} refs (of "
                                f"one client's)")
@@ -387,12 +382,15 @@ class RefRegistry:
             return
         nbytes = held_bytes(value)
         payer, host, _ = self._charged.get(id(obj), (*payer_of(owner, connection), 0))
+        self._room_for_bytes(payer, host, nbytes, f"setting a {_type_name(value)} on this {_type_name(obj)}")
+
+    def _room_for_bytes(self, payer: str, host: str | None, nbytes: int, what: str) -> None:
         why = self._bytes.refusal(payer, host, nbytes, self.max_ref_bytes_per_client, "bytes") if nbytes else ""
         if why:
             raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
-                              f"worker {self.worker_id}: setting a {_type_name(value)} ({nbytes:,} bytes) on this "
-                              f"{_type_name(obj)} would pass the bytes (tensors, text, containers) refs may hold: "
-                              f"{why} (max_ref_bytes_per_client): release some first", reason="max_ref_bytes_per_client")
+                              f"worker {self.worker_id}: {what} ({nbytes:,} bytes) would pass the bytes (tensors, "
+                              f"text, containers) refs may hold: {why} (max_ref_bytes_per_client): release some first",
+                              reason="max_ref_bytes_per_client")
 
     def recount(self, obj: object, owner: str, connection: str) -> None:
         """After an object refs hold changed in place: its charge becomes what it holds now."""
