@@ -29,7 +29,6 @@ import difflib
 import functools
 import inspect
 import time
-import types
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -56,6 +55,7 @@ from bridge_server.worker.binding import (
     namespace_of,
 )
 from bridge_server.worker.catalog import Catalog, Entry, Kind
+from bridge_server.worker.contexts import EnteredContexts, generator_manager
 from bridge_server.worker.deadlines import Deadlines, with_deadline
 from bridge_server.worker.openfiles import room_for_files
 from bridge_server.worker.refs import RefRegistry, payer_of
@@ -156,48 +156,6 @@ def _declared(cls: type, name: str) -> tuple[Any, type]:
     return inspect.Parameter.empty, cls
 
 
-def _generator_manager(obj: object) -> bool:
-    return isinstance(obj, (contextlib._GeneratorContextManager, contextlib._AsyncGeneratorContextManager))
-
-
-def _entered_not_done(obj: Any) -> bool:
-    gen = obj.gen
-    frame = gen.gi_frame if isinstance(gen, types.GeneratorType) else getattr(gen, "ag_frame", None)
-    return not hasattr(obj, "func") and frame is not None
-
-
-def _state_of(obj: Any) -> tuple[str, object]:
-    """What a generator's context manager changes: the attributes of the object whose method made
-    it (`DPMetadata.sp_local_sizes`), or its module's globals (`set_forward_context`)."""
-    gen = obj.gen
-    frame = gen.gi_frame if isinstance(gen, types.GeneratorType) else getattr(gen, "ag_frame", None)
-    owner = frame.f_locals.get("self") if frame is not None else None
-    if owner is not None:
-        return "object", id(owner)
-    code = getattr(gen, "gi_code", None) or getattr(gen, "ag_code", None)
-    return "module", getattr(code, "co_filename", "")
-
-
-def _check_context_state(plan: Plan) -> None:
-    """A context manager made by a generator (`contextlib.contextmanager`: `set_forward_context`,
-    `graph_capture`, ...) is entered once and exited once after that. Used otherwise it failed with
-    what its machinery tripped on (a second `__enter__`: AttributeError 'args'; an `__exit__` before
-    any enter: RuntimeError "generator didn't stop"), status UNKNOWN. Its state is read from it: its
-    `func` goes when it is entered, and its generator's frame when it is done."""
-    obj: Any = plan.receiver
-    gen = obj.gen
-    done = (gen.gi_frame if isinstance(gen, types.GeneratorType) else getattr(gen, "ag_frame", None)) is None
-    entered = not hasattr(obj, "func")
-    entering = plan.protocol in ("__enter__", "__aenter__")
-    if entering and entered or not entering and (not entered or done):
-        state = "exited already" if done and entered else "entered already" if entered else "not entered yet"
-        made = str(getattr(gen, "__qualname__", "") or "a generator")
-        raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
-                          f"{plan.label}: this context manager (made by {clip(made, 80)}) is {state}: one is entered "
-                          f"once, then exited once; make another to use it again", target=plan.label,
-                          reason="context manager state")
-
-
 MAX_METHOD_SHAPES = 4096    # (class, method) pairs planned once; past it, planned per call
 
 
@@ -218,12 +176,9 @@ class Invoker:
     adopt: Callable[[object], Awaitable[None]] | None = None
     _activity: dict[int, float] = field(default_factory=dict)   # id(receiver) -> when it last yielded an item
     _making: dict[tuple[str, str | None], int] = field(default_factory=dict)   # engines being made, by payer
-    # Generators' context managers entered and not exited, innermost last, by the state they change
-    # (`_state_of`), and the state of each
-    _entered: dict[tuple[str, object], list[object]] = field(default_factory=dict)
-    _entered_state: dict[int, tuple[str, object]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._contexts = EnteredContexts(self.refs.holds)     # generators' context managers, entered by refs
         self._exclusive_lane = ThreadPoolExecutor(1, thread_name_prefix="bridge-exclusive")
         self._shared_lane = ThreadPoolExecutor(self.shared_threads, thread_name_prefix="bridge-shared")
         self._exclusive_lock = asyncio.Lock()
@@ -549,10 +504,9 @@ class Invoker:
 
     async def run_checked(self, plan: Plan, args: list[Any], kwargs: dict[str, Any], deadline: float | None) -> Any:
         """run(), with failures of the called code turned into python_error statuses."""
-        managed = plan.protocol and _generator_manager(plan.receiver)
+        managed = plan.protocol and generator_manager(plan.receiver)
         if managed:
-            _check_context_state(plan)
-            self._check_context_order(plan)
+            self._contexts.check(plan.label, plan.protocol, plan.receiver)
         try:
             return await self.run(plan, args, kwargs, deadline)
         except BridgeError:
@@ -561,49 +515,7 @@ class Invoker:
             raise BridgeError.from_exception(exc, plan.label, pure=plan.inline) from exc
         finally:
             if managed:
-                self._context_moved(plan.receiver)
-
-    def _check_context_order(self, plan: Plan) -> None:
-        """Managers of one state are exited innermost first, as nested `with` statements exit them:
-        vLLM's `set_forward_context` restores, on exit, the context it found on entering, so a, b,
-        exit a, exit b left every client with a's stale context. One whose refs are all released
-        no longer counts (its state goes back when one entered before it exits)."""
-        obj = plan.receiver
-        if plan.protocol not in ("__exit__", "__aexit__"):
-            self._entered_state[id(obj)] = _state_of(obj)
-            return
-        stack = self._released_pruned(self._entered_state.get(id(obj), ("", None)))
-        later = next((len(stack) - 1 - i for i, x in enumerate(stack) if x is obj), 0)
-        if later:
-            raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
-                              f"{plan.label}: {later} context manager(s) of the same state were entered after this one "
-                              f"and are still entered: exit those first, the innermost first, as nested with "
-                              f"statements do", target=plan.label, reason="context manager order")
-
-    def _released_pruned(self, key: tuple[str, object]) -> list[object]:
-        """The managers entered on a state, less those no ref holds any more (kept here, they would
-        keep what they hold alive)."""
-        stack = self._entered.setdefault(key, [])
-        for gone in [x for x in stack if not self.refs.holds(x)]:
-            self._entered_state.pop(id(gone), None)
-        stack[:] = [x for x in stack if self.refs.holds(x)]
-        return stack
-
-    def _context_moved(self, obj: object) -> None:
-        """After an enter or exit ran (or failed): entered and not done, it is innermost of its state;
-        otherwise it is on no stack."""
-        key = self._entered_state.get(id(obj))
-        if key is None:
-            return
-        stack = self._released_pruned(key)
-        if _entered_not_done(obj):
-            if not any(x is obj for x in stack):
-                stack.append(obj)
-            return
-        self._entered_state.pop(id(obj), None)
-        stack[:] = [x for x in stack if x is not obj]
-        if not stack:
-            del self._entered[key]
+                self._contexts.moved(plan.receiver)
 
     def _admit(self, plan: Plan, caller: Caller) -> None:
         """Refuses, before anything runs, a call that would block this rank's process group (in a
