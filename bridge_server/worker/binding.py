@@ -56,25 +56,30 @@ class Building:
     types: Mapping[str, type]
     rule: Callable[[type], RecordRule | None] = lambda cls: None
     policy: Policy = Policy()
-    _named: dict[str, type | None] = dataclasses.field(default_factory=dict, repr=False, compare=False, hash=False)
+    _named: dict[str, tuple[type, ...]] = dataclasses.field(default_factory=dict, repr=False, compare=False,
+                                                            hash=False)
 
     def record_for(self, annotation: Any) -> type | None:
-        """The class a parameter's annotation names, if it names one of `types`: searched once per
+        """The class a parameter's annotation names, if it names one of `types` (the first, of a union)."""
+        named = self._classes_in(annotation)
+        return named[0] if named else None
+
+    def others_named(self, annotation: Any, cls: type) -> list[str]:
+        """The other classes of `types` an annotation names besides `cls` (a union of records)."""
+        return [c.__name__ for c in self._classes_in(annotation) if c is not cls]
+
+    def _classes_in(self, annotation: Any) -> tuple[type, ...]:
+        """The classes of `types` an annotation names, in the order of `types`: searched once per
         annotation, as a request's map arguments are built on every call."""
         text = annotation if isinstance(annotation, str) else repr(annotation)
         try:
             return self._named[text]
         except KeyError:
             pass
-        found = next((cls for short, cls in self.types.items() if re.search(rf"\b{short}\b", text)), None)
+        found = tuple(cls for short, cls in self.types.items() if re.search(rf"\b{short}\b", text))
         if len(self._named) < 4096:
             self._named[text] = found
         return found
-
-    def others_named(self, annotation: Any, cls: type) -> list[str]:
-        """The other classes of `types` an annotation names besides `cls` (a union of records)."""
-        text = annotation if isinstance(annotation, str) else repr(annotation)
-        return [c.__name__ for short, c in self.types.items() if c is not cls and re.search(rf"\b{short}\b", text)]
 
 
 def bind_arguments(label: str, signature: inspect.Signature, args: list[Any], kwargs: dict[str, Any],
