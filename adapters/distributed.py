@@ -77,6 +77,16 @@ def _short_version(receiver: object, args: Mapping[str, object], ctx: CallContex
                           f"{MAX_VERSION_CHARS}", parameter="target", reason="too long")
 
 
+def _a_port(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+    """get_tcp_uri and get_distributed_init_method format whatever port they get into the address a
+    rendezvous then fails to parse or bind (tcp://host:70000, tcp://host:-5): a port is a TCP port."""
+    port = args.get("port")
+    if type(port) is int and not 0 <= port <= 65535:
+        raise BridgeError(grpc.StatusCode.INVALID_ARGUMENT, "validation",
+                          f"parameter port: expected a TCP port (0 to 65,535), got {_short(port)}",
+                          parameter="port", reason="out of range")
+
+
 def _short(value: object) -> str:
     """A value as an error names it: an int by its digits (or its size, past 200 bits), else its type."""
     return clip_int(value) if type(value) is int else type(value).__name__
@@ -181,6 +191,12 @@ def _rendezvous(receiver: object, args: Mapping[str, object], ctx: CallContext) 
                               reason="init method not allowed")
         if scheme == "tcp":
             _allowed_host("distributed_init_method", parts.hostname if parts is not None else None, hosts)
+            try:
+                _ = parts.port if parts is not None else None
+            except ValueError:
+                raise BridgeError.validation(f"parameter distributed_init_method: {quote(method)} names no TCP "
+                                             f"port (0 to 65,535)", parameter="distributed_init_method") from None
+    _a_port(receiver, args, ctx)
     if "host" in args:
         host = args["host"]
         _allowed_host("host", host.strip() if isinstance(host, str) else host, hosts)
@@ -284,7 +300,8 @@ DISTRIBUTED = AdapterSpec(
     # The inline helpers' guards are plain functions: they run where the call is read (`Invoker.immediate`).
     guards={"resolve_obj_by_qualname": _catalog_names_only, "init_logger": _bounded_logger,
             "divide": _plain_numbers, "ensure_divisibility": _plain_numbers, "get_pp_indices": _bounded_stages,
-            "is_torch_equal_or_newer": _short_version, "split_tensor_along_last_dim": _split_evenly,
+            "is_torch_equal_or_newer": _short_version, "get_tcp_uri": _a_port,
+            "get_distributed_init_method": _a_port, "split_tensor_along_last_dim": _split_evenly,
             "init_distributed_environment": _rendezvous,
             "stateless_init_torch_distributed_process_group": _rendezvous},
     # Everything that talks to the other ranks of the group (or sets the group up or down, which is

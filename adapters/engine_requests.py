@@ -366,6 +366,7 @@ def check_sampling_params(engine: Any, label: str, name: str, params: Any) -> No
                                      f"(or None, for all), got an empty list, which would allow no token",
                                      target=label, parameter=f"{name}.allowed_token_ids")
     bound = engine.model_config.get_vocab_size()
+    _check_logprob_counts(engine, label, name, params, bound)
     for field in ("stop_token_ids", "allowed_token_ids"):
         ids = getattr(params, field, None)
         if ids:
@@ -373,6 +374,24 @@ def check_sampling_params(engine: Any, label: str, name: str, params: Any) -> No
     bias = getattr(params, "logit_bias", None)
     if bias:
         _within_vocabulary(label, f"{name}.logit_bias", list(bias), bound)
+
+
+def _check_logprob_counts(engine: Any, label: str, name: str, params: Any, vocab: int) -> None:
+    """vLLM's own check of logprobs against the engine's max_logprobs reads -1 as the vocabulary's
+    size and reports that number, by the field's name alone ("Requested sample logprobs of 1024"
+    for a request that asked for -1). The same rule, said of what the client sent."""
+    most = getattr(engine.model_config, "max_logprobs", -1)
+    most = vocab if most == -1 else most
+    for field in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, field, None)
+        if type(asked) is not int or not asked:
+            continue
+        count = vocab if asked == -1 else asked
+        if count > most:
+            meaning = f"-1, every token of the vocabulary ({vocab:,})" if asked == -1 else f"{asked:,}"
+            raise BridgeError.validation(f"{label}: parameter {name}.{field}: {meaning} is more than this engine "
+                                         f"returns per token (max_logprobs {most:,})", target=label,
+                                         parameter=f"{name}.{field}")
 
 
 def _check_bad_words(engine: Any, label: str, name: str, params: Any) -> None:

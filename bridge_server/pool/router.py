@@ -41,7 +41,14 @@ from bridge_server.pool.poolstate import (
     pool_error,
 )
 from bridge_server.wire.errors import BridgeError, quote
-from bridge_server.wire.options import PROFILES, RuntimeOptions, explicit_timeout, multiplex_client, parse_metadata
+from bridge_server.wire.options import (
+    MD_REFS,
+    PROFILES,
+    RuntimeOptions,
+    explicit_timeout,
+    multiplex_client,
+    parse_metadata,
+)
 from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, parse_request, read_large_call
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -240,17 +247,21 @@ class Router:
                 break
         return list(found)
 
-    def ref_backend(self, refs: tuple[str, ...]) -> Backend:
-        """The one worker holding every ref the call uses."""
+    def ref_backend(self, refs: tuple[str, ...], listed: tuple[str, ...] = ()) -> Backend:
+        """The one worker holding every ref the call uses. `listed`: those the caller named in
+        x-bridge-refs, which a refusal names as that header's (the others are the request's own)."""
         holders: dict[str, str] = {}
         for ref in refs:
             holders.setdefault(ref.partition(".")[0], ref)
+
+        def where(*of: str) -> str:
+            return MD_REFS if any(r in listed for r in of) else "ref"
         if len(holders) > 1:
             raise BridgeError(grpc.StatusCode.INVALID_ARGUMENT, "ref",
                               f"the call uses refs held by different workers "
                               f"({', '.join(quote(w, 40) for w in sorted(holders)[:5])}): "
                               f"{', '.join(quote(r) for r in list(holders.values())[:5])}; a call can only use refs "
-                              f"of one worker", reason="refs on different workers")
+                              f"of one worker", reason="refs on different workers", parameter=where(*holders.values()))
         (worker_id, ref), = holders.items()
         b = self.backends.get(worker_id)
         if b is not None:
@@ -259,9 +270,10 @@ class Router:
             raise pool_error(grpc.StatusCode.UNAVAILABLE,
                              f"worker lost: ref {quote(ref)} was held by worker {worker_id}, which is gone "
                              f"({self.gone[worker_id]}); its refs are lost", "worker lost", "worker")
+        said = f" (in {MD_REFS})" if ref in listed else ""
         raise BridgeError(grpc.StatusCode.NOT_FOUND, "ref",
-                          f"ref {quote(ref)}: no worker {quote(worker_id, 40)} in this server (workers: "
-                          f"{', '.join(self.backends) or 'none'})", reason="unknown worker", parameter=quote(ref))
+                          f"ref {quote(ref)}{said}: no worker {quote(worker_id, 40)} in this server (workers: "
+                          f"{', '.join(self.backends) or 'none'})", reason="unknown worker", parameter=where(ref))
 
     def plan(self, route: Route) -> Plan:
         """Decides where the call may run (the rules in the module docstring); reserves nothing."""
@@ -270,7 +282,7 @@ class Router:
         opts, session = route.opts, route.session
         named = self.pool(opts.pool)          # an unknown pool is refused even for ref calls
         if route.refs:
-            backend = self.ref_backend(route.refs)
+            backend = self.ref_backend(route.refs, opts.refs)
             pool = self.pools[backend.pool]
             mode = opts.affinity or pool.config.affinity
             pin = session is not None and pool.pinned(session) is None

@@ -211,7 +211,7 @@ def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
         stream_interval_s=interval_s or None,
         pool=get(MD_POOL),
         affinity=affinity,
-        refs=tuple(r for r in (refs or "").split(",") if r),
+        refs=_ref_ids(refs),
         rank=rank,
         session_sent=MD_SESSION in md,
         collective=get(MD_COLLECTIVE) == "1",
@@ -220,6 +220,18 @@ def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
         stream_encoding=None if encodings is None else stream_encoding(encodings),
         stream_tee=get(MD_STREAM_TEE) in ("1", "true"),
     )
+
+
+def _ref_ids(listed: str | None) -> tuple[str, ...]:
+    """x-bridge-refs: ref ids, comma-separated (blanks around each and empty entries are ignored).
+    A ref's id is its worker's id, a dot and a token: one without a worker is refused here, by the
+    header's name, not routed as if it named a worker."""
+    refs = tuple(dict.fromkeys(r for r in (each.strip() for each in (listed or "").split(",")) if r))
+    for ref in refs:
+        if not ref.partition(".")[0] or "." not in ref:
+            raise BridgeError.validation(f"metadata {MD_REFS}: {quote(ref, 80)} is not a ref id (a Ref's id: its "
+                                         f"worker's id, a dot and a token)", parameter=MD_REFS)
+    return refs
 
 
 def stream_encoding(preferences: str) -> str:

@@ -156,6 +156,26 @@ def _declared(cls: type, name: str) -> tuple[Any, type]:
     return inspect.Parameter.empty, cls
 
 
+def _exit_args(label: str, args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """An exit is told how its block ended: three Nones, or an exception's class, the exception and
+    its traceback. A client has no exception to give (none decodes from the wire), so it may give
+    three Nones or nothing, the same. Anything else went into the manager as is, where a generator's
+    `throw` failed on it as a bare TypeError after the manager had let go of its state (vLLM's
+    `suppress_stdout` left the worker's stdout on /dev/null)."""
+    given = [*args, *kwargs.values()]
+    if given and (len(given) != 3 or any(value is not None for value in given)):
+        names = [*_EXIT_PARAMETERS[:len(args)], *kwargs]
+        wrong = next((n for n, v in zip(names, given) if v is not None), names[-1] if len(given) > 3 else "")
+        shown = ", ".join(type(value).__name__ for value in given[:5]) + (", ..." if len(given) > 5 else "")
+        raise BridgeError.validation(f"{label}: expected no arguments or three Nones (exc_type, exc_value, traceback: "
+                                     f"a client has no exception to pass), got {len(given)} argument(s): {shown}",
+                                     target=label, parameter=clip(str(wrong), 80))
+    return [None, None, None]
+
+
+_EXIT_PARAMETERS = ("exc_type", "exc_value", "traceback", *(f"args[{i}]" for i in range(3, 64)))
+
+
 MAX_METHOD_SHAPES = 4096    # (class, method) pairs planned once; past it, planned per call
 
 
@@ -422,8 +442,9 @@ class Invoker:
                 raise BridgeError.validation(f"{plan.label} is an attribute and takes no arguments; got "
                                              f"{len(args)} positional and {len(kwargs)} keyword", target=plan.label)
             return args, kwargs, None
-        if plan.fill_exit_args and not args and not kwargs:
-            args = [None, None, None]
+        if plan.fill_exit_args:
+            args = _exit_args(plan.label, args, kwargs)
+            kwargs = {}
         if plan.signature is None:
             return args, kwargs, None
         entry = plan.entry

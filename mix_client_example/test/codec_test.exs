@@ -145,6 +145,23 @@ defmodule VllmBridge.CodecTest do
     assert %Error{category: "timeout", code: :deadline_exceeded} = Error.from_status(4, "Deadline Exceeded", nil)
   end
 
+  test "a value with nothing in it, or a big_int that is no integer, is refused by name, not taken for nil" do
+    for {bad, said} <- [
+          {%PB.Value{}, "an empty Value (no kind set)"},
+          {nil, "an empty Value (no kind set)"},
+          {%PB.Value{kind: {:list, %PB.Items{items: [%PB.Value{kind: {:int, 1}}, %PB.Value{}]}}}, "an empty Value"},
+          {%PB.Value{kind: {:record, %PB.Record{type_name: "T", fields: [%PB.Field{name: "a", value: nil}]}}},
+           "an empty Value"},
+          {%PB.Value{kind: {:big_int, "12x"}}, "a big_int that is not an integer: \"12x\""}
+        ] do
+      assert_raise ArgumentError, ~r/#{Regex.escape(said)}/, fn -> Codec.decode(bad) end
+      assert {:error, %Error{code: :internal, category: "codec", message: "the server sent " <> _}} = Codec.decoded(bad)
+    end
+
+    assert Codec.decoded(%PB.Value{kind: {:null, %PB.Null{}}}) == {:ok, nil}
+    assert %PyEnum{value: nil} = Codec.decode(%PB.Value{kind: {:enum, %PB.Enum{type_name: "E", name: "A"}}})
+  end
+
   test "decoding: refs remember their server; tensors as Nx on request" do
     ref = %PB.Value{kind: {:ref, %PB.Ref{id: "w1.x", type_name: "T"}}}
     assert %Ref{id: "w1.x", server: :gpu} = Codec.decode(ref, server: :gpu)

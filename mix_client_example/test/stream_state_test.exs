@@ -348,6 +348,19 @@ defmodule VllmBridge.StreamStateTest do
     assert refused(list, patch([op([1, 1, 0], {:set, v(1)})])).message =~ "got position 1 of a list"
   end
 
+  test "an item with nothing in it fails the stream with an error, not a nil" do
+    decode = &Codec.decode/1
+
+    assert {:error, %Error{code: :internal, category: "codec", message: message}} =
+             StreamState.decoded_item(StreamState.new(), %PB.StreamItem{}, decode)
+
+    assert message =~ "stream item: the server sent an empty Value"
+    {:ok, [1], state} = StreamState.decoded_item(StreamState.new(), v([1]), decode)
+
+    assert {:error, %Error{category: "codec"}} =
+             StreamState.decoded_item(state, patch([op([], {:append_items, %PB.Items{items: [%PB.Value{}]}})]), decode)
+  end
+
   test "a patch before any whole value is refused" do
     assert {:error, %Error{message: "stream patch: stream: expected a whole value before the first patch, got a patch"}} =
              StreamState.item(StreamState.new(), %PB.StreamItem{patch: patch([])})

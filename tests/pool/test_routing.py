@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
 
 from bridge_server.client.client import CallError, Target
 from tests.conftest import ROOT, large_requests, multiplex_batches
@@ -179,6 +180,36 @@ def test_a_call_on_a_ref_reaches_its_worker_without_any_metadata_from_the_client
             with pytest.raises(grpc.RpcError) as err:   # vLLM's own error: the call reached the ref's worker
                 list(stream(as_arg.SerializeToString(), metadata=md, timeout=10))
             assert err.value.code() != grpc.StatusCode.NOT_FOUND, err.value.details()   # type: ignore[attr-defined]
+
+
+def test_refs_listed_in_the_header_that_no_worker_holds_are_refused_by_the_headers_name(server: PoolServer) -> None:
+    """x-bridge-refs names refs the call uses: an entry that is no ref id, or a ref of no worker of
+    this server, is refused as the header's, not as a ref of the request or as refs of two workers."""
+    divide = pb.CallRequest(target=pb.Target(kind=pb.Target.FUNCTION, name=DIVIDE), args=[pb.Value(int=6),
+                                                                                          pb.Value(int=3)])
+    with grpc.insecure_channel(server.address) as ch:
+        call = ch.unary_unary("/vllm_bridge.v1.Bridge/Call")
+        for listed, code, said in (("a,b", grpc.StatusCode.INVALID_ARGUMENT, "'a' is not a ref id"),
+                                   (" nodot ", grpc.StatusCode.INVALID_ARGUMENT, "'nodot' is not a ref id"),
+                                   (".x", grpc.StatusCode.INVALID_ARGUMENT, "'.x' is not a ref id"),
+                                   ("zz-0-g1.tok", grpc.StatusCode.NOT_FOUND,
+                                    "ref 'zz-0-g1.tok' (in x-bridge-refs): no worker 'zz-0-g1' in this server")):
+            with pytest.raises(grpc.RpcError) as err:
+                call(divide.SerializeToString(), metadata=(("x-bridge-refs", listed),), timeout=10)
+            status = rpc_status.from_call(err.value)
+            assert status is not None and err.value.code() == code, err.value   # type: ignore[attr-defined]
+            detail = pb.ErrorDetail()
+            assert status.details[0].Unpack(detail) and detail.parameter == "x-bridge-refs", detail
+            assert said in err.value.details(), err.value.details()     # type: ignore[attr-defined]
+        with server.client(pool="b", session_id="listed") as c:
+            held = c.call(PC, kwargs={"data_parallel_size": 1})
+        both = f"{held.id},zz-0-g1.y"
+        with pytest.raises(grpc.RpcError) as err:
+            call(divide.SerializeToString(), metadata=(("x-bridge-refs", both),), timeout=10)
+        assert "held by different workers" in err.value.details(), err.value.details()   # type: ignore[attr-defined]
+        reply = pb.CallReply.FromString(call(divide.SerializeToString(), metadata=(("x-bridge-refs", " , ,"),),
+                                             timeout=10))
+        assert reply.value.float == 2.0 or reply.value.int == 2, reply
 
 
 def test_a_ref_deep_in_a_large_request_reaches_its_worker(server: PoolServer) -> None:

@@ -690,10 +690,8 @@ BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words
     ("prompt logprobs for every completion", "word " * 80, {**greedy(4), "n": 64, "temperature": 0.8,
                                                             "prompt_logprobs": 20}, {},
      grpc.StatusCode.RESOURCE_EXHAUSTED, "comes to 548,352 logprobs"),
-    # vLLM's own refusals keep the parameter it names, and a structural tag of neither shape vLLM
-    # reads is refused by its part (guidance's checks indexed it unchecked: a bare KeyError)
-    ("logprobs of the whole vocabulary, past the engine's most", "hi", {**greedy(2), "logprobs": -1}, {},
-     grpc.StatusCode.INVALID_ARGUMENT, "parameter logprobs: vLLM refused it: Requested sample logprobs of 1024"),
+    # A structural tag of neither shape vLLM reads is refused by its part (guidance's checks
+    # indexed it unchecked: a bare KeyError)
     ("a structural tag of neither shape", "hi", {**greedy(2), "structured_outputs": {"structural_tag": "{}"}}, {},
      grpc.StatusCode.INVALID_ARGUMENT, "structural_tag: expected an object with a 'format' (or with 'structures'"),
     ("a structural tag's structures without triggers", "hi", {**greedy(2), "structured_outputs": {
@@ -702,6 +700,11 @@ BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words
     ("a structural tag's format that is not an object", "hi", {**greedy(2), "structured_outputs": {
         "structural_tag": '{"format": 5}'}}, {},
      grpc.StatusCode.INVALID_ARGUMENT, "parameter sampling_params.structured_outputs: vLLM could not read it: Key"),
+    ("every token's logprob (-1), past max_logprobs", "hi", {**greedy(2), "logprobs": -1}, {},
+     grpc.StatusCode.INVALID_ARGUMENT, "parameter sampling_params.logprobs: -1, every token of the vocabulary (1,024) "
+     "is more than this engine returns per token (max_logprobs 20)"),
+    ("prompt logprobs past max_logprobs", "hi", {**greedy(2), "prompt_logprobs": 21}, {},
+     grpc.StatusCode.INVALID_ARGUMENT, "parameter sampling_params.prompt_logprobs: 21 is more than this engine"),
     ("an empty list of allowed token ids", "hi", {**greedy(2), "allowed_token_ids": []}, {},
      grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.allowed_token_ids: expected at least one token id"),
     ("a schema that is not JSON", "hi", {**greedy(2), "structured_outputs": {"json": "not json"}}, {},

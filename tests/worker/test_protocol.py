@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -227,6 +228,55 @@ def test_suppress_stdout_is_in_force_once_and_ends_with_its_ref(worker: WorkerPr
     client.call(Target.method(again, "__exit__"))
     assert os.readlink(f"/proc/{worker.proc.pid}/fd/1") == stdout
     assert client.call(f"{D}.divide", 10, 5) == 2
+
+
+@pytest.mark.parametrize("args,kwargs,parameter", [
+    ((1, 2, 3), {}, "exc_type"), ((None, "x", None), {}, "exc_value"), ((None,), {}, ""),
+    ((None, None, None, None), {}, "args[3]"), ((), {"typ": "ValueError", "value": None, "traceback": None}, "typ"),
+])
+def test_an_exit_takes_three_nones_or_nothing_and_a_refused_one_leaves_the_manager_entered(
+        worker: WorkerProcess, client: BridgeClient, args: tuple[Any, ...], kwargs: dict[str, Any],
+        parameter: str) -> None:
+    """An exit's arguments say how its block ended, and a client has no exception to give: anything
+    but three Nones went into the manager, which let go of the worker's stdout and then failed on it as
+    a bare TypeError, leaving the output on /dev/null. Refused by name, the manager stays entered and
+    its exit still restores the output."""
+    import os
+    stdout = os.readlink(f"/proc/{worker.proc.pid}/fd/1")
+    manager = client.call(f"{D}.suppress_stdout")
+    client.call(Target.method(manager, "__enter__"))
+    try:
+        with pytest.raises(CallError) as err:
+            client.call(Target.method(manager, "__exit__"), *args, kwargs=kwargs)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "expected no arguments or three Nones" in err.value.details, err.value.details
+        assert err.value.detail.parameter == parameter, err.value.detail
+        assert os.readlink(f"/proc/{worker.proc.pid}/fd/1") == "/dev/null"
+        assert client.call(Target.method(manager, "__exit__"), None, None, None) is False
+        assert os.readlink(f"/proc/{worker.proc.pid}/fd/1") == stdout
+    finally:
+        client.release(manager)
+    assert os.readlink(f"/proc/{worker.proc.pid}/fd/1") == stdout
+
+
+@pytest.mark.parametrize("target,args", [("get_tcp_uri", ("127.0.0.1", 70_000)),
+                                         ("get_distributed_init_method", ("127.0.0.1", -5)),
+                                         ("stateless_init_torch_distributed_process_group",
+                                          ("127.0.0.1", 65_536, 0, 1, "gloo"))])
+def test_a_port_is_a_tcp_port(client: BridgeClient, target: str, args: tuple[Any, ...]) -> None:
+    with pytest.raises(CallError) as err:
+        client.call(f"{D}.{target}", *args, timeout=30)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert f"parameter port: expected a TCP port (0 to 65,535), got {args[1]}" in err.value.details, err.value.details
+    assert err.value.detail.parameter == "port"
+    assert client.call(f"{D}.get_tcp_uri", "127.0.0.1", 65_535) == "tcp://127.0.0.1:65535"
+
+
+def test_an_init_method_names_a_tcp_port(client: BridgeClient) -> None:
+    with pytest.raises(CallError) as err:
+        client.call(f"{D}.init_distributed_environment", 1, 0, "tcp://127.0.0.1:70000", timeout=30)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert "names no TCP port" in err.value.details and err.value.detail.parameter == "distributed_init_method"
 
 
 def _rendezvous_peer(port: int) -> None:

@@ -30,7 +30,7 @@ defmodule VllmBridge.Client do
         body = PB.CallRequest.encode(c.req)
 
         Telemetry.span(c.meta, fn ->
-          with {:ok, %PB.CallReply{value: value}} <- unary(:Call, body, c), do: {:ok, decode(value, c)}
+          with {:ok, %PB.CallReply{value: value}} <- unary(:Call, body, c), do: decoded(value, c)
         end)
 
       {:error, _} = err ->
@@ -49,7 +49,12 @@ defmodule VllmBridge.Client do
           body = PB.CollectiveRequest.encode(%PB.CollectiveRequest{call: c.req})
 
           with {:ok, %PB.CollectiveReply{results: results}} <- unary(:Collective, body, c) do
-            {:ok, Enum.map(results, &decode(&1.value, c))}
+            Enum.reduce_while(Enum.reverse(results), {:ok, []}, fn result, {:ok, acc} ->
+              case decoded(result.value, c) do
+                {:ok, term} -> {:cont, {:ok, [term | acc]}}
+                {:error, _} = err -> {:halt, err}
+              end
+            end)
           end
         end)
 
@@ -245,6 +250,9 @@ defmodule VllmBridge.Client do
 
   defp decode(value, %Call{rt: %{tensors: :struct}, server: %{key: key}}), do: Codec.decode(value, server: key)
   defp decode(value, %Call{rt: rt, server: s}), do: Codec.decode(value, server: s.key, tensors: rt.tensors)
+
+  defp decoded(value, %Call{rt: %{tensors: :struct}, server: %{key: key}}), do: Codec.decoded(value, server: key)
+  defp decoded(value, %Call{rt: rt, server: s}), do: Codec.decoded(value, server: s.key, tensors: rt.tensors)
 
   @doc """
   The address calls go to when they name no server (see `VllmBridge.Config`).

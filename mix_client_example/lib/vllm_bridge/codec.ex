@@ -114,21 +114,46 @@ defmodule VllmBridge.Codec do
   Options: `:server`, the server the value came from (recorded in the refs it holds, so calls on
   them go back there); `:tensors`, `:struct` (default: `%VllmBridge.Tensor{}`) or `:nx`
   (`Nx.Tensor`s, for the dtypes Nx has; others stay `%VllmBridge.Tensor{}`).
+
+  A value that stands for nothing (no kind set, or absent where one is due) or a `big_int` that is
+  not an integer raises `ArgumentError`, which names it: no server sends one (`nil` is `null`), so it
+  is a fault to report, not a `nil` to pass on.
   """
   @spec decode(wire() | nil, keyword()) :: term()
   def decode(value, opts \\ [])
-  def decode(nil, _opts), do: nil
+  def decode(nil, _opts), do: empty()
   def decode(%PB.Value{kind: kind}, []), do: dec(kind, {nil, false})
   def decode(%PB.Value{kind: kind}, opts), do: dec(kind, {opts[:server], opts[:tensors] == :nx})
 
-  defp d(nil, _ctx), do: nil
+  @doc """
+  `decode/2` as a result: `{:ok, term}`, or `{:error, %VllmBridge.Error{}}` (status `:internal`) for a
+  value that cannot be decoded.
+  """
+  @spec decoded(wire() | nil, keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  def decoded(value, opts \\ []) do
+    {:ok, decode(value, opts)}
+  rescue
+    e in ArgumentError ->
+      {:error, VllmBridge.Error.local(:internal, "codec", "the server sent #{Exception.message(e)}")}
+  end
+
+  defp d(nil, _ctx), do: empty()
   defp d(%PB.Value{kind: kind}, ctx), do: dec(kind, ctx)
 
-  defp dec(nil, _), do: nil
+  defp empty, do: raise(ArgumentError, "an empty Value (no kind set)")
+
+  defp dec(nil, _), do: empty()
   defp dec({:null, _}, _), do: nil
   defp dec({:bool, b}, _), do: b
   defp dec({:int, i}, _), do: i
-  defp dec({:big_int, s}, _), do: String.to_integer(s)
+
+  defp dec({:big_int, s}, _) do
+    case Integer.parse(s) do
+      {i, ""} -> i
+      _ -> raise ArgumentError, "a big_int that is not an integer: #{inspect(String.slice(s, 0, 40))}"
+    end
+  end
+
   defp dec({:float, :negative_infinity}, _), do: :neg_infinity
   defp dec({:float, f}, _), do: f
   defp dec({:str, s}, _), do: s
@@ -163,5 +188,7 @@ defmodule VllmBridge.Codec do
   defp dec({:record, r}, ctx),
     do: %Record{type_name: r.type_name, fields: Enum.map(r.fields, &{&1.name, d(&1.value, ctx)})}
 
+  # (an enum's value is optional: a member may travel by its name alone)
+  defp dec({:enum, %{value: nil} = e}, _ctx), do: %PyEnum{type_name: e.type_name, name: e.name, value: nil}
   defp dec({:enum, e}, ctx), do: %PyEnum{type_name: e.type_name, name: e.name, value: d(e.value, ctx)}
 end

@@ -75,7 +75,7 @@ defmodule VllmBridge.StreamState do
   defp next(state, {:patch, %PB.StreamPatch{} = patch}), do: next_patch(state, patch)
   defp next(state, {:value, value}), do: full(state, value)
 
-  # A StreamItem with neither field is an empty Value on the wire (it decodes to nil). A whole value
+  # A StreamItem with neither field is an empty Value on the wire (decoding refuses it). A whole value
   # leaves the shape as it was: a row stands for the ops of the last patch, whatever came between.
   defp full(state, nil), do: full(state, %PB.Value{})
   defp full(state, %PB.Value{} = value), do: {:ok, value, :value, %{state | value: value, decoded: nil}}
@@ -107,6 +107,10 @@ defmodule VllmBridge.StreamState do
 
       {:ok, term, %{state | decoded: {:ok, term}}}
     end
+  rescue
+    # what the decoder refuses (an empty Value, a big_int that is not one): this item, not the caller
+    e in ArgumentError ->
+      {:error, Error.local(:internal, "codec", "stream item: the server sent #{Exception.message(e)}")}
   end
 
   # The ops on the decoded term, in order; :whole where the term cannot follow one. (The state has

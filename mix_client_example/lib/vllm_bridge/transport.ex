@@ -353,8 +353,24 @@ defmodule VllmBridge.Transport do
         :ok
 
       code ->
-        {:error, Error.from_status(String.to_integer(code), URI.decode(map["grpc-message"] || ""), details(map))}
+        message = grpc_message(map["grpc-message"] || "")
+
+        case Integer.parse(code) do
+          {number, ""} when number in 1..16 ->
+            {:error, Error.from_status(number, message, details(map))}
+
+          _ ->
+            {:error,
+             Error.local(:unknown, "grpc_error", "grpc-status #{inspect(String.slice(code, 0, 20))}: #{message}")}
+        end
     end
+  end
+
+  # grpc-message is percent-encoded; one that is not is shown as it came.
+  defp grpc_message(text) do
+    URI.decode(text)
+  rescue
+    ArgumentError -> text
   end
 
   defp details(%{"grpc-status-details-bin" => b64}) do
