@@ -8,7 +8,7 @@ arithmetic helpers are pure; the cheapest of them run inline on the event loop.
 import ipaddress
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -263,6 +263,26 @@ class StdoutSuppression:
 _suppressing: list[StdoutSuppression] = []      # the one in force, if any
 
 
+# vLLM's fake implementations of its collectives: what torch.compile traces in place of the real
+# ones, which promise a result's shape and dtype, never its values.
+_FAKES = ("all_reduce_fake", "reduce_scatter_fake", "all_gather_fake",
+          "patched_fused_scaled_matmul_reduce_scatter_fake")
+
+
+def _zeroed(name: str) -> Callable[..., Any]:
+    """A fake's result, zeroed. The fakes return `torch.empty` memory: whatever the worker's heap held
+    there last, another client's tokens and text among them (a stranger read a bystander's prompt
+    back within 18 calls of all_reduce_fake, and the heap's addresses with it). A fake's values mean
+    nothing, so zeros are as true as any, and carry nothing of anyone's."""
+    def fake(*args: Any, **kwargs: Any) -> Any:
+        import torch
+        from vllm.distributed import parallel_state
+        result = getattr(parallel_state, name)(*args, **kwargs)
+        return result.zero_() if isinstance(result, torch.Tensor) else result
+    fake.__name__ = fake.__qualname__ = name
+    return fake
+
+
 def _suppress_stdout() -> StdoutSuppression:
     return StdoutSuppression()
 
@@ -316,7 +336,7 @@ DISTRIBUTED = AdapterSpec(
         "init_model_parallel_group", "init_world_group", "init_gloo_process_group", "graph_capture",
         "prepare_communication_buffer_for_model",
     }),
-    overrides={"suppress_stdout": _suppress_stdout},
+    overrides={"suppress_stdout": _suppress_stdout, **{name: _zeroed(name) for name in _FAKES}},
     finalizers=(Finalizer("adapters.distributed", "StdoutSuppression", _end_suppression),),
     frees=frozenset({
         "stateless_destroy_torch_distributed_process_group", "destroy_model_parallel",

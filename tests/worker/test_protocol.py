@@ -279,6 +279,32 @@ def test_an_init_method_names_a_tcp_port(client: BridgeClient) -> None:
     assert "names no TCP port" in err.value.details and err.value.detail.parameter == "distributed_init_method"
 
 
+FAKE_CALLS: dict[str, Callable[[torch.Tensor], tuple[Any, ...]]] = {
+    "all_reduce_fake": lambda t: (t, "g"),
+    "reduce_scatter_fake": lambda t: (t, 0, 1, "g"),
+    "all_gather_fake": lambda t: (t, 0, 1, "g"),
+}
+
+
+def test_a_fake_collectives_result_holds_nothing_the_worker_had_in_memory(worker: WorkerProcess,
+                                                                          client: BridgeClient) -> None:
+    """vLLM's fakes return `torch.empty` memory, whatever the worker's heap held there last: a
+    stranger read a bystander's prompt back with all_reduce_fake. Each fake's result is zeros, of the
+    shape and dtype the fake promises, however the heap was used before (here: by the tensors of
+    ones the calls before sent). Every documented fake is covered (the fused matmul one computes its
+    result and is zeroed all the same; it needs float8 matrices, which this CPU has no kernel for)."""
+    fakes = {e.name.rpartition(".")[2] for e in client.describe(D).entries if e.name.endswith("_fake")}
+    assert set(FAKE_CALLS) | {"patched_fused_scaled_matmul_reduce_scatter_fake"} == fakes, fakes
+    with BridgeClient(worker.address) as bystander:
+        for size in (1_000, 4_096, 30_000, 250_000):
+            for name, args in FAKE_CALLS.items():
+                for _ in range(3):
+                    bystander.call(f"{D}.divide", 6, 3)
+                    result = client.call(f"{D}.{name}", *args(torch.full((size,), 7.0)))
+                    assert result.shape == (size,) and result.dtype == torch.float32, (name, result.shape)
+                    assert not result.any(), (name, size, result.nonzero()[:5])
+
+
 def _rendezvous_peer(port: int) -> None:
     """Rank 1 of a 2-rank gloo group: completes the rendezvous rank 0 is blocked in."""
     from vllm.distributed import stateless_init_torch_distributed_process_group
