@@ -31,8 +31,9 @@ from typing import Any
 import grpc
 
 from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check_engine_types,
-                                     check_grammar_backend, check_logprobs, check_prompt, check_sampling_params,
-                                     check_token_ids, check_tokenization, clip_int, logprob_entries, pooling_rule,
+                                     check_grammar_backend, check_logprobs, check_prompt, check_prompt_form,
+                                     check_request_options, check_sampling_params, check_token_ids,
+                                     check_tokenization, clip_int, logprob_entries, pooling_rule,
                                      prompt_tokens_at_most, sampling_rule, text_of)
 from adapters import engine_life, grammar_check, grammar_ends, tokenizer_calls
 from adapters.engine_life import PREFIX
@@ -178,7 +179,9 @@ def _request_guard(method: str, params_name: str) -> Any:
         label = f"{PREFIX}.{method}"
         check_tokenization(engine, label, args.get("tokenization_kwargs"))
         check_prompt(engine, label, args.get("prompt"), params, args.get("tokenization_kwargs"), ctx.policy)
+        check_prompt_form(engine, label, args.get("prompt"))
         check_token_ids(engine, label, args.get("prompt"))
+        check_request_options(engine, label, args)
         check_sampling_params(engine, label, params_name, params)
         check_engine_types(label, "lora_request", args.get("lora_request"))
         _check_arrival(label, args.get("arrival_time"))

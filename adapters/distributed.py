@@ -283,6 +283,35 @@ def _zeroed(name: str) -> Callable[..., Any]:
     return fake
 
 
+MAX_FAKE_BYTES = 64 << 20      # a fake's result at most (it is zeroed: every page of it is touched)
+
+
+def _fake_shape(gathers: bool) -> Callable[[object, Mapping[str, object], CallContext], None]:
+    """The fakes work out their result's shape from `dim` and `world_size` unchecked: a dim past the
+    tensor's was a bare IndexError, a world size of 0 a ZeroDivisionError, and all_gather_fake's
+    result (`gathers`) is world_size times its input, so a world size of a billion asked for
+    terabytes. So dim is one of the tensor's, world_size from 1 to MAX_PP_SIZE, and the result
+    within MAX_FAKE_BYTES."""
+    def guard(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+        import torch
+        tensor, dim, size = args.get("tensor"), args.get("dim"), args.get("world_size")
+        if not isinstance(tensor, torch.Tensor):
+            return
+        if type(dim) is int and not -tensor.dim() <= dim < tensor.dim():
+            raise BridgeError.validation(f"parameter dim: expected a dimension of the tensor's {tensor.dim()} "
+                                         f"({-tensor.dim()} to {tensor.dim() - 1}), got {_short(dim)}",
+                                         parameter="dim")
+        if type(size) is int and not 1 <= size <= MAX_PP_SIZE:
+            raise BridgeError.validation(f"parameter world_size: expected 1 to {MAX_PP_SIZE:,} ranks, got "
+                                         f"{_short(size)}", parameter="world_size")
+        result = tensor.numel() * tensor.element_size() * (size if gathers and type(size) is int else 1)
+        if result > MAX_FAKE_BYTES:
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                              f"parameter world_size: a result of {result:,} bytes, over this server's limit of "
+                              f"{MAX_FAKE_BYTES:,} for a fake's", parameter="world_size", reason="too large")
+    return guard
+
+
 def _suppress_stdout() -> StdoutSuppression:
     return StdoutSuppression()
 
@@ -323,7 +352,9 @@ DISTRIBUTED = AdapterSpec(
             "is_torch_equal_or_newer": _short_version, "get_tcp_uri": _a_port,
             "get_distributed_init_method": _a_port, "split_tensor_along_last_dim": _split_evenly,
             "init_distributed_environment": _rendezvous,
-            "stateless_init_torch_distributed_process_group": _rendezvous},
+            "stateless_init_torch_distributed_process_group": _rendezvous,
+            "all_gather_fake": _fake_shape(gathers=True), "reduce_scatter_fake": _fake_shape(gathers=False),
+            "all_reduce_fake": _fake_shape(gathers=False)},
     # Everything that talks to the other ranks of the group (or sets the group up or down, which is
     # a rendezvous): called on one rank of a distributed pool it would block there, waiting for peers
     # that never come, and every later collective of the pool would queue behind it.

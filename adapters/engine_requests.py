@@ -21,11 +21,11 @@ import grpc
 import msgspec
 
 from adapters.spec import Policy
-from bridge_server.wire.errors import BridgeError, quote
+from bridge_server.wire.errors import BridgeError, clip, quote
 
 __all__ = ["I64_MAX", "I64_MIN", "LONG_PROMPT_CHARS", "MAX_BAD_WORDS", "MAX_LOGPROB_ENTRIES", "MAX_N",
            "MAX_SCHEMA_DEPTH", "MAX_STOP_STRINGS", "MAX_WORDS_CHARS", "check_logprobs", "check_prompt",
-           "check_sampling_params", "check_token_ids", "clip_int", "logprob_entries", "pooling_rule",
+           "check_prompt_form", "check_request_options", "check_sampling_params", "check_token_ids", "clip_int", "logprob_entries", "pooling_rule",
            "prompt_tokens_at_most", "sampling_rule", "text_of"]
 
 LONG_PROMPT_CHARS = 16_384      # longer prompts are tokenized off the event loop
@@ -78,6 +78,70 @@ def check_prompt(engine: Any, label: str, prompt: Any, params: Any, tokenization
             f"{label}: parameter prompt: a prompt of {len(text):,} characters cannot fit this engine's "
             f"max_model_len of {max_len:,} tokens (each token stands for at most {per_token} characters); "
             f"shorten it, or ask for truncation (truncate_prompt_tokens)", target=label, parameter="prompt")
+
+
+# The keys of vLLM's prompt forms (TextPrompt, TokensPrompt, EmbedsPrompt: one prompt;
+# ExplicitEncoderDecoderPrompt: two), and those that need a multimodal model.
+_SINGLE_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "token_type_ids", "prompt_embeds", "cache_salt",
+                                 "multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"})
+_PAIR_PROMPT_KEYS = frozenset({"encoder_prompt", "decoder_prompt", "mm_processor_kwargs"})
+_MULTIMODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
+
+
+def check_prompt_form(engine: Any, label: str, prompt: Any, where: str = "prompt") -> None:
+    """A prompt map is one of vLLM's prompt forms, and one this engine's model takes. vLLM ignored a
+    key of none of them, and refused the rest deep in its input processing as bare ValueErrors that
+    named no parameter ("The decoder prompt cannot be empty", "... is not a multimodal model",
+    "Cannot pass encoder-decoder prompt to decoder-only models")."""
+    if not isinstance(prompt, Mapping):
+        return
+    config = engine.model_config
+    pair = "encoder_prompt" in prompt or "decoder_prompt" in prompt
+    keys = _PAIR_PROMPT_KEYS if pair else _SINGLE_PROMPT_KEYS
+    unknown = next((k for k in prompt if k not in keys), None)
+    if unknown is not None:
+        form = "an encoder-decoder prompt" if pair else "a prompt"
+        raise BridgeError.validation(f"{label}: parameter {where}[{quote(unknown, 40)}]: not a key of {form} (its "
+                                     f"keys: {', '.join(sorted(keys))})", target=label,
+                                     parameter=f"{where}[{clip(str(unknown), 40)}]")
+    if pair and not getattr(config, "is_encoder_decoder", False):
+        raise BridgeError.validation(f"{label}: parameter {where}: an encoder-decoder prompt (encoder_prompt, "
+                                     f"decoder_prompt), but this engine's model is decoder-only: send one prompt",
+                                     target=label, parameter=where)
+    if pair:
+        for key in ("encoder_prompt", "decoder_prompt"):
+            check_prompt_form(engine, label, prompt.get(key), f"{where}.{key}")
+        return
+    given = next((k for k in _MULTIMODAL_KEYS if prompt.get(k) is not None), None)
+    if given is not None and not getattr(config, "is_multimodal_model", False):
+        raise BridgeError.validation(f"{label}: parameter {where}.{given}: this engine's model is not multimodal "
+                                     f"and takes text or token ids only", target=label, parameter=f"{where}.{given}")
+    ids = prompt.get("prompt_token_ids")
+    if isinstance(ids, (list, tuple)) and not ids and prompt.get("prompt_embeds") is None:
+        raise BridgeError.validation(f"{label}: parameter {where}.prompt_token_ids: expected at least one token id, "
+                                     f"got an empty list", target=label, parameter=f"{where}.prompt_token_ids")
+
+
+def check_request_options(engine: Any, label: str, args: Mapping[str, Any]) -> None:
+    """The options vLLM refused only once the request was being built, without naming them: a data
+    parallel rank outside the engine's, a LoRA adapter for an engine without LoRA (a state of the
+    engine, not of the call), and a prompt_text, which vLLM takes only with a request it built itself."""
+    rank = args.get("data_parallel_rank")
+    size = engine.vllm_config.parallel_config.data_parallel_size
+    if type(rank) is int and not 0 <= rank < size:
+        raise BridgeError.validation(f"{label}: parameter data_parallel_rank: expected a rank of this engine's "
+                                     f"{size} data parallel rank(s) (0 to {size - 1}), got {clip_int(rank)}",
+                                     target=label, parameter="data_parallel_rank")
+    if args.get("lora_request") is not None and not engine.vllm_config.lora_config:
+        raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
+                          f"{label}: parameter lora_request: this engine runs without LoRA (engine arg "
+                          f"enable_lora), so it takes no LoRA request", target=label, parameter="lora_request",
+                          reason="lora disabled")
+    prompt = args.get("prompt")
+    if args.get("prompt_text") is not None and type(prompt).__name__ != "EngineCoreRequest":
+        raise BridgeError.validation(f"{label}: parameter prompt_text: vLLM takes it only with a prompt that is a "
+                                     f"request it built (EngineCoreRequest); the text of this prompt is the prompt",
+                                     target=label, parameter="prompt_text")
 
 
 # What a client may pass to the tokenizer with its prompt (`tokenization_kwargs`), and of what type.

@@ -76,9 +76,20 @@ _PY_STATUS: dict[str, grpc.StatusCode] = {
     "ArithmeticError": grpc.StatusCode.INVALID_ARGUMENT,     # division by zero, overflow: of the arguments given
     "ImportError": grpc.StatusCode.FAILED_PRECONDITION,      # what the call needs is not installed here (ray)
 }
-# torch says what is wrong with a tensor's arguments only in a RuntimeError's text.
+# torch says what is wrong with a tensor's arguments only in a RuntimeError's text: its argument
+# checks (TORCH_CHECK) say "Expected ..." or name the shapes that do not fit; a device or process
+# group the call names and this worker lacks is a state of the worker, not a fault of the call's.
 _TORCH_STATUS = (("Trying to create tensor with negative dimension", grpc.StatusCode.INVALID_ARGUMENT),
-                 ("can't allocate memory", grpc.StatusCode.RESOURCE_EXHAUSTED))
+                 ("can't allocate memory", grpc.StatusCode.RESOURCE_EXHAUSTED),
+                 ("shapes cannot be multiplied", grpc.StatusCode.INVALID_ARGUMENT),
+                 ("is invalid for input of size", grpc.StatusCode.INVALID_ARGUMENT),
+                 ("must match the size of tensor", grpc.StatusCode.INVALID_ARGUMENT),
+                 ("Could not resolve the process group", grpc.StatusCode.FAILED_PRECONDITION),
+                 ("exchangeDevice", grpc.StatusCode.FAILED_PRECONDITION),
+                 ("No CUDA GPUs are available", grpc.StatusCode.FAILED_PRECONDITION),
+                 ("Found no NVIDIA driver", grpc.StatusCode.FAILED_PRECONDITION),
+                 ("not compiled with CUDA", grpc.StatusCode.FAILED_PRECONDITION),
+                 ("out of memory", grpc.StatusCode.RESOURCE_EXHAUSTED))
 
 
 @dataclass
@@ -224,7 +235,18 @@ def _py_status(exc: BaseException) -> grpc.StatusCode:
         code = next((c for said, c in _TORCH_STATUS if said in text), None)
         if code is not None:
             return code
+        if _raised_natively(exc):
+            return grpc.StatusCode.INVALID_ARGUMENT
     return next((c for t in type(exc).__mro__ if (c := _PY_STATUS.get(t.__name__))), grpc.StatusCode.UNKNOWN)
+
+
+def _raised_natively(exc: BaseException) -> bool:
+    """Whether native code raised it (the last Python frame is a call, not a `raise`): torch's checks
+    of the tensors it is given (TORCH_CHECK: "mat2 must be a matrix", "Expected mat1 to be Float8")
+    raise plain RuntimeErrors, about the arguments; the states torch reports so are matched by text
+    before (_TORCH_STATUS). A RuntimeError raised in Python says nothing of whose fault it is."""
+    frames = tb.extract_tb(exc.__traceback__)
+    return bool(frames) and not (frames[-1].line or "").lstrip().startswith("raise")
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}

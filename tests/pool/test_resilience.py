@@ -236,6 +236,10 @@ def test_a_lora_method_on_an_engine_without_lora_says_why(server: PoolServer, cl
             client.call(Target.method("engine", method), *args, timeout=10)
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, (method, err.value)
         assert err.value.reason == "lora disabled" and "enable_lora" in err.value.details, (method, err.value)
+    with pytest.raises(CallError) as err:      # vLLM's: a bare ValueError, naming nothing
+        list(client.stream(GENERATE, "Hi", greedy(2), "lora-off", kwargs={"lora_request": lora}, timeout=10))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and err.value.reason == "lora disabled", err.value
+    assert err.value.detail is not None and err.value.detail.parameter == "lora_request", err.value
     assert client.call(Target.method("engine", "check_health"), timeout=10) is None
 
 

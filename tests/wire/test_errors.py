@@ -152,6 +152,23 @@ def test_what_torch_and_imports_say_of_the_arguments_and_the_server_gets_its_sta
     missing = BridgeError.from_exception(ModuleNotFoundError("No module named 'ray'"), "t")
     assert missing.code == grpc.StatusCode.FAILED_PRECONDITION
     assert BridgeError.from_exception(RuntimeError("engine busy"), "t").code == grpc.StatusCode.UNKNOWN
+    # torch's own argument checks, raised for real
+    for bad in (lambda: torch.ones(2, 3) @ torch.ones(2, 3), lambda: torch.ones(6).view(4, 4),
+                lambda: torch.ones(2) + torch.ones(3), lambda: torch.mm(torch.ones(2, 2), torch.ones(2, 2, 2))):
+        with pytest.raises(RuntimeError) as raised:
+            bad()
+        assert BridgeError.from_exception(raised.value, "t").code == grpc.StatusCode.INVALID_ARGUMENT, raised.value
+    with pytest.raises(RuntimeError) as in_python:      # raised by Python code: says nothing of whose fault
+        _raise(RuntimeError("engine busy"))
+    assert BridgeError.from_exception(in_python.value, "t").code == grpc.StatusCode.UNKNOWN
+    # a process group or a device this worker does not have: its state, not the call's fault
+    for said in ("Could not resolve the process group registered under the name g",
+                 "invalid argument to exchangeDevice", "Torch not compiled with CUDA enabled"):
+        assert BridgeError.from_exception(RuntimeError(said), "t").code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
 
 
 WIDE = "日本語😀é"    # three and four bytes each in UTF-8, nine and twelve percent-encoded

@@ -305,6 +305,24 @@ def test_a_fake_collectives_result_holds_nothing_the_worker_had_in_memory(worker
                     assert not result.any(), (name, size, result.nonzero()[:5])
 
 
+@pytest.mark.parametrize("name,args,code,said", [
+    ("all_gather_fake", (torch.ones(4), 5, 2, "g"), grpc.StatusCode.INVALID_ARGUMENT,
+     "parameter dim: expected a dimension of the tensor's 1 (-1 to 0), got 5"),
+    ("reduce_scatter_fake", (torch.ones(4), 0, 0, "g"), grpc.StatusCode.INVALID_ARGUMENT,
+     "parameter world_size: expected 1 to 1,024 ranks, got 0"),
+    ("all_gather_fake", (torch.ones(1_000_000), 0, 1_000, "g"), grpc.StatusCode.RESOURCE_EXHAUSTED,
+     "a result of 4,000,000,000 bytes, over this server's limit"),
+])
+def test_a_fakes_shape_is_one_it_can_make(client: BridgeClient, name: str, args: tuple[Any, ...],
+                                           code: grpc.StatusCode, said: str) -> None:
+    """A dim past the tensor's (a bare IndexError), a world size of 0 (ZeroDivisionError), or a
+    gathered result of gigabytes, which zeroing would touch page by page, are refused by name."""
+    with pytest.raises(CallError) as err:
+        client.call(f"{D}.{name}", *args)
+    assert err.value.code == code and said in err.value.details, err.value.details
+    assert client.call(f"{D}.divide", 10, 5) == 2
+
+
 def _rendezvous_peer(port: int) -> None:
     """Rank 1 of a 2-rank gloo group: completes the rendezvous rank 0 is blocked in."""
     from vllm.distributed import stateless_init_torch_distributed_process_group
