@@ -312,6 +312,22 @@ def _fake_shape(gathers: bool) -> Callable[[object, Mapping[str, object], CallCo
     return guard
 
 
+def _a_cuda_device(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+    """graph_capture captures CUDA graphs on the given device: another device failed only when the
+    manager was entered ("Expected a cuda device"), and on a worker without CUDA torch's own error
+    came back as UNKNOWN ("invalid argument to exchangeDevice")."""
+    import torch
+    device = args.get("device")
+    kind = device.type if isinstance(device, torch.device) else str(device).partition(":")[0]
+    if kind != "cuda":
+        raise BridgeError.validation(f"parameter device: expected a CUDA device, got {quote(str(device), 40)}",
+                                     parameter="device")
+    if not torch.cuda.is_available():
+        raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
+                          "parameter device: this worker has no CUDA device to capture graphs on",
+                          parameter="device", reason="no CUDA device")
+
+
 def _suppress_stdout() -> StdoutSuppression:
     return StdoutSuppression()
 
@@ -354,7 +370,7 @@ DISTRIBUTED = AdapterSpec(
             "init_distributed_environment": _rendezvous,
             "stateless_init_torch_distributed_process_group": _rendezvous,
             "all_gather_fake": _fake_shape(gathers=True), "reduce_scatter_fake": _fake_shape(gathers=False),
-            "all_reduce_fake": _fake_shape(gathers=False)},
+            "all_reduce_fake": _fake_shape(gathers=False), "graph_capture": _a_cuda_device},
     # Everything that talks to the other ranks of the group (or sets the group up or down, which is
     # a rendezvous): called on one rank of a distributed pool it would block there, waiting for peers
     # that never come, and every later collective of the pool would queue behind it.

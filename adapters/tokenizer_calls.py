@@ -113,6 +113,17 @@ def decode(tokenizer: Any, token_ids: Any, skip_special_tokens: bool = False,
     of a list of ids is `decode` itself."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
+    if kwargs:      # the library passes them on to its own `_decode`, which ignores what it does not know
+        name = quote(next(iter(kwargs)), 40)
+        raise BridgeError(grpc.StatusCode.INVALID_ARGUMENT, "validation",
+                          f"{DECODE_LABEL}: parameter {name}: not an option this server passes on (it takes "
+                          f"token_ids, skip_special_tokens and clean_up_tokenization_spaces)", target=DECODE_LABEL,
+                          parameter=name, reason="not allowed")
+    for name, flag, optional in (("skip_special_tokens", skip_special_tokens, False),
+                                 ("clean_up_tokenization_spaces", clean_up_tokenization_spaces, True)):
+        if type(flag) is not bool and not (optional and flag is None):
+            raise BridgeError.validation(f"{DECODE_LABEL}: parameter {name}: expected a bool, got "
+                                         f"{type(flag).__name__}", target=DECODE_LABEL, parameter=name)
     if hasattr(token_ids, "tolist") and hasattr(token_ids, "shape"):    # a tensor or an array: its ids
         if len(token_ids.shape) > 1:
             raise BridgeError.validation(f"{DECODE_LABEL}: parameter token_ids: expected one sequence of token ids, "
@@ -132,10 +143,10 @@ def decode(tokenizer: Any, token_ids: Any, skip_special_tokens: bool = False,
                                      f"to {size - 1:,} (the tokenizer's vocabulary), got {shown}",
                                      target=DECODE_LABEL, parameter=f"token_ids[{i}]")
     backend = getattr(tokenizer, "_tokenizer", None)
-    if (kwargs or type(token_ids) is not list or not isinstance(backend, Tokenizer)
+    if (type(token_ids) is not list or not isinstance(backend, Tokenizer)
             or getattr(type(tokenizer), "_decode", None) is not PreTrainedTokenizerFast._decode):
         return str(tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens,
-                                    clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs))
+                                    clean_up_tokenization_spaces=clean_up_tokenization_spaces))
     text: str = backend.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
     clean = tokenizer.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None \
         else clean_up_tokenization_spaces

@@ -223,15 +223,9 @@ def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
 
 
 def _ref_ids(listed: str | None) -> tuple[str, ...]:
-    """x-bridge-refs: ref ids, comma-separated (blanks around each and empty entries are ignored).
-    A ref's id is its worker's id, a dot and a token: one without a worker is refused here, by the
-    header's name, not routed as if it named a worker."""
-    refs = tuple(dict.fromkeys(r for r in (each.strip() for each in (listed or "").split(",")) if r))
-    for ref in refs:
-        if not ref.partition(".")[0] or "." not in ref:
-            raise BridgeError.validation(f"metadata {MD_REFS}: {quote(ref, 80)} is not a ref id (a Ref's id: its "
-                                         f"worker's id, a dot and a token)", parameter=MD_REFS)
-    return refs
+    """x-bridge-refs: ref ids, comma-separated (blanks around each and empty entries are ignored;
+    the router refuses an entry that is no ref id, `Router.ref_backend`)."""
+    return tuple(dict.fromkeys(r for r in (each.strip() for each in (listed or "").split(",")) if r))
 
 
 def stream_encoding(preferences: str) -> str:

@@ -330,8 +330,16 @@ def test_tokenizer_decode_gives_the_library_s_own_text(bridge: BridgeClient, mod
             assert bridge.call(Target.method(tokenizer, "decode"), ids, kwargs=options) == \
                 local.decode(ids, **options), (ids[:10], options)
     assert bridge.call(Target.method(tokenizer, "decode"), 7) == local.decode(7)           # left to decode
-    assert bridge.call(Target.method(tokenizer, "decode"), cases[0], kwargs={"use_source_tokenizer": False}) == \
-        local.decode(cases[0])
+    # options past these the library passes to its own `_decode`, which ignores what it does not know
+    for options in ({"use_source_tokenizer": False}, {"no_such_option": 1}):
+        with pytest.raises(CallError) as err:
+            bridge.call(Target.method(tokenizer, "decode"), cases[0], kwargs=options)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "not an option this server passes on" in err.value.details and err.value.detail is not None
+        assert err.value.detail.parameter == repr(next(iter(options))), err.value.detail
+    with pytest.raises(CallError) as err:
+        bridge.call(Target.method(tokenizer, "decode"), cases[0], kwargs={"skip_special_tokens": "yes"})
+    assert err.value.detail is not None and err.value.detail.parameter == "skip_special_tokens", err.value
 
 
 def test_no_call_changes_the_shared_tokenizer_and_truncation_matches_the_library(
