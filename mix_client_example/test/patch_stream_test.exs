@@ -66,7 +66,7 @@ defmodule VllmBridge.PatchStreamTest do
   @ops [%PB.PatchOp{path: [0], op: {:append_str, "b"}}, %PB.PatchOp{path: [1], op: {:set, %PB.Value{kind: {:int, 2}}}}]
 
   test "items arrive as a value, patches and rows, and decode as whole ones would; patch-v2, then v1, is asked for" do
-    stand_in([value(["a", 1]), patch(@ops), row(["c"], [3], []), {:value, ""}, row(["d"], [4], []), {:end, ""}])
+    stand_in([value(["a", 1]), patch(@ops), row(["c"], [3], []), value(5), row(["d"], [4], []), {:end, ""}])
     {:ok, s} = stream()
     # a row after a whole value: the ops of the last patch, on the value (here they do not fit it)
     assert %Error{message: message} = catch_error(Enum.to_list(s))
