@@ -116,6 +116,11 @@ def check_prompt_form(engine: Any, label: str, prompt: Any, where: str = "prompt
     if given is not None and not getattr(config, "is_multimodal_model", False):
         raise BridgeError.validation(f"{label}: parameter {where}.{given}: this engine's model is not multimodal "
                                      f"and takes text or token ids only", target=label, parameter=f"{where}.{given}")
+    if prompt.get("prompt_embeds") is not None and not getattr(config, "enable_prompt_embeds", False):
+        raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
+                          f"{label}: parameter {where}.prompt_embeds: this engine takes no prompt embeddings "
+                          f"(engine arg enable_prompt_embeds)", target=label, parameter=f"{where}.prompt_embeds",
+                          reason="prompt embeds disabled")
     ids = prompt.get("prompt_token_ids")
     if isinstance(ids, (list, tuple)) and not ids and prompt.get("prompt_embeds") is None:
         raise BridgeError.validation(f"{label}: parameter {where}.prompt_token_ids: expected at least one token id, "

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import psutil
 import pytest
+import torch
 
 from bridge_server.client.client import BridgeClient, CallError, Multiplexer, Target
 from bridge_server.tools.tiny_model import ensure_tiny_model
@@ -722,6 +723,8 @@ BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words
      greedy(2), {}, grpc.StatusCode.INVALID_ARGUMENT, "parameter prompt: an encoder-decoder prompt"),
     ("a prompt key of no prompt form", {"prompt": "hi", "no_such_key": 1}, greedy(2), {},
      grpc.StatusCode.INVALID_ARGUMENT, "parameter prompt['no_such_key']: not a key of a prompt"),
+    ("prompt embeddings for an engine that takes none", {"prompt_embeds": torch.zeros(3, 64)}, greedy(2), {},
+     grpc.StatusCode.FAILED_PRECONDITION, "parameter prompt.prompt_embeds: this engine takes no prompt embeddings"),
     ("a data parallel rank the engine lacks", "hi", greedy(2), {"data_parallel_rank": 5},
      grpc.StatusCode.INVALID_ARGUMENT, "parameter data_parallel_rank: expected a rank of this engine's 1"),
     ("a prompt text beside a prompt", "hi", greedy(2), {"prompt_text": "x"},
