@@ -240,13 +240,23 @@ def _py_status(exc: BaseException) -> grpc.StatusCode:
     return next((c for t in type(exc).__mro__ if (c := _PY_STATUS.get(t.__name__))), grpc.StatusCode.UNKNOWN)
 
 
+# What the interpreter and asyncio raise as plain RuntimeErrors from native code: the server's own
+# state (a race, a loop shut down), never the arguments' fault.
+_INTERPRETER_STATE = ("changed size during iteration", "mutated during iteration", "already executing",
+                      "already awaited", "GeneratorExit", "event loop", "Event loop", "different loop",
+                      "can only be started once", "cannot schedule new futures", "bad yield")
+
+
 def _raised_natively(exc: BaseException) -> bool:
-    """Whether native code raised it (the last Python frame is a call, not a `raise`): torch's checks
-    of the tensors it is given (TORCH_CHECK: "mat2 must be a matrix", "Expected mat1 to be Float8")
-    raise plain RuntimeErrors, about the arguments; the states torch reports so are matched by text
-    before (_TORCH_STATUS). A RuntimeError raised in Python says nothing of whose fault it is."""
+    """Whether native code raised it about what it was given (the last Python frame is a call, not a
+    `raise`): torch's checks of the tensors it is given (TORCH_CHECK: "mat2 must be a matrix",
+    "Expected mat1 to be Float8") raise plain RuntimeErrors, about the arguments; the states torch
+    reports so are matched by text before (_TORCH_STATUS), the interpreter's by _INTERPRETER_STATE.
+    A RuntimeError raised in Python says nothing of whose fault it is."""
     frames = tb.extract_tb(exc.__traceback__)
-    return bool(frames) and not (frames[-1].line or "").lstrip().startswith("raise")
+    text = str(exc)
+    return bool(frames) and not (frames[-1].line or "").lstrip().startswith("raise") and \
+        not any(said in text for said in _INTERPRETER_STATE)
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}

@@ -161,6 +161,11 @@ def test_what_torch_and_imports_say_of_the_arguments_and_the_server_gets_its_sta
     with pytest.raises(RuntimeError) as in_python:      # raised by Python code: says nothing of whose fault
         _raise(RuntimeError("engine busy"))
     assert BridgeError.from_exception(in_python.value, "t").code == grpc.StatusCode.UNKNOWN
+    with pytest.raises(RuntimeError) as interpreter:    # raised natively, of the server's own state
+        seen = {1: 1}
+        for key in seen:
+            seen[key + 1] = key
+    assert BridgeError.from_exception(interpreter.value, "t").code == grpc.StatusCode.UNKNOWN, interpreter.value
     # a process group or a device this worker does not have: its state, not the call's fault
     for said in ("Could not resolve the process group registered under the name g",
                  "invalid argument to exchangeDevice", "Torch not compiled with CUDA enabled"):
