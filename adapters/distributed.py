@@ -9,7 +9,7 @@ import ipaddress
 import os
 import socket
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import grpc
@@ -96,23 +96,22 @@ MAX_LOGGER_NAME = 200        # characters of a logger's name a client may give
 MAX_LOGGERS = 10_000         # loggers in the worker's process, past which no client adds one
 
 
-def _bounded_logger(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+def bounded_logger(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
     """init_logger registers a logger under the given name in the process's logging manager, which
     keeps every one for the process's life, and a dotted name makes one placeholder per prefix: a
     name of k parts costs O(k^2) memory and time under logging's lock. So a name is short, and a
     client adds loggers only while the process holds fewer than MAX_LOGGERS (existing ones it may
-    always get)."""
+    always get). vLLM's `init_logger` is in both documented modules: this guards it in both."""
     import logging
     name = args.get("name")
-    label = "vllm.distributed.init_logger"
     if isinstance(name, str) and len(name) > MAX_LOGGER_NAME:
-        raise BridgeError.validation(f"{label}: parameter name: {len(name):,} characters is over the limit of "
-                                     f"{MAX_LOGGER_NAME}", target=label, parameter="name")
+        raise BridgeError.validation(f"parameter name: {len(name):,} characters is over the limit of "
+                                     f"{MAX_LOGGER_NAME}", parameter="name")
     known = logging.Logger.manager.loggerDict
     if isinstance(name, str) and name not in known and len(known) >= MAX_LOGGERS:
         raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
-                          f"{label}: this worker holds {len(known):,} loggers, which it keeps for good; no new one "
-                          f"is made past {MAX_LOGGERS:,}", target=label, parameter="name", reason="too many loggers")
+                          f"parameter name: this worker holds {len(known):,} loggers, which it keeps for good; no "
+                          f"new one is made past {MAX_LOGGERS:,}", parameter="name", reason="too many loggers")
 
 
 def _store_at_its_host(host_name: str, port: int, world_size: int | None = None, is_master: bool = False,
@@ -228,6 +227,16 @@ def _split_evenly(receiver: object, args: Mapping[str, object], ctx: CallContext
             raise BridgeError.validation(f"{label}: parameter num_partitions: the last dimension ({shape[-1]:,}) "
                                          f"does not split into {parts:,} equal parts", target=label,
                                          parameter="num_partitions")
+        elements = int(cast(Any, tensor).numel())
+        most = max(elements, MAX_PP_SIZE)
+        if parts > most:
+            # Each part is a tensor object (~0.5 KB) whatever it holds: a tensor of shape [0, N] split
+            # N ways asked for 5 million of them in 77 bytes (3 GB, 10 s). As many as the tensor has
+            # elements is what its own bytes paid for; an empty one splits MAX_PP_SIZE ways at most.
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                              f"{label}: parameter num_partitions: {parts:,} parts of a tensor of {elements:,} "
+                              f"elements; at most {most:,} (its elements, or {MAX_PP_SIZE:,})", target=label,
+                              parameter="num_partitions", reason="too many parts")
 
 
 class StdoutSuppression:
@@ -363,7 +372,7 @@ DISTRIBUTED = AdapterSpec(
     }),
     inline=frozenset({"divide", "ensure_divisibility", "get_pp_indices", "is_torch_equal_or_newer"}),
     # The inline helpers' guards are plain functions: they run where the call is read (`Invoker.immediate`).
-    guards={"resolve_obj_by_qualname": _catalog_names_only, "init_logger": _bounded_logger,
+    guards={"resolve_obj_by_qualname": _catalog_names_only, "init_logger": bounded_logger,
             "divide": _plain_numbers, "ensure_divisibility": _plain_numbers, "get_pp_indices": _bounded_stages,
             "is_torch_equal_or_newer": _short_version, "get_tcp_uri": _a_port,
             "get_distributed_init_method": _a_port, "split_tensor_along_last_dim": _split_evenly,

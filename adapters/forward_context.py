@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 import grpc
 
+from adapters.distributed import bounded_logger
 from adapters.spec import AdapterSpec, CallContext, Constructor, Exposure, RecordRule
 from bridge_server.wire.errors import BridgeError
 
@@ -33,13 +34,27 @@ def _bounded_sp(receiver: object, args: Mapping[str, object], ctx: CallContext) 
                           f"{label}: {sp:,} slots for each of {numel():,} ranks is over this server's limit of "
                           f"{MAX_SP_TOKENS:,} entries", parameter=key, reason="too large")
 
+def _a_list(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+    """u_batch_slices is vLLM's `list[UBatchSlice]` alias, and calling it is `list(iterable)`: of a
+    tensor of shape [N, 0] (60 bytes) it made N tensor objects, 4 million of them 2 GB, before the
+    result was refused as too large; of text, one string per character. What it makes a list of is
+    a list or a tuple, whose items the request paid for (its arguments come by position:
+    "0", as `list` has no signature to bind them to)."""
+    for key, value in args.items():
+        if not isinstance(value, (list, tuple)):
+            raise BridgeError.validation(f"parameter {key if key != '0' else 'args[0]'}: expected a list or a tuple "
+                                         f"(of UBatchSlice), got {type(value).__name__}",
+                                         parameter=key if key != "0" else "args[0]")
+
+
 FORWARD_CONTEXT = AdapterSpec(
     surface="forward_context",
     module=MODULE,
     # The documents give snake_case names to two things the module spells otherwise.
     aliases={"u_batch_slices": "UBatchSlices"},
     exclusive=True,
-    guards={"_compute_sp_num_tokens": _bounded_sp, "_compute_chunked_local_num_tokens": _bounded_sp},
+    guards={"_compute_sp_num_tokens": _bounded_sp, "_compute_chunked_local_num_tokens": _bounded_sp,
+            "u_batch_slices": _a_list, "init_logger": bounded_logger},
     shared=frozenset({"_compute_chunked_local_num_tokens", "_compute_sp_num_tokens", "init_logger",
                       "u_batch_slices", "batchsize_logging_interval", "track_batchsize", "logger",
                       "current_platform", "coordinate_batch_across_dp"}),

@@ -53,6 +53,20 @@ def callables(catalog: Catalog) -> Iterator[tuple[Entry, inspect.Parameter]]:
             yield from ((e, p) for p in e.signature.parameters.values())
 
 
+def test_a_function_documented_in_two_places_is_guarded_alike_in_both(catalog: Catalog) -> None:
+    """vLLM's `init_logger` is in both documented modules: its bounds guarded one of them, and the other
+    took a name of a million characters (250 GB of placeholder loggers, kept for good). Every entry
+    that calls the same Python function runs the same guard and override."""
+    by_callable: dict[int, list[Any]] = {}
+    for entry in catalog.entries.values():
+        if entry.kind.name in ("FUNCTION", "CLASSMETHOD"):
+            by_callable.setdefault(id(entry.resolve()), []).append(entry)
+    shared = [entries for entries in by_callable.values() if len(entries) > 1]
+    assert any(e.name.endswith("init_logger") for entries in shared for e in entries), shared
+    for entries in shared:
+        assert len({(e.guard, e.override) for e in entries}) == 1, [(e.name, e.guard, e.override) for e in entries]
+
+
 def test_every_typed_parameter_of_the_catalog_is_checked(catalog: Catalog) -> None:
     """A check that fails to build would silently let anything through: none may."""
     checked, unchecked = 0, []

@@ -323,6 +323,31 @@ def test_a_fakes_shape_is_one_it_can_make(client: BridgeClient, name: str, args:
     assert client.call(f"{D}.divide", 10, 5) == 2
 
 
+def test_what_makes_an_object_per_part_makes_no_more_than_the_request_paid_for(client: BridgeClient) -> None:
+    """`u_batch_slices` is `list(...)`: of a [N, 0] tensor (60 bytes) it made N tensor objects (4
+    million: 2 GB); `split_tensor_along_last_dim` of a [0, N] tensor N ways the same (5 million: 3 GB).
+    Each is refused at once, and what the request's own items pay for still works."""
+    started = time.monotonic()
+    for bad in (torch.zeros(50_000_000, 0), "x" * 1000, {"a": 1}):
+        with pytest.raises(CallError) as err:
+            client.call("vllm.forward_context.u_batch_slices", bad, timeout=30)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.detail is not None, err.value
+        assert err.value.detail.parameter == "args[0]" and "expected a list or a tuple" in err.value.details
+    assert client.call("vllm.forward_context.u_batch_slices", [1, 2]) == [1, 2]
+    assert client.call("vllm.forward_context.u_batch_slices") == []
+    with pytest.raises(CallError) as err:
+        client.call(f"{D}.split_tensor_along_last_dim", torch.zeros(0, 50_000_000), 50_000_000, timeout=30)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "too many parts", err.value
+    assert time.monotonic() - started < 10
+    assert len(client.call(f"{D}.split_tensor_along_last_dim", torch.zeros(0, 1024), 1024)) == 1024
+    for module in (D, "vllm.forward_context"):      # vLLM's init_logger is in both: bounded in both
+        with pytest.raises(CallError) as err:
+            client.call(f"{module}.init_logger", "x." * 30_000, timeout=30)
+        assert err.value.detail is not None and err.value.detail.parameter == "name", err.value
+        assert f"{module}.init_logger: parameter name: 60,000 characters is over the limit" in err.value.details
+    assert client.call(f"{D}.divide", 10, 5) == 2
+
+
 def _rendezvous_peer(port: int) -> None:
     """Rank 1 of a 2-rank gloo group: completes the rendezvous rank 0 is blocked in."""
     from vllm.distributed import stateless_init_torch_distributed_process_group
