@@ -22,6 +22,7 @@ def _bounded_sp(receiver: object, args: Mapping[str, object], ctx: CallContext) 
     """The sequence-parallel helpers make a tensor and a list of one entry per rank and sequence-
     parallel slot: 30 bytes asking for a size of 10**8 took 2.3 GB and 10 s of the worker. The same
     holds for DPMetadata's methods (`cu_tokens_across_sp(10**9)`: 16 GB), on the ranks it holds."""
+    _token_counts(receiver, args, ctx)
     key = "sp_size" if "sp_size" in args else "sequence_parallel_size"
     sp = args.get(key)
     if type(sp) is int and sp < 1:      # torch's own refusal is a bare RuntimeError ("ZeroDivisionError")
@@ -80,10 +81,29 @@ FORWARD_CONTEXT = AdapterSpec(
     ),
 )
 
+_COUNT_TENSORS = ("max_tokens_across_dp_cpu", "num_tokens_across_dp_cpu")
+
+
+def _token_counts(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+    """DPMetadata's tensors are token counts, which its methods and the sequence-parallel helpers add
+    up and split: a float8, complex or bit tensor was taken, and each of them then failed in torch as
+    NotImplementedError ("add_stub not implemented for 'Float8_e4m3fn'"), status UNIMPLEMENTED,
+    naming nothing. Counts are ints, whether given to the call or held by its receiver (set as an
+    attribute, or built by a constructor)."""
+    import torch
+    integral = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+    for key in _COUNT_TENSORS:
+        for value, where in ((args.get(key), key), (getattr(receiver, key, None), f"receiver's {key}")):
+            if isinstance(value, torch.Tensor) and value.dtype not in integral:
+                raise BridgeError.validation(f"parameter {where}: expected a tensor of integer token counts, got "
+                                             f"dtype {str(value.dtype).removeprefix('torch.')}", parameter=key)
+
+
 DP_METADATA = AdapterSpec(
     surface="dp_metadata",
     module=MODULE,
     cls="DPMetadata",
     exclusive=False,
-    guards={"cu_tokens_across_sp": _bounded_sp, "sp_local_sizes": _bounded_sp, "chunked_sizes": _bounded_sp},
+    guards={"cu_tokens_across_sp": _bounded_sp, "sp_local_sizes": _bounded_sp, "chunked_sizes": _bounded_sp,
+            "new": _token_counts, "make": _token_counts},
 )

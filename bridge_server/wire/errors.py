@@ -230,6 +230,8 @@ def _import_roots() -> tuple[str, ...]:
 def _py_status(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, OSError) and exc.errno in _EXHAUSTED_ERRNOS:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, NotImplementedError) and "not implemented for '" in str(exc):
+        return grpc.StatusCode.INVALID_ARGUMENT      # torch: an op given a dtype it has no kernel for
     if type(exc) is RuntimeError:
         text = str(exc)
         code = next((c for said, c in _TORCH_STATUS if said in text), None)

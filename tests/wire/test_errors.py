@@ -166,6 +166,9 @@ def test_what_torch_and_imports_say_of_the_arguments_and_the_server_gets_its_sta
         for key in seen:
             seen[key + 1] = key
     assert BridgeError.from_exception(interpreter.value, "t").code == grpc.StatusCode.UNKNOWN, interpreter.value
+    with pytest.raises(NotImplementedError) as no_kernel:      # torch has no kernel for this dtype
+        torch.zeros(2, dtype=torch.float8_e4m3fn).cumsum(0)
+    assert BridgeError.from_exception(no_kernel.value, "t").code == grpc.StatusCode.INVALID_ARGUMENT, no_kernel.value
     # a process group or a device this worker does not have: its state, not the call's fault
     for said in ("Could not resolve the process group registered under the name g",
                  "invalid argument to exchangeDevice", "Torch not compiled with CUDA enabled"):

@@ -348,6 +348,26 @@ def test_what_makes_an_object_per_part_makes_no_more_than_the_request_paid_for(c
     assert client.call(f"{D}.divide", 10, 5) == 2
 
 
+def test_token_counts_are_integer_tensors_however_they_get_there(client: BridgeClient) -> None:
+    """A float8 (or complex, or bool) tensor of token counts was taken, and every DPMetadata method and
+    sequence-parallel helper then failed in torch as UNIMPLEMENTED, naming nothing."""
+    counts = torch.zeros(2, dtype=torch.float8_e4m3fn)
+    with pytest.raises(CallError) as err:
+        client.call("vllm.forward_context.DPMetadata", torch.tensor(5), counts)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.detail is not None, err.value
+    assert err.value.detail.parameter == "num_tokens_across_dp_cpu" and "dtype float8_e4m3fn" in err.value.details
+    with pytest.raises(CallError) as err:
+        client.call("vllm.forward_context._compute_sp_num_tokens", torch.ones(2, dtype=torch.complex64), 2)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    with pytest.raises(CallError) as err:
+        client.call("vllm.forward_context.DPMetadata.make", {"data_parallel_size": 2}, 5,
+                    torch.ones(2, dtype=torch.bool))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "dtype bool" in err.value.details, err.value
+    dp = client.call("vllm.forward_context.DPMetadata", torch.tensor(5), torch.tensor([5, 3]))
+    assert client.call(Target.method(dp, "cu_tokens_across_sp"), 2).tolist() == [3, 6, 8, 10]
+    client.release(dp)
+
+
 def _rendezvous_peer(port: int) -> None:
     """Rank 1 of a 2-rank gloo group: completes the rendezvous rank 0 is blocked in."""
     from vllm.distributed import stateless_init_torch_distributed_process_group
