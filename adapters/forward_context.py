@@ -48,6 +48,19 @@ def _a_list(receiver: object, args: Mapping[str, object], ctx: CallContext) -> N
                                          parameter=key if key != "0" else "args[0]")
 
 
+def _own_context(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+    """The forward context in force is one module global: what a client entered with
+    set_forward_context (its attn_metadata, its refs) was every client's to read, identities and all.
+    Only the client that entered the context in force reads it (`worker/contexts.py` keeps them one
+    client's at a time)."""
+    import vllm.forward_context
+    holder = ctx.holder(vllm.forward_context.__file__ or "")
+    if holder and holder != ctx.client:
+        raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                          "the forward context in force was entered by another client; a client reads only its "
+                          "own", reason="not yours")
+
+
 FORWARD_CONTEXT = AdapterSpec(
     surface="forward_context",
     module=MODULE,
@@ -55,7 +68,8 @@ FORWARD_CONTEXT = AdapterSpec(
     aliases={"u_batch_slices": "UBatchSlices"},
     exclusive=True,
     guards={"_compute_sp_num_tokens": _bounded_sp, "_compute_chunked_local_num_tokens": _bounded_sp,
-            "u_batch_slices": _a_list, "init_logger": bounded_logger},
+            "u_batch_slices": _a_list, "init_logger": bounded_logger, "get_forward_context": _own_context,
+            "is_forward_context_available": _own_context, "_forward_context": _own_context},
     shared=frozenset({"_compute_chunked_local_num_tokens", "_compute_sp_num_tokens", "init_logger",
                       "u_batch_slices", "batchsize_logging_interval", "track_batchsize", "logger",
                       "current_platform", "coordinate_batch_across_dp"}),

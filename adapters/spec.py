@@ -58,6 +58,9 @@ class CallContext:
     catalog_names: frozenset[str] = frozenset()   # every name in the catalog
     world_size: int = 1         # the ranks of the worker's pool (1: a pool that is not distributed)
     client: str = ""            # whom fairness goes by: the identity, else the caller's connection
+    # Who holds a module's state through context managers in force (`worker/contexts.py`), by the
+    # module's file: the `client` that entered them, "" when none is.
+    holder: Callable[[str], str] = lambda module_file: ""
 
 
 # A guard runs before the call with the receiver, the bound arguments and the call's context, and

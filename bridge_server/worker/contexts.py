@@ -67,19 +67,33 @@ def _check_state(label: str, method: str, obj: Any) -> None:
 
 @dataclass
 class EnteredContexts:
-    """The managers entered and not exited, innermost last, by the state they change. One whose
-    refs are all released (`held` says no) no longer counts: its state goes back when one entered
-    before it exits, and it is dropped, so that it keeps nothing alive."""
+    """The managers entered and not exited, innermost last, by the state they change, and who entered
+    each (the caller's identity, else its connection).
+
+    A state is one client's at a time: its managers change what every client then reads (vLLM's
+    forward context is one module global), so another client's enter is refused while one is in force,
+    and so are its reads of that state (`holder`). A manager whose refs are all released (`held` says
+    no) is exited as soon as it is innermost, as its `with` block would have ended: one released
+    while in force stayed in force for good, its attn_metadata read by every client."""
 
     held: Callable[[object], bool]
     _stacks: dict[tuple[str, object], list[object]] = field(default_factory=dict)
     _state: dict[int, tuple[str, object]] = field(default_factory=dict)
+    _owner: dict[int, str] = field(default_factory=dict)
 
-    def check(self, label: str, method: str, obj: object) -> None:
-        """Refuses an enter or exit the manager's state or its place among its state's forbids."""
+    def check(self, label: str, method: str, obj: object, who: str = "") -> None:
+        """Refuses an enter or exit the manager's state, its place among its state's, or another
+        client's hold on its state forbids."""
         _check_state(label, method, obj)
         if method not in _EXITS:
-            self._state[id(obj)] = _state_of(obj)
+            key = _state_of(obj)
+            if any(self._owner.get(id(x), "") != who for x in self._pruned(key)):
+                raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
+                                  f"{label}: another client's context manager of the same state is in force "
+                                  f"(it changes what every client reads): one client's at a time; try again once "
+                                  f"it is exited", target=label, reason="context in force")
+            self._state[id(obj)] = key
+            self._owner[id(obj)] = who
             return
         stack = self._pruned(self._state.get(id(obj), ("", None)))
         later = next((len(stack) - 1 - i for i, x in enumerate(stack) if x is obj), 0)
@@ -88,6 +102,12 @@ class EnteredContexts:
                               f"{label}: {later} context manager(s) of the same state were entered after this one "
                               f"and are still entered: exit those first, the innermost first, as nested with "
                               f"statements do", target=label, reason="context manager order")
+
+    def holder(self, module_file: str) -> str:
+        """Who holds the state of the module at `module_file` (the caller that entered its managers
+        in force; "" when none is)."""
+        stack = self._pruned(("module", module_file))
+        return self._owner.get(id(stack[-1]), "") if stack else ""
 
     def moved(self, obj: object) -> None:
         """After an enter or exit ran (or failed): entered and not done, it is innermost of its state;
@@ -100,18 +120,25 @@ class EnteredContexts:
             if not any(x is obj for x in stack):
                 stack.append(obj)
             return
-        del self._state[id(obj)]
+        self._forget(obj)
         stack[:] = [x for x in stack if x is not obj]
         if not stack:
             del self._stacks[key]
 
+    def _forget(self, obj: object) -> None:
+        self._state.pop(id(obj), None)
+        self._owner.pop(id(obj), None)
+
     def _pruned(self, key: tuple[str, object]) -> list[object]:
+        """The state's stack, its released managers exited from the innermost out while they are
+        innermost (one released under another still held waits for that one)."""
         stack = self._stacks.setdefault(key, [])
-        kept = []
-        for x in stack:
-            if self.held(x):
-                kept.append(x)
-            else:
-                self._state.pop(id(x), None)
-        stack[:] = kept
+        while stack and not self.held(stack[-1]):
+            released = stack.pop()
+            self._forget(released)
+            if _entered(released) and _frame(released) is not None:
+                try:
+                    released.__exit__(None, None, None)      # type: ignore[attr-defined]
+                except Exception:   # noqa: BLE001 - its block has ended; what its exit raises has no caller
+                    pass
         return stack

@@ -504,7 +504,7 @@ class Invoker:
 
     def _context(self, plan: Plan, caller: Caller) -> CallContext:
         return CallContext(self.policy, caller.identity, plan.published, self.catalog.names, self.world_size,
-                           caller.client)
+                           caller.client, self._contexts.holder)
 
     async def prepare(self, plan: Plan, args: list[Any], kwargs: dict[str, Any],
                       caller: Caller = Caller()) -> tuple[list[Any], dict[str, Any]]:
@@ -523,11 +523,12 @@ class Invoker:
                 args, kwargs = _setting(plan, args, kwargs, settings)
         return args, kwargs
 
-    async def run_checked(self, plan: Plan, args: list[Any], kwargs: dict[str, Any], deadline: float | None) -> Any:
+    async def run_checked(self, plan: Plan, args: list[Any], kwargs: dict[str, Any], deadline: float | None,
+                          caller: Caller = Caller()) -> Any:
         """run(), with failures of the called code turned into python_error statuses."""
         managed = plan.protocol and generator_manager(plan.receiver)
         if managed:
-            self._contexts.check(plan.label, plan.protocol, plan.receiver)
+            self._contexts.check(plan.label, plan.protocol, plan.receiver, caller.client or caller.identity)
         try:
             return await self.run(plan, args, kwargs, deadline)
         except BridgeError:
@@ -574,7 +575,7 @@ class Invoker:
         on_end: list[Callable[[], None]] = [functools.partial(self._made_one, payer)]
         token = _ON_END.set(on_end)
         try:
-            return await self.run_checked(plan, args, kwargs, deadline)
+            return await self.run_checked(plan, args, kwargs, deadline, caller)
         finally:
             _ON_END.reset(token)
             for hook in on_end:
@@ -602,7 +603,7 @@ class Invoker:
         if self._makes_engines(plan):
             result = await self._made(plan, caller, args, kwargs, deadlines.call)
         else:
-            result = await self.run_checked(plan, args, kwargs, deadlines.call)
+            result = await self.run_checked(plan, args, kwargs, deadlines.call, caller)
         if setting:
             self.refs.recount(plan.receiver, caller.identity, connection_of(caller.client))
             result = None
@@ -671,7 +672,7 @@ class Invoker:
         self._admit(plan, caller)
         args, kwargs = await self.prepare(plan, *await self.decode_in_turn(request, caller, plan, deadlines.call),
                                           caller)
-        source = await self.run_checked(plan, args, kwargs, deadlines.call)
+        source = await self.run_checked(plan, args, kwargs, deadlines.call, caller)
         pace = Pace()
         put = pace.timed(self.results.item_writer(caller, plan.exclusive, encoding))
         lane = self._exclusive_lane if plan.exclusive else self._shared_lane

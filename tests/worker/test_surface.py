@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bridge_server.client.client import BridgeClient, CallError, Target
-from tests.conftest import free_port
+from tests.conftest import WorkerProcess, free_port
 
 FC = "vllm.forward_context"
 D = "vllm.distributed"
@@ -96,6 +96,37 @@ def test_context_managers_of_one_state_are_exited_innermost_first(client: Bridge
     client.call(Target.method(outer, "__exit__"))
     client.call(Target.method(sizes, "__exit__"))
     assert client.call(Target.get(dp, "local_sizes")) is None
+
+
+def test_the_forward_context_in_force_is_one_clients_and_only_it_reads_it(worker: WorkerProcess,
+                                                                          client: BridgeClient) -> None:
+    """The forward context is one module global: what a client entered (its attn_metadata, refs and
+    all) every client read, with authentication too, and another client's manager entered on top
+    kept the first from exiting. The state is one client's at a time; only it reads the context; and
+    a manager released while in force is exited (it stayed in force for good)."""
+    own_connection = [("grpc.use_local_subchannel_pool", 1)]
+    config = client.call("vllm.config.VllmConfig")
+    mine = client.call(f"{FC}.set_forward_context", {"secret": "mine"}, config)
+    client.call(Target.method(mine, "__enter__"))
+    try:
+        with BridgeClient(worker.address, channel_options=own_connection) as other:
+            for read in ("get_forward_context", "is_forward_context_available", "_forward_context"):
+                with pytest.raises(CallError) as err:
+                    other.call(f"{FC}.{read}")
+                assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and err.value.reason == "not yours", read
+            theirs = other.call(f"{FC}.set_forward_context", None, config)
+            with pytest.raises(CallError) as err:
+                other.call(Target.method(theirs, "__enter__"))
+            assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and err.value.reason == "context in force"
+        assert client.call(f"{FC}.get_forward_context")["attn_metadata"] == {"secret": "mine"}
+    finally:
+        client.call(Target.method(mine, "__exit__"))
+    released = client.call(f"{FC}.set_forward_context", {"secret": "gone"}, config)
+    client.call(Target.method(released, "__enter__"))
+    client.release(released)
+    with BridgeClient(worker.address, channel_options=own_connection) as other:
+        assert other.call(f"{FC}.is_forward_context_available") is False
+        assert other.call(f"{FC}._forward_context") is None
 
 
 def test_dp_metadata_methods_compute_the_documented_sizes(client: BridgeClient) -> None:
