@@ -230,8 +230,11 @@ async def _check_task(engine: Any, method: str, params_name: str, params: Any) -
                           target=f"{PREFIX}.{method}", parameter=params_name, reason="unsupported task")
 
 
-def _abort_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
-    """A client ends its own requests only. vLLM's internal ids are its own business."""
+def _abort_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> Mapping[str, Any] | None:
+    """A client ends its own requests only. vLLM's internal ids are its own business. Another
+    client's live request is left alone as an unknown id is, without a word: refusing it told a
+    stranger which ids were live. (An id the caller shares with another client's live request would
+    end both, and is refused.)"""
     engine_life.alive(engine, args)
     label = f"{PREFIX}.abort"
     if args.get("internal"):
@@ -247,12 +250,18 @@ def _abort_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None
             raise BridgeError.validation(f"{label}: parameter {where}: expected a request id (str), got "
                                          f"{type(rid).__name__} {quote(rid, 40)}", target=label, parameter=where)
     owners, live, owner = _owners.get(engine, {}), _live_ids(engine), _owner(ctx)
+    kept = []
     for rid in listed:
-        others = owners.get(rid, set()) - {owner}
-        if others and (live is None or rid in live):
+        holders = owners.get(rid, set())
+        others = holders - {owner}
+        if not others or live is not None and rid not in live:
+            kept.append(rid)
+        elif owner in holders:
             raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
-                              f"{label}: request {quote(rid)} was started by another client; a client aborts "
-                              f"its own requests only", target=label, parameter="request_id", reason="not yours")
+                              f"{label}: request id {quote(rid)} is also another client's live request, which "
+                              f"aborting it would end too; start requests under ids of your own", target=label,
+                              parameter="request_id", reason="not yours")
+    return None if len(kept) == len(listed) else {"request_id": kept}
 
 
 async def _generate(engine: Any, prompt: Any, sampling_params: Any, request_id: str,
