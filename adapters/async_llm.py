@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import hashlib
 import logging
 import math
 import os
@@ -198,8 +199,26 @@ def _request_guard(method: str, params_name: str) -> Any:
                                ctx.policy.max_live_sequences) if ctx.published else None
         _own(engine, args.get("request_id"), _owner(ctx))
         _asker.set((ctx.client, ctx.policy.grammar_compile_s))
-        return None if rank is None else {"priority": rank}
+        settings: dict[str, Any] = {} if rank is None else {"priority": rank}
+        salted = _salted(args.get("prompt"), ctx.identity) if ctx.published and ctx.identity else None
+        if salted is not None:
+            settings["prompt"] = salted
+        return settings or None
     return guard
+
+
+def _salted(prompt: Any, identity: str) -> Any:
+    """The prompt with its identity's salt for the prefix cache. A published engine's prefix cache is
+    every client's: how many of a prompt's tokens came from the cache (`num_cached_tokens`) told one
+    identity whether another had sent the same prefix (0 before, 128 after). vLLM keeps prompts of
+    different salts apart; a client's own salt goes after ours. None: a prompt form without a salt."""
+    ours = "bridge-" + hashlib.sha256(identity.encode()).hexdigest()[:32]
+    if isinstance(prompt, str):
+        return {"prompt": prompt, "cache_salt": ours}
+    if isinstance(prompt, Mapping) and "encoder_prompt" not in prompt and "decoder_prompt" not in prompt:
+        given = prompt.get("cache_salt")
+        return {**prompt, "cache_salt": ours if given is None else f"{ours}:{given}"}
+    return None
 
 
 # How far a request's arrival_time may be from the worker's clock: vLLM measures the request's

@@ -468,6 +468,27 @@ def test_sessions_and_refs_belong_to_their_client(secured: PoolServer, pki: dict
         assert alice.release(session_id="shared-name") == 1
 
 
+def test_one_identity_cannot_tell_from_the_prefix_cache_what_another_sent(secured: PoolServer,
+                                                                           pki: dict[str, str]) -> None:
+    """The published engine's prefix cache is every client's: `num_cached_tokens` told bob whether
+    alice had sent a prompt (0 before, 128 after). Each identity's prompts are salted apart; its own
+    repeats still hit the cache, and so does a prompt map that brings a salt of its own."""
+    generate = Target.method("engine", "generate")
+    secret = {"prompt_token_ids": [(7 * i) % 900 + 5 for i in range(200)]}
+
+    def cached(who: BridgeClient, prompt: Any, rid: str) -> int:
+        out = list(who.stream(generate, prompt, {"max_tokens": 1}, rid, pool="g", timeout=60))
+        return int(out[-1]["num_cached_tokens"])
+
+    with client_as(secured, pki, "alice") as alice, client_as(secured, pki, "bob") as bob:
+        assert cached(alice, secret, "salt-a1") == 0
+        assert cached(alice, secret, "salt-a2") > 0               # alice's own repeat: from the cache
+        assert cached(bob, secret, "salt-b1") == 0                # bob learns nothing of alice's
+        assert cached(bob, secret, "salt-b2") > 0
+        salted = {**secret, "cache_salt": "mine"}
+        assert cached(alice, salted, "salt-a3") == 0 and cached(alice, salted, "salt-a4") > 0
+
+
 def test_an_operator_changes_a_published_engine_and_clients_end_only_their_own_requests(
         secured: PoolServer, pki: dict[str, str]) -> None:
     generate = Target.method("engine", "generate")
