@@ -13,6 +13,7 @@ import enum
 import functools
 import math
 import operator
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -62,8 +63,17 @@ def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+_ADDRESS = re.compile(r" (?:object )?at 0x[0-9a-fA-F]+")
+
+
+def without_addresses(text: str) -> str:
+    """A repr without the memory addresses default reprs show ("<function f at 0x7f30...>"): where
+    the heap lies is nothing a client needs, and it is what defeats address randomization."""
+    return _ADDRESS.sub("", text) if " at 0x" in text else text
+
+
 def short_repr(obj: object, limit: int = 40) -> str:
-    text = repr(obj)
+    text = without_addresses(repr(obj))
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from adapters.spec import AdapterSpec, Exposure, Guard, Lifecycle, RecordRule
 from adapters.surface import DocEntry, DocSurface, load_surfaces
+from bridge_server.wire.codec import without_addresses
 from bridge_server.wire.errors import BridgeError
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -298,7 +299,7 @@ def _parameters(entry: Entry) -> list[pb.Parameter]:
             doc = documented.get(p.name.lower())
             has_default = p.default is not inspect.Parameter.empty
             out.append(pb.Parameter(name=p.name, kind=_PARAM_KIND[p.kind], has_default=has_default,
-                                    default_repr=repr(p.default) if has_default else "",
+                                    default_repr=without_addresses(repr(p.default)) if has_default else "",
                                     doc_type=doc.type if doc else "", annotation=_annotation(p.annotation)))
     elif entry.doc is not None:   # no introspectable signature: the documents are all we know
         for d in entry.doc.params:

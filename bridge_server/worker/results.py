@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from bridge_server.wire.codec import Encoder, TooCostly
+from bridge_server.wire.codec import Encoder, TooCostly, without_addresses
 from bridge_server.wire.errors import BridgeError
 from bridge_server.wire.options import connection_of
 from bridge_server.wire.turns import (
@@ -186,7 +186,7 @@ _SHORT_REPR = _ShortRepr()
 
 def _short_repr(obj: object) -> str:
     try:
-        text = _SHORT_REPR.repr(obj)
+        text = without_addresses(_SHORT_REPR.repr(obj))
     except Exception:
         text = f"<{type(obj).__qualname__}>"
     return text if len(text) <= 200 else text[:197] + "..."

@@ -368,6 +368,19 @@ def test_token_counts_are_integer_tensors_however_they_get_there(client: BridgeC
     client.release(dp)
 
 
+def test_no_repr_a_client_reads_tells_where_the_heap_lies(client: BridgeClient) -> None:
+    """Default reprs show memory addresses ("<function divide at 0x7faa...>"), which defeat address
+    randomization: a ref's repr and Describe's defaults show none."""
+    divide = client.call(f"{D}.resolve_obj_by_qualname", f"{D}.divide")
+    platform = client.call("vllm.forward_context.current_platform")
+    for ref in (divide, platform):
+        assert ref.repr and " at 0x" not in ref.repr, ref.repr
+    assert divide.repr == "<function divide>", divide.repr
+    described = client.describe("")
+    shown = [p.default_repr for e in described.entries for p in e.parameters if p.default_repr]
+    assert shown and not [r for r in shown if " at 0x" in r], [r for r in shown if " at 0x" in r]
+
+
 def _rendezvous_peer(port: int) -> None:
     """Rank 1 of a 2-rank gloo group: completes the rendezvous rank 0 is blocked in."""
     from vllm.distributed import stateless_init_torch_distributed_process_group
