@@ -75,6 +75,13 @@ def _short_version(receiver: object, args: Mapping[str, object], ctx: CallContex
         raise BridgeError(grpc.StatusCode.INVALID_ARGUMENT, "validation",
                           f"parameter target: a version string of {len(target):,} characters, expected at most "
                           f"{MAX_VERSION_CHARS}", parameter="target", reason="too long")
+    if isinstance(target, str):
+        from packaging.version import InvalidVersion, Version
+        try:
+            Version(target)
+        except InvalidVersion:      # (packaging's own error named no parameter)
+            raise BridgeError.validation(f"parameter target: expected a version (PEP 440, such as '2.4.0'), got "
+                                         f"{quote(target, 60)}", parameter="target") from None
 
 
 def _a_port(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:

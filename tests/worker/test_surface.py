@@ -272,7 +272,8 @@ def test_the_inline_helpers_take_only_what_keeps_them_trivial(client: BridgeClie
              # a layer count of 4,300 digits, over stages that do not divide it: each logged in full
              ((f"{D}.get_pp_indices", 10**4299 + 1023, 0, 1024), grpc.StatusCode.INVALID_ARGUMENT, "num_hidden_layers"),
              ((f"{D}.get_pp_indices", 32, True, 4), grpc.StatusCode.INVALID_ARGUMENT, "pp_rank"),
-             ((f"{D}.is_torch_equal_or_newer", "1.0+" + "a." * 100_000), grpc.StatusCode.INVALID_ARGUMENT, "target")]
+             ((f"{D}.is_torch_equal_or_newer", "1.0+" + "a." * 100_000), grpc.StatusCode.INVALID_ARGUMENT, "target"),
+             ((f"{D}.is_torch_equal_or_newer", "not a version"), grpc.StatusCode.INVALID_ARGUMENT, "target")]
     with client.multiplex() as mux:
         for (target, *args), code, parameter in cases:
             for call in (client.call, mux.call):
