@@ -63,7 +63,7 @@ def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-_ADDRESS = re.compile(r" (?:object )?at 0x[0-9a-fA-F]+")
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def without_addresses(text: str) -> str:
