@@ -250,10 +250,11 @@ async def _check_task(engine: Any, method: str, params_name: str, params: Any) -
 
 
 def _abort_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> Mapping[str, Any] | None:
-    """A client ends its own requests only. vLLM's internal ids are its own business. Another
-    client's live request is left alone as an unknown id is, without a word: refusing it told a
-    stranger which ids were live. (An id the caller shares with another client's live request would
-    end both, and is refused.)"""
+    """A client ends its own requests only. vLLM's internal ids are its own business. An id under
+    which another client has a live request is left alone as an unknown id is, without a word, even
+    where the caller used the id too (aborting it would end both): any refusal told a stranger which
+    ids were live, and one that first started a request under its guess could still ask. A client
+    whose own request shares an id with another's ends it by closing its stream."""
     engine_life.alive(engine, args)
     label = f"{PREFIX}.abort"
     if args.get("internal"):
@@ -269,17 +270,7 @@ def _abort_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> Mapp
             raise BridgeError.validation(f"{label}: parameter {where}: expected a request id (str), got "
                                          f"{type(rid).__name__} {quote(rid, 40)}", target=label, parameter=where)
     owners, live, owner = _owners.get(engine, {}), _live_ids(engine), _owner(ctx)
-    kept = []
-    for rid in listed:
-        holders = owners.get(rid, set())
-        others = holders - {owner}
-        if not others or live is not None and rid not in live:
-            kept.append(rid)
-        elif owner in holders:
-            raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
-                              f"{label}: request id {quote(rid)} is also another client's live request, which "
-                              f"aborting it would end too; start requests under ids of your own", target=label,
-                              parameter="request_id", reason="not yours")
+    kept = [rid for rid in listed if not owners.get(rid, set()) - {owner} or live is not None and rid not in live]
     return None if len(kept) == len(listed) else {"request_id": kept}
 
 

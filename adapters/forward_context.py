@@ -54,7 +54,7 @@ def _own_context(receiver: object, args: Mapping[str, object], ctx: CallContext)
     Only the client that entered the context in force reads it (`worker/contexts.py` keeps them one
     client's at a time)."""
     import vllm.forward_context
-    holder = ctx.holder(vllm.forward_context.__file__ or "")
+    holder = ctx.holder(vllm.forward_context.__file__ or "", ctx.client)
     if holder and holder != ctx.client:
         raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
                           "the forward context in force was entered by another client; a client reads only its "

@@ -59,8 +59,8 @@ class CallContext:
     world_size: int = 1         # the ranks of the worker's pool (1: a pool that is not distributed)
     client: str = ""            # whom fairness goes by: the identity, else the caller's connection
     # Who holds a module's state through context managers in force (`worker/contexts.py`), by the
-    # module's file: the `client` that entered them, "" when none is.
-    holder: Callable[[str], str] = lambda module_file: ""
+    # module's file, as the given client asks: the `client` that entered them, "" when none is.
+    holder: Callable[[str, str], str] = lambda module_file, who: ""
 
 
 # A guard runs before the call with the receiver, the bound arguments and the call's context, and

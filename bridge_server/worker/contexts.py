@@ -13,6 +13,7 @@ when it is done.
 from __future__ import annotations
 
 import contextlib
+import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +66,12 @@ def _check_state(label: str, method: str, obj: Any) -> None:
                           reason="context manager state")
 
 
+# How long a client holds a shared state it does not use: past it, the next client that enters a
+# manager of that state (or reads it) ends the hold. A client that entered vLLM's forward context and
+# went away without exiting or releasing it kept every other client out of it until its refs expired.
+HOLD_LAPSE_S = 60.0
+
+
 @dataclass
 class EnteredContexts:
     """The managers entered and not exited, innermost last, by the state they change, and who entered
@@ -72,14 +79,19 @@ class EnteredContexts:
 
     A state is one client's at a time: its managers change what every client then reads (vLLM's
     forward context is one module global), so another client's enter is refused while one is in force,
-    and so are its reads of that state (`holder`). A manager whose refs are all released (`held` says
-    no) is exited as soon as it is innermost, as its `with` block would have ended: one released
-    while in force stayed in force for good, its attn_metadata read by every client."""
+    and so are its reads of that state (`holder`). A hold lapses: a holder that has not used its state
+    for HOLD_LAPSE_S loses it to the next client that asks, its managers exited from the innermost out
+    (its later exit is then refused as "exited already"). A manager whose refs are all released (`held`
+    says no) is exited as soon as it is innermost, as its `with` block would have ended: one released
+    while in force stayed in force for good, its attn_metadata read by every client. An enter is
+    counted from its check, not its end: two clients entering at the same moment both got in."""
 
     held: Callable[[object], bool]
+    lapse_s: float = HOLD_LAPSE_S
     _stacks: dict[tuple[str, object], list[object]] = field(default_factory=dict)
     _state: dict[int, tuple[str, object]] = field(default_factory=dict)
     _owner: dict[int, str] = field(default_factory=dict)
+    _used: dict[tuple[str, object], float] = field(default_factory=dict)    # the holder's last use
 
     def check(self, label: str, method: str, obj: object, who: str = "") -> None:
         """Refuses an enter or exit the manager's state, its place among its state's, or another
@@ -87,26 +99,32 @@ class EnteredContexts:
         _check_state(label, method, obj)
         if method not in _EXITS:
             key = _state_of(obj)
-            if any(self._owner.get(id(x), "") != who for x in self._pruned(key)):
+            stack = self._held_by(key, who)
+            if any(self._owner.get(id(x), "") != who for x in stack):
                 raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
                                   f"{label}: another client's context manager of the same state is in force "
                                   f"(it changes what every client reads): one client's at a time; try again once "
-                                  f"it is exited", target=label, reason="context in force")
+                                  f"it is exited (a hold unused for {self.lapse_s:.0f} s lapses)", target=label,
+                                  reason="context in force")
             self._state[id(obj)] = key
             self._owner[id(obj)] = who
+            stack.append(obj)           # counted now: another client's enter meanwhile is refused
+            self._used[key] = time.monotonic()
             return
-        stack = self._pruned(self._state.get(id(obj), ("", None)))
+        key = self._state.get(id(obj), ("", None))
+        stack = self._pruned(key)
         later = next((len(stack) - 1 - i for i, x in enumerate(stack) if x is obj), 0)
         if later:
             raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
                               f"{label}: {later} context manager(s) of the same state were entered after this one "
                               f"and are still entered: exit those first, the innermost first, as nested with "
                               f"statements do", target=label, reason="context manager order")
+        self._used[key] = time.monotonic()
 
-    def holder(self, module_file: str) -> str:
+    def holder(self, module_file: str, who: str = "") -> str:
         """Who holds the state of the module at `module_file` (the caller that entered its managers
-        in force; "" when none is)."""
-        stack = self._pruned(("module", module_file))
+        in force; "" when none is), as `who` asks it."""
+        stack = self._held_by(("module", module_file), who)
         return self._owner.get(id(stack[-1]), "") if stack else ""
 
     def moved(self, obj: object) -> None:
@@ -124,6 +142,29 @@ class EnteredContexts:
         stack[:] = [x for x in stack if x is not obj]
         if not stack:
             del self._stacks[key]
+            self._used.pop(key, None)
+
+    def _held_by(self, key: tuple[str, object], who: str) -> list[object]:
+        """The state's stack as `who` finds it: another client's hold that has lapsed is ended first;
+        the holder's own asking is a use."""
+        stack = self._pruned(key)
+        if not stack:
+            return stack
+        if self._owner.get(id(stack[-1]), "") == who:
+            self._used[key] = time.monotonic()
+        elif time.monotonic() - self._used.get(key, 0.0) > self.lapse_s:
+            while stack:
+                self._end(stack.pop())
+        return stack
+
+    def _end(self, obj: object) -> None:
+        """Exits a manager whose block is over (released, or its hold lapsed), if it is entered."""
+        self._forget(obj)
+        if _entered(obj) and _frame(obj) is not None:
+            try:
+                obj.__exit__(None, None, None)      # type: ignore[attr-defined]
+            except Exception:   # noqa: BLE001 - its block has ended; what its exit raises has no caller
+                pass
 
     def _forget(self, obj: object) -> None:
         self._state.pop(id(obj), None)
@@ -134,11 +175,5 @@ class EnteredContexts:
         innermost (one released under another still held waits for that one)."""
         stack = self._stacks.setdefault(key, [])
         while stack and not self.held(stack[-1]):
-            released = stack.pop()
-            self._forget(released)
-            if _entered(released) and _frame(released) is not None:
-                try:
-                    released.__exit__(None, None, None)      # type: ignore[attr-defined]
-                except Exception:   # noqa: BLE001 - its block has ended; what its exit raises has no caller
-                    pass
+            self._end(stack.pop())
         return stack

@@ -1,0 +1,102 @@
+"""The context managers clients enter through refs (`worker/contexts.py`): a shared state is one
+client's at a time, from the moment its enter is checked, and a hold its client stopped using lapses.
+Real generator context managers, entered and exited as the worker does (check, run, moved)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from bridge_server.wire.errors import BridgeError
+from bridge_server.worker.contexts import EnteredContexts
+
+STATE: list[str] = []       # what the managers below change: one module-level state, as vLLM's forward context
+
+
+@contextlib.contextmanager
+def setting(value: str) -> Iterator[None]:
+    STATE.append(value)
+    try:
+        yield
+    finally:
+        if value in STATE:      # (a manager a test left entered ends when it is collected)
+            STATE.remove(value)
+
+
+@pytest.fixture(autouse=True)
+def fresh_state() -> Iterator[None]:
+    STATE.clear()
+    yield
+    STATE.clear()
+
+
+def enter(contexts: EnteredContexts, manager: contextlib.AbstractContextManager[None], who: str) -> None:
+    contexts.check("setting", "__enter__", manager, who)
+    try:
+        manager.__enter__()
+    finally:
+        contexts.moved(manager)
+
+
+def refused(contexts: EnteredContexts, manager: object, who: str, method: str = "__enter__") -> BridgeError:
+    with pytest.raises(BridgeError) as err:
+        contexts.check("setting", method, manager, who)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, err.value
+    return err.value
+
+
+def test_an_enter_counts_from_its_check_so_two_clients_at_once_do_not_both_get_in() -> None:
+    contexts = EnteredContexts(held=lambda obj: True)
+    alices, bobs = setting("alice"), setting("bob")
+    contexts.check("setting", "__enter__", alices, "alice")       # alice's enter is under way...
+    assert refused(contexts, bobs, "bob").reason == "context in force"     # ...and bob's is refused
+    alices.__enter__()
+    contexts.moved(alices)
+    assert STATE == ["alice"] and contexts.holder(__file__, "bob") == "alice"    # this module's state
+    contexts.check("setting", "__exit__", alices, "alice")
+    alices.__exit__(None, None, None)
+    contexts.moved(alices)
+    enter(contexts, bobs, "bob")                                   # free again: bob's turn
+    assert STATE == ["bob"]
+
+
+def test_a_hold_its_client_stopped_using_lapses_to_the_next_client_that_asks() -> None:
+    contexts = EnteredContexts(held=lambda obj: True, lapse_s=0.2)
+    outer, inner, bobs = setting("a-outer"), setting("a-inner"), setting("bob")
+    enter(contexts, outer, "alice")
+    enter(contexts, inner, "alice")
+    assert refused(contexts, bobs, "bob").reason == "context in force"
+    time.sleep(0.1)
+    contexts.check("setting", "__exit__", inner, "alice")         # alice's use keeps her hold
+    time.sleep(0.15)
+    assert refused(contexts, bobs, "bob").reason == "context in force"
+    inner.__exit__(None, None, None)
+    contexts.moved(inner)
+    time.sleep(0.3)                                                # alice goes quiet, holding `outer`
+    enter(contexts, bobs, "bob")                                   # her hold has lapsed: it is ended
+    assert STATE == ["bob"]
+    assert "exited already" in refused(contexts, outer, "alice", "__exit__").message
+
+
+def test_a_released_manager_is_exited_once_it_is_innermost() -> None:
+    live: set[int] = set()
+    contexts = EnteredContexts(held=lambda obj: id(obj) in live)
+    outer, inner = setting("outer"), setting("inner")
+    live.update((id(outer), id(inner)))
+    enter(contexts, outer, "alice")
+    enter(contexts, inner, "alice")
+    live.discard(id(outer))                # released under one still held: waits for it
+    assert contexts.holder(__file__, "alice") == "alice" and STATE == ["outer", "inner"]
+    others = setting("other")
+    live.add(id(others))
+    refused(contexts, others, "bob")
+    assert STATE == ["outer", "inner"]
+    live.discard(id(inner))                # now both are released: both exit, the innermost first
+    bobs = setting("bob")
+    live.add(id(bobs))
+    enter(contexts, bobs, "bob")
+    assert STATE == ["bob"]
