@@ -14,6 +14,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import pytest
@@ -232,12 +233,29 @@ def test_a_ref_deep_in_a_large_request_reaches_its_worker(server: PoolServer) ->
             assert code == grpc.StatusCode.INVALID_ARGUMENT, details
 
 
+def _hold_both_workers(server: PoolServer, c: Any) -> tuple[list[Gate], list[Any]]:
+    """Both workers of pool `a` held by a gate each, both gates' rendezvous listening. A gate whose
+    port another process took meanwhile (`free_port` closes it before the worker binds it) fails at
+    once and frees its worker: such a hold is opened and tried again with new ports."""
+    for attempt in range(3):
+        gates = [Gate(), Gate()]
+        busy = [in_thread(lambda g=g, i=i: c.call(*g.args(), session_id=f"q-busy-{attempt}-{i}"))
+                for i, g in enumerate(gates)]
+        wait_until(lambda: all(g.running() for g in gates) and server.pool("a").in_flight == 2
+                   or any(b.done.is_set() for b in busy), what="both workers held")
+        if not any(b.done.is_set() for b in busy):
+            return gates, busy
+        open_gates([g for g, b in zip(gates, busy) if not b.done.is_set()])     # (a failed one has no rank 0)
+        for b in busy:
+            b.done.wait(30)
+        idle(server, "a")
+    pytest.fail("a gate failed three times in a row")
+
+
 def test_a_full_queue_and_a_deadline_that_expires_in_the_queue(server: PoolServer) -> None:
     idle(server, "a")
-    gates = [Gate(), Gate()]
     with server.client(pool="a") as c:
-        busy = [in_thread(lambda g=g, i=i: c.call(*g.args(), session_id=f"q-busy-{i}")) for i, g in enumerate(gates)]
-        wait_until(lambda: server.pool("a").in_flight == 2, what="both workers busy")
+        gates, busy = _hold_both_workers(server, c)
         # A deadline that passes while the call waits for a slot: the gRPC deadline, then the bridge option.
         for kw in ({"timeout": 0.5}, {"timeout_s": 0.5}):
             t0 = time.monotonic()
