@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -101,12 +103,34 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 30, what: str = "
         time.sleep(0.05)
 
 
+def _gate_port() -> int:
+    """A free port below the ephemeral range. A port `free_port` finds is one the kernel hands out for
+    outgoing connections too, and between this process closing it and the worker binding it, one of
+    the suite's many gRPC connections could take it: the gate then failed at once and freed the
+    worker it was meant to hold. Ports below the range are only ever bound on purpose."""
+    low = 20_000
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = min(low, int(f.read().split()[0]) - 2_000)
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(200):
+        port = random.randrange(max(low - 8_000, 1_024), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return free_port()
+
+
 @dataclass
 class Gate:
     """A real slow call: rank 0 of a 2-rank gloo group blocks in the worker until `open()` joins as
     rank 1 from this process. It runs in the worker's shared thread pool, like any blocking call."""
 
-    port: int = field(default_factory=free_port)
+    port: int = field(default_factory=_gate_port)
     # The peer's group is kept alive: dropping it closes its sockets, which can fail rank 0's
     # connection set-up in the worker when it has not finished yet.
     peers: list[Any] = field(default_factory=list)
