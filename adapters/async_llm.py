@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import hashlib
 import logging
 import math
@@ -212,13 +213,18 @@ def _salted(prompt: Any, identity: str) -> Any:
     every client's: how many of a prompt's tokens came from the cache (`num_cached_tokens`) told one
     identity whether another had sent the same prefix (0 before, 128 after). vLLM keeps prompts of
     different salts apart; a client's own salt goes after ours. None: a prompt form without a salt."""
-    ours = "bridge-" + hashlib.sha256(identity.encode()).hexdigest()[:32]
+    ours = _salt_of(identity)
     if isinstance(prompt, str):
         return {"prompt": prompt, "cache_salt": ours}
     if isinstance(prompt, Mapping) and "encoder_prompt" not in prompt and "decoder_prompt" not in prompt:
         given = prompt.get("cache_salt")
         return {**prompt, "cache_salt": ours if given is None else f"{ours}:{given}"}
     return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _salt_of(identity: str) -> str:
+    return "bridge-" + hashlib.sha256(identity.encode()).hexdigest()[:32]
 
 
 # How far a request's arrival_time may be from the worker's clock: vLLM measures the request's

@@ -25,8 +25,8 @@ from bridge_server.wire.errors import BridgeError, clip, quote
 
 __all__ = ["I64_MAX", "I64_MIN", "LONG_PROMPT_CHARS", "MAX_BAD_WORDS", "MAX_LOGPROB_ENTRIES", "MAX_N",
            "MAX_SCHEMA_DEPTH", "MAX_STOP_STRINGS", "MAX_WORDS_CHARS", "check_logprobs", "check_prompt",
-           "check_prompt_form", "check_request_options", "check_sampling_params", "check_token_ids", "clip_int", "logprob_entries", "pooling_rule",
-           "prompt_tokens_at_most", "sampling_rule", "text_of"]
+           "check_prompt_form", "check_request_options", "check_sampling_params", "check_token_ids", "clip_int",
+           "logprob_entries", "pooling_rule", "prompt_tokens_at_most", "sampling_rule", "text_of"]
 
 LONG_PROMPT_CHARS = 16_384      # longer prompts are tokenized off the event loop
 _token_chars: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()

@@ -35,6 +35,7 @@ def _bounded_sp(receiver: object, args: Mapping[str, object], ctx: CallContext) 
                           f"{label}: {sp:,} slots for each of {numel():,} ranks is over this server's limit of "
                           f"{MAX_SP_TOKENS:,} entries", parameter=key, reason="too large")
 
+
 def _a_list(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
     """u_batch_slices is vLLM's `list[UBatchSlice]` alias, and calling it is `list(iterable)`: of a
     tensor of shape [N, 0] (60 bytes) it made N tensor objects, 4 million of them 2 GB, before the
@@ -102,8 +103,8 @@ def _token_counts(receiver: object, args: Mapping[str, object], ctx: CallContext
     """DPMetadata's tensors are token counts, which its methods and the sequence-parallel helpers add
     up and split: a float8, complex or bit tensor was taken, and each of them then failed in torch as
     NotImplementedError ("add_stub not implemented for 'Float8_e4m3fn'"), status UNIMPLEMENTED,
-    naming nothing. Counts are ints, whether given to the call or held by its receiver (set as an
-    attribute, or built by a constructor)."""
+    naming nothing. Counts are ints, whether given to the call or held by its receiver (a DPMetadata
+    built before the check, or by vLLM)."""
     import torch
     integral = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
     for key in _COUNT_TENSORS:

@@ -119,9 +119,9 @@ def decode(tokenizer: Any, token_ids: Any, skip_special_tokens: bool = False,
                           f"{DECODE_LABEL}: parameter {name}: not an option this server passes on (it takes "
                           f"token_ids, skip_special_tokens and clean_up_tokenization_spaces)", target=DECODE_LABEL,
                           parameter=name, reason="not allowed")
-    for name, flag, optional in (("skip_special_tokens", skip_special_tokens, False),
-                                 ("clean_up_tokenization_spaces", clean_up_tokenization_spaces, True)):
-        if type(flag) is not bool and not (optional and flag is None):
+    for name, flag in (("skip_special_tokens", skip_special_tokens),
+                       ("clean_up_tokenization_spaces", clean_up_tokenization_spaces)):
+        if type(flag) is not bool and (flag is not None or name == "skip_special_tokens"):
             raise BridgeError.validation(f"{DECODE_LABEL}: parameter {name}: expected a bool, got "
                                          f"{type(flag).__name__}", target=DECODE_LABEL, parameter=name)
     if hasattr(token_ids, "tolist") and hasattr(token_ids, "shape"):    # a tensor or an array: its ids

@@ -251,7 +251,8 @@ class Router:
         """The one worker holding every ref the call uses. `listed`: those the caller named in
         x-bridge-refs, which a refusal names as that header's (the others are the request's own)."""
         for ref in listed:      # (a request's own refs are the worker's to judge: it may hold them)
-            if not ref.partition(".")[0] or "." not in ref:
+            worker, dot, _ = ref.partition(".")
+            if not worker or not dot:
                 raise BridgeError.validation(f"metadata {MD_REFS}: {quote(ref, 80)} is not a ref id (a Ref's id: "
                                              f"its worker's id, a dot and a token)", parameter=MD_REFS)
         holders: dict[str, str] = {}

@@ -76,14 +76,11 @@ _PY_STATUS: dict[str, grpc.StatusCode] = {
     "ArithmeticError": grpc.StatusCode.INVALID_ARGUMENT,     # division by zero, overflow: of the arguments given
     "ImportError": grpc.StatusCode.FAILED_PRECONDITION,      # what the call needs is not installed here (ray)
 }
-# torch says what is wrong with a tensor's arguments only in a RuntimeError's text: its argument
-# checks (TORCH_CHECK) say "Expected ..." or name the shapes that do not fit; a device or process
-# group the call names and this worker lacks is a state of the worker, not a fault of the call's.
+# torch says what went wrong only in a RuntimeError's text. Its checks of the arguments are told
+# apart by where they were raised (`_raised_natively`); what it says of the worker's own state
+# (memory, a device or process group the call names and this worker lacks) is matched here first.
 _TORCH_STATUS = (("Trying to create tensor with negative dimension", grpc.StatusCode.INVALID_ARGUMENT),
                  ("can't allocate memory", grpc.StatusCode.RESOURCE_EXHAUSTED),
-                 ("shapes cannot be multiplied", grpc.StatusCode.INVALID_ARGUMENT),
-                 ("is invalid for input of size", grpc.StatusCode.INVALID_ARGUMENT),
-                 ("must match the size of tensor", grpc.StatusCode.INVALID_ARGUMENT),
                  ("Could not resolve the process group", grpc.StatusCode.FAILED_PRECONDITION),
                  ("exchangeDevice", grpc.StatusCode.FAILED_PRECONDITION),
                  ("No CUDA GPUs are available", grpc.StatusCode.FAILED_PRECONDITION),

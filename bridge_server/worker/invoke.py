@@ -164,7 +164,7 @@ def _exit_args(label: str, args: list[Any], kwargs: dict[str, Any]) -> list[Any]
     `suppress_stdout` left the worker's stdout on /dev/null)."""
     given = [*args, *kwargs.values()]
     if given and (len(given) != 3 or any(value is not None for value in given)):
-        names = [*_EXIT_PARAMETERS[:len(args)], *kwargs]
+        names = [*(_EXIT_PARAMETERS[i] if i < 3 else f"args[{i}]" for i in range(len(args))), *kwargs]
         wrong = next((n for n, v in zip(names, given) if v is not None), names[-1] if len(given) > 3 else "")
         shown = ", ".join(type(value).__name__ for value in given[:5]) + (", ..." if len(given) > 5 else "")
         raise BridgeError.validation(f"{label}: expected no arguments or three Nones (exc_type, exc_value, traceback: "
@@ -173,7 +173,7 @@ def _exit_args(label: str, args: list[Any], kwargs: dict[str, Any]) -> list[Any]
     return [None, None, None]
 
 
-_EXIT_PARAMETERS = ("exc_type", "exc_value", "traceback", *(f"args[{i}]" for i in range(3, 64)))
+_EXIT_PARAMETERS = ("exc_type", "exc_value", "traceback")
 
 
 MAX_METHOD_SHAPES = 4096    # (class, method) pairs planned once; past it, planned per call
