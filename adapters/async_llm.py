@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
+import dataclasses
 import functools
 import hashlib
 import logging
 import math
 import os
+import re
 import time
 import traceback
 import weakref
@@ -34,9 +37,9 @@ import grpc
 
 from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check_engine_types,
                                      check_grammar_backend, check_logprobs, check_prompt, check_prompt_form,
-                                     check_request_options, check_sampling_params, check_token_ids,
+                                     check_request_options, check_sampling_params, check_step_cost, check_token_ids,
                                      check_tokenization, clip_int, logprob_entries, pooling_rule,
-                                     prompt_tokens_at_most, sampling_rule, text_of)
+                                     prompt_tokens_at_most, sampling_rule, step_cost_us, text_of)
 from adapters import engine_life, grammar_check, grammar_ends, tokenizer_calls
 from adapters.engine_life import PREFIX
 from adapters.fair_share import admit_to_shared
@@ -196,8 +199,10 @@ def _request_guard(method: str, params_name: str) -> Any:
         vocab, max_len = engine.model_config.get_vocab_size(), engine.model_config.max_model_len
         logprobs = logprob_entries(params, prompt_tokens_at_most(args.get("prompt"), max_len), vocab, max_len)
         check_logprobs(label, params_name, params, logprobs)
+        step_us = step_cost_us(params)
+        check_step_cost(label, params_name, params, step_us)
         rank = admit_to_shared(engine, label, args, params, logprobs, ctx.client, _live_ids(engine),
-                               ctx.policy.max_live_sequences) if ctx.published else None
+                               ctx.policy.max_live_sequences, step_us) if ctx.published else None
         _own(engine, args.get("request_id"), _owner(ctx))
         _asker.set((ctx.client, ctx.policy.grammar_compile_s))
         settings: dict[str, Any] = {} if rank is None else {"priority": rank}
@@ -515,6 +520,62 @@ def _new(vllm_config: Any, executor_class: Any = None, log_stats: bool = False, 
 
 
 
+async def _engine_args_guard(receiver: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
+    """`from_engine_args`'s arguments as vLLM's config checks judge them, said as refusals of them.
+    Those checks raise pydantic's ValidationError, whose text dumps every input (and names a field the
+    client may never have sent), or a bare RuntimeError ("... is not compatible with FP8 KV cache":
+    status UNKNOWN), naming no argument. So the configuration is built first, off the loop, and what
+    it raises is INVALID_ARGUMENT, about `engine_args` (and the field, where vLLM names one the client
+    gave). The engine then builds it again (a fraction of a second, against ~12 s to start)."""
+    _creation_guard(receiver, args, ctx)
+    engine_args: Any = args.get("engine_args")
+    if isinstance(engine_args, type) or not callable(getattr(engine_args, "create_engine_config", None)):
+        return
+    given = _given(engine_args)
+    trial: Any = copy.copy(engine_args)
+    try:       # on a copy: vLLM fills in the defaults it derives, in place
+        await asyncio.to_thread(trial.create_engine_config)
+    except (ValueError, RuntimeError, AssertionError, NotImplementedError, TypeError) as exc:
+        raise _config_refusal(f"{PREFIX}.from_engine_args", given, exc) from None
+
+
+def _config_refusal(label: str, given: set[str], exc: BaseException) -> BridgeError:
+    """A refusal of the configuration, by the field vLLM names where the client gave it (`given`),
+    in vLLM's words without the inputs pydantic lists."""
+    where, text = "engine_args", f"{type(exc).__name__}: {exc}"
+    listed = getattr(exc, "errors", None)
+    errors = listed() if type(exc).__name__ == "ValidationError" and callable(listed) else None
+    if errors:
+        named = [e for e in errors if e.get("loc") and str(e["loc"][0]) in given]
+        first = (named or errors)[0]
+        if named:
+            where = f"engine_args.{first['loc'][0]}"
+            text = f"{first['loc'][0]}: {first.get('msg', '')}, got {clip(repr(first.get('input')), 60)}"
+        else:
+            text = str(first.get("msg", "")) or type(exc).__name__
+        if len(errors) > 1:
+            text += f" (and {len(errors) - 1} more)"
+    if where == "engine_args":      # a check of the whole config: the one field it names by name, if any
+        named_in_text = [g for g in given if "_" in g and re.search(rf"\b{g}\b", text)]
+        if len(named_in_text) == 1:
+            where = f"engine_args.{named_in_text[0]}"
+    return BridgeError.validation(f"{label}: parameter {where}: vLLM refused the configuration: {clip(text, 400)}",
+                                  target=label, parameter=where)
+
+
+def _given(engine_args: Any) -> set[str]:
+    """The fields of the client's engine args set to other than their defaults."""
+    if not dataclasses.is_dataclass(engine_args):
+        return set()
+    out = set()
+    for f in dataclasses.fields(engine_args):
+        default = f.default if f.default is not dataclasses.MISSING else \
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
+        if getattr(engine_args, f.name, default) != default:
+            out.add(f.name)
+    return out
+
+
 def _advertise_new_signature() -> None:
     """Describe shows AsyncLLM's own parameters, with the two a remote caller cannot give defaulted."""
     import inspect
@@ -541,7 +602,7 @@ ASYNC_LLM = AdapterSpec(
     guards={"*": engine_life.alive, "generate": _request_guard("generate", "sampling_params"),
             "encode": _request_guard("encode", "pooling_params"), "add_request": _request_guard("add_request", "params"),
             "abort": _abort_guard, "collective_rpc": _collective_rpc_guard, "shutdown": _shutdown_guard,
-            "new": _creation_guard, "from_engine_args": _creation_guard, "from_vllm_config": _creation_guard,
+            "new": _creation_guard, "from_engine_args": _engine_args_guard, "from_vllm_config": _creation_guard,
             **{m: _lora_guard(m) for m in ("add_lora", "list_loras", "pin_lora", "remove_lora")}},
     overrides={"new": _new, "generate": _generate, "encode": _encode, "add_request": _add_request,
                "sleep": engine_life.sleep, "wake_up": engine_life.wake_up},

@@ -8,7 +8,9 @@ arithmetic helpers are pure; the cheapest of them run inline on the event loop.
 import ipaddress
 import os
 import socket
+import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -119,6 +121,60 @@ def bounded_logger(receiver: object, args: Mapping[str, object], ctx: CallContex
         raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
                           f"parameter name: this worker holds {len(known):,} loggers, which it keeps for good; no "
                           f"new one is made past {MAX_LOGGERS:,}", parameter="name", reason="too many loggers")
+
+
+# Who set up the worker's process groups (vLLM's parallel_state globals: the world group and the
+# model-parallel groups, one set per process), and when that client last called an entry of them. Any
+# client could destroy the groups another had set up, between two of its collectives (its next one
+# failed "tensor model parallel group is not initialized"), and on a distributed pool, the groups its
+# ranks joined at start. So they are their maker's: while it uses them, only it (or an operator) sets
+# them up again or tears them down; a client's hold lapses after GROUP_HOLD_LAPSE_S unused, as a
+# forward context's does, so that one that left without destroying them keeps nobody out for good.
+# The groups a distributed pool's ranks join at start (the worker's own call, client "") are the
+# server's: only an operator changes them. Any client may use the groups in force.
+GROUP_HOLD_LAPSE_S = 60.0
+_SETS_UP = frozenset({"init_distributed_environment", "initialize_model_parallel",
+                      "ensure_model_parallel_initialized"})
+_TEARS_DOWN = frozenset({"destroy_model_parallel", "destroy_distributed_environment", "cleanup_dist_env_and_memory"})
+
+
+@dataclass
+class _GroupHold:
+    holder: str | None = None        # None: no client's; "": the server's
+    used: float = 0.0
+
+
+_groups = _GroupHold()
+
+
+def _groups_exist() -> bool:
+    from vllm.distributed import parallel_state
+    return parallel_state._WORLD is not None or parallel_state.model_parallel_is_initialized()
+
+
+def _group_guard(name: str, then: Callable[[object, Mapping[str, object], CallContext], None] | None = None) -> Any:
+    """The guard of an entry that sets up, tears down or uses the process groups (see _GroupHold),
+    after the entry's own guard (`then`) if it has one."""
+    changes = name in _SETS_UP or name in _TEARS_DOWN
+    def guard(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+        if then is not None:
+            then(receiver, args, ctx)
+        now = time.monotonic()
+        holder = _groups.holder if _groups_exist() else None
+        if holder is not None and holder != ctx.client:
+            if not changes:
+                return          # another's groups, used: they stay their maker's, its hold not renewed
+            if not ctx.policy.operator(ctx.identity) and (holder == "" or now - _groups.used <= GROUP_HOLD_LAPSE_S):
+                whose = "the server's (a distributed pool's ranks joined them at start)" if holder == "" else \
+                    f"another client's, which used them within the last {GROUP_HOLD_LAPSE_S:.0f} s"
+                raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                                  f"vllm.distributed.{name}: this worker's process groups are {whose}: only their "
+                                  f"maker (or an operator) sets them up again or tears them down; any client may "
+                                  f"use them", target=f"vllm.distributed.{name}", reason="groups held")
+        if name in _SETS_UP:
+            _groups.holder = ctx.client        # (one that fails leaves no groups, and so no hold)
+        _groups.used = now
+    return guard
 
 
 def _store_at_its_host(host_name: str, port: int, world_size: int | None = None, is_master: bool = False,
@@ -363,6 +419,28 @@ def _allowed_host(key: str, host: object, hosts: frozenset[str]) -> None:
 
 meet_only_where_asked()
 
+_GUARDS: dict[str, Callable[[object, Mapping[str, object], CallContext], None]] = {
+    "resolve_obj_by_qualname": _catalog_names_only, "init_logger": bounded_logger,
+    "divide": _plain_numbers, "ensure_divisibility": _plain_numbers, "get_pp_indices": _bounded_stages,
+    "is_torch_equal_or_newer": _short_version, "get_tcp_uri": _a_port,
+    "get_distributed_init_method": _a_port, "split_tensor_along_last_dim": _split_evenly,
+    "init_distributed_environment": _rendezvous, "stateless_init_torch_distributed_process_group": _rendezvous,
+    "all_gather_fake": _fake_shape(gathers=True), "reduce_scatter_fake": _fake_shape(gathers=False),
+    "all_reduce_fake": _fake_shape(gathers=False), "graph_capture": _a_cuda_device,
+}
+# Everything that talks to the other ranks of the group (or sets the group up or down, which is a
+# rendezvous): called on one rank of a distributed pool it would block there, waiting for peers that
+# never come, and every later collective of the pool would queue behind it. Each also uses (or
+# changes) the process groups in force, which are their maker's (`_group_guard`).
+_COLLECTIVES = frozenset({
+    "tensor_model_parallel_all_reduce", "tensor_model_parallel_all_gather", "tensor_model_parallel_gather",
+    "tensor_model_parallel_reduce_scatter", "broadcast_tensor_dict", "all_reduce", "all_gather",
+    "reduce_scatter", "patched_fused_scaled_matmul_reduce_scatter", "in_the_same_node_as",
+    *_SETS_UP, *_TEARS_DOWN,
+    "init_model_parallel_group", "init_world_group", "init_gloo_process_group", "graph_capture",
+    "prepare_communication_buffer_for_model",
+})
+
 DISTRIBUTED = AdapterSpec(
     surface="distributed",
     module="vllm.distributed",
@@ -379,26 +457,8 @@ DISTRIBUTED = AdapterSpec(
     }),
     inline=frozenset({"divide", "ensure_divisibility", "get_pp_indices", "is_torch_equal_or_newer"}),
     # The inline helpers' guards are plain functions: they run where the call is read (`Invoker.immediate`).
-    guards={"resolve_obj_by_qualname": _catalog_names_only, "init_logger": bounded_logger,
-            "divide": _plain_numbers, "ensure_divisibility": _plain_numbers, "get_pp_indices": _bounded_stages,
-            "is_torch_equal_or_newer": _short_version, "get_tcp_uri": _a_port,
-            "get_distributed_init_method": _a_port, "split_tensor_along_last_dim": _split_evenly,
-            "init_distributed_environment": _rendezvous,
-            "stateless_init_torch_distributed_process_group": _rendezvous,
-            "all_gather_fake": _fake_shape(gathers=True), "reduce_scatter_fake": _fake_shape(gathers=False),
-            "all_reduce_fake": _fake_shape(gathers=False), "graph_capture": _a_cuda_device},
-    # Everything that talks to the other ranks of the group (or sets the group up or down, which is
-    # a rendezvous): called on one rank of a distributed pool it would block there, waiting for peers
-    # that never come, and every later collective of the pool would queue behind it.
-    collectives=frozenset({
-        "tensor_model_parallel_all_reduce", "tensor_model_parallel_all_gather", "tensor_model_parallel_gather",
-        "tensor_model_parallel_reduce_scatter", "broadcast_tensor_dict", "all_reduce", "all_gather",
-        "reduce_scatter", "patched_fused_scaled_matmul_reduce_scatter", "in_the_same_node_as",
-        "init_distributed_environment", "initialize_model_parallel", "ensure_model_parallel_initialized",
-        "destroy_model_parallel", "destroy_distributed_environment", "cleanup_dist_env_and_memory",
-        "init_model_parallel_group", "init_world_group", "init_gloo_process_group", "graph_capture",
-        "prepare_communication_buffer_for_model",
-    }),
+    guards={**_GUARDS, **{name: _group_guard(name, _GUARDS.get(name)) for name in _COLLECTIVES}},
+    collectives=_COLLECTIVES,
     overrides={"suppress_stdout": _suppress_stdout, **{name: _zeroed(name) for name in _FAKES}},
     finalizers=(Finalizer("adapters.distributed", "StdoutSuppression", _end_suppression),),
     frees=frozenset({

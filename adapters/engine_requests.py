@@ -24,9 +24,10 @@ from adapters.spec import Policy
 from bridge_server.wire.errors import BridgeError, clip, quote
 
 __all__ = ["I64_MAX", "I64_MIN", "LONG_PROMPT_CHARS", "MAX_BAD_WORDS", "MAX_LOGPROB_ENTRIES", "MAX_N",
-           "MAX_SCHEMA_DEPTH", "MAX_STOP_STRINGS", "MAX_WORDS_CHARS", "check_logprobs", "check_prompt",
-           "check_prompt_form", "check_request_options", "check_sampling_params", "check_token_ids", "clip_int",
-           "logprob_entries", "pooling_rule", "prompt_tokens_at_most", "sampling_rule", "text_of"]
+           "MAX_SCHEMA_DEPTH", "MAX_STEP_US", "MAX_STOP_STRINGS", "MAX_WORDS_CHARS", "check_logprobs", "check_prompt",
+           "check_prompt_form", "check_request_options", "check_sampling_params", "check_step_cost", "check_token_ids",
+           "clip_int", "logprob_entries", "pooling_rule", "prompt_tokens_at_most", "sampling_rule", "step_cost_us",
+           "text_of"]
 
 LONG_PROMPT_CHARS = 16_384      # longer prompts are tokenized off the event loop
 _token_chars: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -510,6 +511,19 @@ MAX_N = 256
 # sequence of 1,500 tokens with 20 logprobs each fits. (Requests together: fair_share.py.)
 MAX_LOGPROB_ENTRIES = 32_768
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+# What one request adds to every step of its engine, in the engine core, which steps every request of
+# the engine in turn, in microseconds of our CPUs (a GPU's engine core pays more: each write below is a
+# kernel launch). vLLM's sampler walks each sequence's bad words in Python at every step, and writes the
+# logits of each whose prefix matches, which a one-token word always does: ~3.6 µs a word and sequence,
+# a word tokenized with and without its leading space. Its scheduler looks each sequence's last token
+# up in its stop_token_ids list, and its logits processors rebuild their tables of every stop token id
+# (with min_tokens) and logit_bias entry of every sequence whenever the batch changes. 4,096 one-token
+# bad words at n=16 made every step 0.24 s, and a million stop token ids at n=64 0.43 s, for every
+# client of the engine, from a 20 KB and a 2 MB request, with health SERVING. Bounded per request, and
+# the live requests of a shared engine together (`fair_share.py`).
+BAD_WORD_STEP_US = 4.0
+TOKEN_ID_STEP_US = 0.03
+MAX_STEP_US = 2_000
 
 
 def prompt_tokens_at_most(prompt: Any, max_model_len: int) -> int:
@@ -537,6 +551,39 @@ def logprob_entries(params: Any, prompt_tokens: int, vocab: int, max_model_len: 
     if type(pk) is int:
         entries += prompt_tokens * ((vocab if pk < 0 else pk) + 1)
     return n * entries
+
+
+def _step_parts(params: Any) -> tuple[int, dict[str, int]]:
+    """A SamplingParams' sequences (n), and its bad words, stop token ids and logit_bias entries."""
+    if type(params).__name__ != "SamplingParams":
+        return 1, {}
+    n = getattr(params, "n", 1)
+    return (n if type(n) is int and n > 0 else 1,
+            {field: len(getattr(params, field, None) or ()) for field in ("bad_words", "stop_token_ids", "logit_bias")})
+
+
+def step_cost_us(params: Any) -> float:
+    """What a request adds to every step of its engine core (see MAX_STEP_US); 0 for most."""
+    n, counts = _step_parts(params)
+    return n * sum(count * _STEP_US[field] for field, count in counts.items())
+
+
+_STEP_US = {"bad_words": BAD_WORD_STEP_US, "stop_token_ids": TOKEN_ID_STEP_US, "logit_bias": TOKEN_ID_STEP_US}
+
+
+def check_step_cost(label: str, name: str, params: Any, cost: float) -> None:
+    if cost <= MAX_STEP_US:
+        return
+    n, counts = _step_parts(params)
+    field = max(counts, key=lambda f: counts[f] * _STEP_US[f])
+    parts = " + ".join(f"{count:,} {field.replace('_', ' ')} x {_STEP_US[field]:g} µs"
+                       for field, count in counts.items() if count)
+    raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                      f"{label}: parameter {name}.{field}: n ({n}) x ({parts}) comes to {cost:,.0f} µs that the "
+                      f"engine core would add to every step, for every request of the engine, over this server's "
+                      f"limit of {MAX_STEP_US:,} µs for one request: ask for fewer completions, bad words, stop "
+                      f"token ids or logit biases", target=label, parameter=f"{name}.{field}",
+                      reason="too costly per step")
 
 
 def check_logprobs(label: str, name: str, params: Any, entries: int) -> None:

@@ -19,11 +19,14 @@ starts there.
   ends: 400 queued requests of n=256 took 416 MB of the core; a bound per host alone left the
   engine to as many hosts as a stranger has, and an IPv6 stranger has thousands of /64s); and the
   logprobs live requests may produce (made on the worker's loop: eight requests at the one-request
-  bound held it 10 s).
+  bound held it 10 s); and what live requests add to every step of the engine core
+  (`engine_requests.step_cost_us`: each within its own bound, a few of them would still slow every
+  request of the engine by as many times).
 """
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,13 +34,14 @@ from typing import Any
 
 import grpc
 
-from adapters.engine_requests import MAX_LOGPROB_ENTRIES, clip_int
+from adapters.engine_requests import MAX_LOGPROB_ENTRIES, MAX_STEP_US, clip_int
 from bridge_server.wire.errors import BridgeError, quote
 from bridge_server.wire.protocol import host_of
 
-__all__ = ["HOST_PART", "MAX_ENGINE_LOGPROB_ENTRIES", "SHARE", "admit_to_shared"]
+__all__ = ["HOST_PART", "MAX_ENGINE_LOGPROB_ENTRIES", "MAX_ENGINE_STEP_US", "SHARE", "admit_to_shared"]
 
 MAX_ENGINE_LOGPROB_ENTRIES = 2 * MAX_LOGPROB_ENTRIES
+MAX_ENGINE_STEP_US = 2 * MAX_STEP_US
 SHARE = 0.75            # of what the others left, a host's (or a host's client's) most
 HOST_PART = 16          # a client's rank counts 1/HOST_PART of its host's other sequences
 MAX_HOSTS_KEPT = 1024   # past this many hosts, those with nothing live are forgotten
@@ -50,28 +54,47 @@ class _Live:
     request_id: str
     sequences: int
     logprobs: int
+    step_us: float = 0.0
 
 
 _ledger: weakref.WeakKeyDictionary[Any, dict[str, list[_Live]]] = weakref.WeakKeyDictionary()   # engine -> host
-# engine -> its live requests that may produce logprobs, whatever their host (few: most ask for none)
-_with_logprobs: weakref.WeakKeyDictionary[Any, list[tuple[str, _Live]]] = weakref.WeakKeyDictionary()
+# engine -> its live requests that may produce logprobs or add to every step, whatever their host
+# (few: most ask for neither)
+_costly: weakref.WeakKeyDictionary[Any, list[tuple[str, _Live]]] = weakref.WeakKeyDictionary()
 
 
-def _room_for_logprobs(engine: Any, label: str, host: str, client: str, logprobs: int, live: Any) -> None:
-    """Refuses a request whose logprobs would pass its host's share of the engine's bound, or its
+@dataclass(frozen=True)
+class _Bound:
+    """One engine-wide bound on what live requests cost together: the `_Live` field it sums, its limit,
+    and how a refusal says it."""
+    field: str
+    limit: float
+    doing: str           # what the live requests do with their amount
+    unit: str
+    reason: str
+
+
+_LOGPROBS = _Bound("logprobs", MAX_ENGINE_LOGPROB_ENTRIES, "may produce", "logprobs", "too many logprobs")
+_STEP = _Bound("step_us", MAX_ENGINE_STEP_US, "add to every step of its engine core", "µs",
+               "too costly per step")
+
+
+def _room_for(bound: _Bound, engine: Any, label: str, host: str, client: str, amount: float, live: Any) -> None:
+    """Refuses a request whose `amount` would pass its host's share of the engine's bound, or its
     client's share of its host's (three quarters of what the others leave, at each level)."""
-    listed = [(h, r) for h, r in _with_logprobs.get(engine, ()) if live is None or r.request_id in live]
-    _with_logprobs[engine] = listed
-    everyone = sum(r.logprobs for _, r in listed)
-    on_host = sum(r.logprobs for h, r in listed if h == host)
-    own = sum(r.logprobs for h, r in listed if h == host and r.client == client)
-    host_room = SHARE * (MAX_ENGINE_LOGPROB_ENTRIES - (everyone - on_host))
-    if logprobs > SHARE * (host_room - (on_host - own)) - own:
+    listed = [(h, r) for h, r in _costly.get(engine, ()) if live is None or r.request_id in live]
+    _costly[engine] = listed
+    of = operator.attrgetter(bound.field)
+    everyone = sum(of(r) for _, r in listed)
+    on_host = sum(of(r) for h, r in listed if h == host)
+    own = sum(of(r) for h, r in listed if h == host and r.client == client)
+    host_room = SHARE * (bound.limit - (everyone - on_host))
+    if amount > SHARE * (host_room - (on_host - own)) - own:
         raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
-                          f"{label}: this engine is shared, and its live requests may produce {everyone:,} logprobs "
-                          f"({on_host:,} of them this host's, {own:,} this client's); {logprobs:,} more would pass "
-                          f"this client's share of the limit of {MAX_ENGINE_LOGPROB_ENTRIES:,} for the engine: wait "
-                          f"for some to end", target=label, reason="too many logprobs")
+                          f"{label}: this engine is shared, and its live requests {bound.doing} {everyone:,.0f} "
+                          f"{bound.unit} ({on_host:,.0f} of them this host's, {own:,.0f} this client's); {amount:,.0f} "
+                          f"more would pass this client's share of the limit of {bound.limit:,.0f} {bound.unit} for "
+                          f"the engine: wait for some to end", target=label, reason=bound.reason)
 
 
 def _fair_share(engine: Any) -> bool:
@@ -89,11 +112,12 @@ def _live_sequences(engine: Any, hosts: dict[str, list[_Live]], live: Any) -> in
 
 
 def admit_to_shared(engine: Any, label: str, args: Mapping[str, Any], params: Any, logprobs: int, client: str,
-                    live: Any, max_sequences: int) -> int | None:
+                    live: Any, max_sequences: int, step_us: float = 0.0) -> int | None:
     """Notes the request against the engine's bounds and its host's and client's shares (refusing it
     past them) and, on an engine that schedules by priority, returns its priority (None: vLLM's own
     order). `live`: the external ids of the requests vLLM holds (None: unknown, every noted request
-    counts); `max_sequences`: the engine's bound on live sequences (0: none)."""
+    counts); `max_sequences`: the engine's bound on live sequences (0: none); `step_us`: what the
+    request adds to every step of the engine core."""
     fair = _fair_share(engine)
     if fair:
         for key, default in (("priority", 0), ("arrival_time", None)):
@@ -122,13 +146,15 @@ def admit_to_shared(engine: Any, label: str, args: Mapping[str, Any], params: An
                               f"client three quarters of what its host's others leave): wait for some to end",
                               target=label, reason="too many sequences")
     if logprobs:
-        _room_for_logprobs(engine, label, host, client, logprobs, live)
-    live_request = _Live(client, args["request_id"], n, logprobs) \
+        _room_for(_LOGPROBS, engine, label, host, client, logprobs, live)
+    if step_us:
+        _room_for(_STEP, engine, label, host, client, step_us, live)
+    live_request = _Live(client, args["request_id"], n, logprobs, step_us) \
         if isinstance(args.get("request_id"), str) else None
     if live_request is not None:
         held.append(live_request)
-        if logprobs:
-            _with_logprobs.setdefault(engine, []).append((host, live_request))
+        if logprobs or step_us:
+            _costly.setdefault(engine, []).append((host, live_request))
     hosts[host] = held
     if len(hosts) > MAX_HOSTS_KEPT:
         for gone in [h for h, rs in hosts.items() if not any(live is None or r.request_id in live for r in rs)]:

@@ -183,6 +183,15 @@ class Decoder:
             raise CodecError(path, "bool tensor bytes of 0 or 1", "other byte values")
         return raw.view(dtype).reshape(shape)
 
+    def _ref(self, value: pb.Value, path: str) -> object:
+        """The object a ref names; a refusal of it that names no parameter is named by where it was."""
+        try:
+            return self.resolve_ref(value.ref)
+        except BridgeError as exc:
+            if not exc.parameter:
+                exc.parameter = path
+            raise
+
     def _record(self, value: pb.Value, path: str) -> object:
         rec = value.record
         self._within(len(rec.fields), path, "a record")
@@ -251,7 +260,7 @@ Decoder._KINDS = {
         self._hashables(value.frozenset.items, path, "frozenset")),
     "map": Decoder._map,
     "tensor": Decoder._tensor,
-    "ref": lambda self, value, path: self.resolve_ref(value.ref),
+    "ref": Decoder._ref,
     "record": Decoder._record,
     "enum": Decoder._enum,
 }

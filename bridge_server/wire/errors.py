@@ -78,8 +78,10 @@ _PY_STATUS: dict[str, grpc.StatusCode] = {
 }
 # torch says what went wrong only in a RuntimeError's text. Its checks of the arguments are told
 # apart by where they were raised (`_raised_natively`); what it says of the worker's own state
-# (memory, a device or process group the call names and this worker lacks) is matched here first.
+# (memory, a device or process group the call names and this worker lacks) is matched here first,
+# as is what vLLM says of a group's state in a ValueError (a CPU group has no device communicator).
 _TORCH_STATUS = (("Trying to create tensor with negative dimension", grpc.StatusCode.INVALID_ARGUMENT),
+                 ("No device communicator", grpc.StatusCode.FAILED_PRECONDITION),
                  ("can't allocate memory", grpc.StatusCode.RESOURCE_EXHAUSTED),
                  ("Could not resolve the process group", grpc.StatusCode.FAILED_PRECONDITION),
                  ("exchangeDevice", grpc.StatusCode.FAILED_PRECONDITION),
@@ -229,12 +231,12 @@ def _py_status(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, NotImplementedError) and "not implemented for '" in str(exc):
         return grpc.StatusCode.INVALID_ARGUMENT      # torch: an op given a dtype it has no kernel for
-    if type(exc) is RuntimeError:
+    if type(exc) is RuntimeError or type(exc) is ValueError:
         text = str(exc)
         code = next((c for said, c in _TORCH_STATUS if said in text), None)
         if code is not None:
             return code
-        if _raised_natively(exc):
+        if type(exc) is RuntimeError and _raised_natively(exc):
             return grpc.StatusCode.INVALID_ARGUMENT
     return next((c for t in type(exc).__mro__ if (c := _PY_STATUS.get(t.__name__))), grpc.StatusCode.UNKNOWN)
 

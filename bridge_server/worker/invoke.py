@@ -243,7 +243,7 @@ class Invoker:
         if isinstance(obj, CODE_TYPES):
             raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
                               f"ref {quote(ref.id)} is a {type(obj).__name__}: code can be named (a catalog entry), "
-                              f"never passed as an argument", parameter=quote(ref.id), reason="code")
+                              f"never passed as an argument", reason="code")
         return obj
 
     def publishes(self, obj: object) -> bool:

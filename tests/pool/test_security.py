@@ -91,6 +91,7 @@ def test_code_the_catalog_names_can_be_named_never_passed(client: BridgeClient) 
     assert isinstance(divide, pb.Ref) and divide.type_name == "builtins.function"
     err = denied(lambda: client.call(f"{D}.divide", divide, 3, timeout=10))
     assert "never passed as an argument" in err.details
+    assert err.detail is not None and err.detail.parameter == "args[0]", err      # where it was, not the ref's id
     denied(lambda: client.call(Target.method(divide, "__call__"), 6, 3, timeout=10))
     assert client.release(divide) == 1
     # A documented method can be called, not taken: reading it would hand out a bound method (and

@@ -173,6 +173,10 @@ def test_what_torch_and_imports_say_of_the_arguments_and_the_server_gets_its_sta
     for said in ("Could not resolve the process group registered under the name g",
                  "invalid argument to exchangeDevice", "Torch not compiled with CUDA enabled"):
         assert BridgeError.from_exception(RuntimeError(said), "t").code == grpc.StatusCode.FAILED_PRECONDITION
+    # vLLM's collectives on a group with no device communicator (a CPU group): a ValueError, of the group
+    assert BridgeError.from_exception(ValueError("No device communicator found"), "t").code == \
+        grpc.StatusCode.FAILED_PRECONDITION
+    assert BridgeError.from_exception(ValueError("bad value"), "t").code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def _raise(exc: BaseException) -> None:

@@ -450,6 +450,23 @@ def test_encode_with_an_unsupported_task_is_refused_and_the_engine_lives(bridge:
     assert list(bridge.stream(Target.method("engine", "generate"), "still alive", greedy(2), "alive"))[-1]["finished"]
 
 
+def test_engine_args_vllm_refuses_are_refused_by_argument_before_any_engine_starts(
+        bridge: BridgeClient, model: Path, engine_worker: WorkerProcess) -> None:
+    """vLLM's config checks raised a bare RuntimeError (FP8 KV cache on the CPU: UNKNOWN) or pydantic's
+    dump of every input, naming no argument, or one the client never sent."""
+    before = engine_processes(engine_worker)
+    for extra, where, says in (({"kv_cache_dtype": "fp8"}, "engine_args", "FP8 KV cache"),
+                               ({"max_num_seqs": 0}, "engine_args.max_num_seqs", "greater than or equal to 1, got 0"),
+                               ({"max_model_len": 10**6}, "engine_args.max_model_len", "max_model_len")):
+        with pytest.raises(CallError) as err:
+            bridge.call(f"{E}.from_engine_args", engine_args(model, **extra), timeout=120)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert err.value.detail is not None and err.value.detail.parameter == where, err.value
+        assert f"parameter {where}: vLLM refused the configuration" in err.value.details, err.value
+        assert says in err.value.details and "input_value" not in err.value.details, err.value
+    assert engine_processes(engine_worker) == before
+
+
 def test_an_engine_built_from_a_map_generates_and_shutdown_leaves_no_process(bridge: BridgeClient, model: Path,
                                                                              engine_worker: WorkerProcess) -> None:
     before = engine_processes(engine_worker)
@@ -1034,6 +1051,47 @@ def test_live_requests_together_are_bounded_in_logprobs_and_the_server_ranks_the
         bridge.call(add, "own-arrival", "Hello", greedy(2), time.time() - 5, timeout=30)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
     assert "parameter arrival_time: this engine is shared, and the server ranks" in err.value.details, err.value
+
+
+def test_what_a_request_adds_to_every_engine_step_is_bounded_alone_and_together(
+        engine_worker: WorkerProcess, bridge: BridgeClient) -> None:
+    """vLLM's engine core walks each sequence's bad words in Python at every step, and scans its stop
+    token ids: 4,096 one-token bad words at n=16 made every step of every client 0.24 s, a million stop
+    ids at n=64 0.43 s, health SERVING. A request may add 2,000 µs to each step (4 µs a bad word and
+    sequence, 0.03 µs a stop id or logit bias), the live requests of a shared engine twice that
+    together, a client three quarters of its host's share."""
+    add = Target.method("engine", "add_request")
+    for params, field in (({"n": 16, "temperature": 0.8, "bad_words": ["!"] * 4096}, "bad_words"),
+                          ({"stop_token_ids": [0] * 100_000}, "stop_token_ids"),
+                          ({"n": 128, "temperature": 0.8, "logit_bias": {i: 1.0 for i in range(1000)}}, "logit_bias")):
+        with pytest.raises(CallError) as err:
+            bridge.call(add, f"step-{field}", "Hello", {**greedy(4), **params}, timeout=30)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "too costly per step"
+        assert err.value.detail is not None and err.value.detail.parameter == f"params.{field}", err.value
+        assert "µs that the engine core would add to every step" in err.value.details, err.value
+    dear = {**greedy(1000), "bad_words": ["!"] * 475}                # 1,900 µs a step
+    held = bridge.call(add, "step-live-0", "Hello", dear, timeout=30)
+    with pytest.raises(CallError) as err:
+        bridge.call(add, "step-live-1", "Hello", dear, timeout=30)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "too costly per step"
+    assert "add to every step of its engine core 1,900 µs (1,900 of them this host's, 1,900 this client's)" \
+        in err.value.details, err.value
+    own = [("grpc.use_local_subchannel_pool", 1)]
+    with BridgeClient(engine_worker.address, channel_options=own) as neighbour:    # same host, what is left
+        with pytest.raises(CallError) as err:
+            neighbour.call(add, "step-live-2", "Hello", dear, timeout=30)
+        assert err.value.reason == "too costly per step", err.value
+        neighbour.release(neighbour.call(add, "step-live-3", "Hello", {**greedy(400), "bad_words": ["!"] * 100},
+                                         timeout=30))
+    assert bridge.release(held) == 1                                   # aborted: room again
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            bridge.release(bridge.call(add, "step-live-4", "Hello", dear, timeout=30))
+            break
+        except CallError as again:
+            assert again.reason == "too costly per step" and time.monotonic() < deadline, again
+            time.sleep(0.2)
 
 
 def test_one_client_takes_at_most_three_quarters_of_its_hosts_sequences(engine_worker: WorkerProcess,

@@ -166,7 +166,10 @@ def test_coordinate_batch_across_dp_returns_the_documented_tuple(client: BridgeC
     assert result == (False, None, 0) and isinstance(result, tuple)
 
 
-def test_distributed_environment_with_gloo_and_collectives_on_tensors_by_value(client: BridgeClient) -> None:
+def test_distributed_environment_with_gloo_and_collectives_on_tensors_by_value(worker: WorkerProcess,
+                                                                               client: BridgeClient) -> None:
+    """And the groups are their maker's to set up again or tear down, anyone's to use: any client
+    destroyed the groups another had set up, between two of its collectives."""
     client.call(f"{D}.init_distributed_environment", kwargs=dict(
         world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}", local_rank=0,
         backend="gloo"))
@@ -185,6 +188,28 @@ def test_distributed_environment_with_gloo_and_collectives_on_tensors_by_value(c
     assert gathered.shape == (2, 3) and torch.equal(gathered, t)
     bf16 = torch.tensor([1.5, -2.25], dtype=torch.bfloat16)
     assert torch.equal(client.call(f"{D}.tensor_model_parallel_all_reduce", bf16), bf16)
+
+    t = torch.ones(4)
+    own = [("grpc.use_local_subchannel_pool", 1)]
+    with BridgeClient(worker.address, channel_options=own) as stranger:
+        assert torch.equal(stranger.call(f"{D}.tensor_model_parallel_all_reduce", t), t)
+        for name in ("destroy_model_parallel", "destroy_distributed_environment", "cleanup_dist_env_and_memory",
+                     "initialize_model_parallel"):
+            with pytest.raises(CallError) as err:
+                stranger.call(f"{D}.{name}", *((1, 1) if name.startswith("init") else ()))
+            assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and err.value.reason == "groups held", err.value
+            assert "process groups are another client's" in err.value.details, err.value
+        assert torch.equal(client.call(f"{D}.tensor_model_parallel_all_reduce", t), t)
+        client.call(f"{D}.destroy_model_parallel")
+        client.call(f"{D}.destroy_distributed_environment")
+        stranger.call(f"{D}.init_distributed_environment", 1, 0, f"tcp://127.0.0.1:{free_port()}", 0, "gloo")
+        stranger.call(f"{D}.initialize_model_parallel", 1, 1)
+        with pytest.raises(CallError) as err:
+            client.call(f"{D}.destroy_model_parallel")
+        assert err.value.reason == "groups held", err.value
+        stranger.call(f"{D}.destroy_model_parallel")
+        stranger.call(f"{D}.destroy_distributed_environment")
+    assert client.call(f"{D}.model_parallel_is_initialized") is False
 
 
 def test_distributed_pure_helpers(client: BridgeClient) -> None:
