@@ -43,6 +43,12 @@ def alive(engine: Any, args: Mapping[str, Any], ctx: CallContext | None = None) 
                           target=PREFIX, reason="engine dead")
 
 
+def busy(engine: Any) -> bool:
+    """Whether the engine holds live requests (a stream a client is reading, a collector not yet read)."""
+    states = getattr(getattr(engine, "output_processor", None), "request_states", None)
+    return bool(states)
+
+
 def dead(engine: Any) -> str | None:
     """Why the engine can no longer serve, when vLLM knows (its core process exited) or we decided."""
     if (cause := _causes.get(engine)) is not None:

@@ -36,6 +36,9 @@ class Policy:
     # A request nobody can read (one `add_request` started) is ended this long after it started;
     # 0: it runs to its end (see `Finalizer.expires`).
     unread_request_s: float = 30.0
+    # Without authentication, an engine a client made that no call has named for this long, and that
+    # has no work in hand, is released (and so shut down); 0: never (see `Invoker.end_idle_engines`).
+    idle_engine_s: float = 900.0
     # The sequences a published engine holds live, every client's (a host takes at most three quarters
     # of what the other hosts leave, a client the same of its host's); 0: no bound.
     max_live_sequences: int = 12_288
@@ -167,6 +170,8 @@ class Lifecycle:
     # Called once an instance exists in a worker (before any warm-up): what the library itself does
     # once its own server has started, for the process's sake (it runs whether or not warm-ups do).
     started: Callable[[Any], None] | None = None
+    # Whether it has work in hand (an engine's live requests): in use, however long ago a call named it.
+    busy: Callable[[Any], bool] | None = None
 
 
 @dataclass(frozen=True)

@@ -649,6 +649,29 @@ class Invoker:
                               f"pure helper) but returned an awaitable", target=plan.label)
         return self.results.encode(plan, result, caller)
 
+    def end_idle_engines(self, now: float | None = None) -> int:
+        """Without authentication the engine limit is every client's together, and a connection's refs
+        outlive it (refs pass between a client's processes): two engines made by connections that had
+        exited (2 GB each) kept every later client from making one, for good, as nobody else could
+        release them. So such an engine that no call has named for `idle_engine_s`, and that holds no
+        live request, is released (its last ref gone, it shuts down); its ref's error says why. An
+        identity's engines are its own to release, and count against its own limit only."""
+        idle = self.policy.idle_engine_s
+        if idle <= 0:
+            return 0
+        now = time.monotonic() if now is None else now
+        gone = 0
+        for entry in self.refs.unused_since(now - idle):
+            lifecycle = self.catalog.lifecycle(entry.obj)
+            if entry.owner or lifecycle is None:
+                continue
+            if lifecycle.busy is not None and lifecycle.busy(entry.obj):
+                entry.last_used = now          # in use: counted from when its work ends
+                continue
+            gone += self.refs.evict(entry.id, f"released: an engine made without an identity, that no call named "
+                                              f"for {idle:g} s and that held no live request (idle_engine_s)")
+        return gone
+
     async def call_python(self, target: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
         """Runs a catalog entry for the worker itself (start-up work), with Python values in and out."""
         plan = self._plan_entry(self.catalog.lookup(target))

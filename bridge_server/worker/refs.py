@@ -322,6 +322,14 @@ class RefRegistry:
         stale = [e.id for e in self._refs.values() if e.last_used < cutoff and not e.pinned]
         return gone + sum(self._drop(r, f"expired: idle for more than {self.idle_ttl_s:g} s") for r in stale)
 
+    def unused_since(self, cutoff: float) -> list[RefEntry]:
+        """The refs no call has used since `cutoff` (time.monotonic()), published ones aside."""
+        return [e for e in self._refs.values() if e.last_used < cutoff and not e.pinned]
+
+    def evict(self, ref_id: str, reason: str) -> bool:
+        """Drops a ref for the worker's own reason (its error says it to whoever presents it later)."""
+        return self._drop(ref_id, reason)
+
     def close(self) -> None:
         for ref_id in list(self._refs):
             self._drop(ref_id, "the worker shut down")

@@ -336,11 +336,13 @@ class Worker:
 
     async def _sweep(self) -> None:
         every = self.config.sweep_every_s
-        if self.config.policy.unread_request_s > 0:     # what expires goes within a quarter of its time
-            every = min(every, self.config.policy.unread_request_s / 4)
+        for limit in (self.config.policy.unread_request_s, self.config.policy.idle_engine_s):
+            if limit > 0:     # what expires goes within a quarter of its time
+                every = min(every, limit / 4)
         while True:
             await asyncio.sleep(every)
             self.invoker.refs.sweep()
+            self.invoker.end_idle_engines()
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops taking calls, lets in-flight ones finish within the grace period, then releases refs."""

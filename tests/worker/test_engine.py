@@ -480,6 +480,31 @@ def test_an_engine_built_from_a_map_generates_and_shutdown_leaves_no_process(bri
     assert wait_until(lambda: not (engine_processes(engine_worker) & started))
 
 
+def test_an_engine_made_without_an_identity_and_left_unnamed_is_released(
+        tmp_path_factory: pytest.TempPathFactory, model: Path) -> None:
+    """Without authentication the engine limit is every client's together: two engines made by
+    connections that had exited kept every later client from making one, for good. One that no call
+    has named for idle_engine_s, and that holds no live request, is released and its core stopped."""
+    w = start_worker(tmp_path_factory.mktemp("idle-engine"), "--idle-engine-s", "3", "--max-engines-per-client", "1",
+                     "--model-dir", str(model.parent), name="idle-engine")
+    try:
+        with BridgeClient(w.address) as first:
+            engine = first.call(f"{E}.from_engine_args", engine_args(model, max_model_len=256), timeout=120)
+            assert len(engine_processes(w)) == 1
+            for _ in range(3):                       # named by calls: kept
+                time.sleep(1.5)
+                assert first.call(Target.method(engine, "check_health")) is None
+        assert wait_until(lambda: not engine_processes(w), timeout=30)
+        with BridgeClient(w.address) as later:
+            with pytest.raises(CallError) as err:
+                later.call(Target.method(engine, "check_health"))
+            assert err.value.code == grpc.StatusCode.NOT_FOUND and "(idle_engine_s)" in err.value.details, err.value
+            again = later.call(f"{E}.from_engine_args", engine_args(model, max_model_len=256), timeout=120)
+            assert later.release(again) == 1
+    finally:
+        w.stop()
+
+
 def test_encode_on_a_pooling_engine_returns_a_vector_and_releasing_it_stops_the_engine(
         bridge: BridgeClient, model: Path, engine_worker: WorkerProcess) -> None:
     before = engine_processes(engine_worker)
