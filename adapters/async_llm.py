@@ -616,7 +616,8 @@ ASYNC_LLM = AdapterSpec(
     finalizers=(Finalizer("vllm.v1.engine.output_processor", "RequestOutputCollector", _abort_collected,
                           expires=True),),
     lifecycle=Lifecycle(dead=engine_life.dead, answers=engine_life.answers, kill=engine_life.kill,
-                        warmup=engine_life.warmup, started=engine_life.started, busy=engine_life.busy),
+                        warmup=engine_life.warmup, started=engine_life.started, busy=engine_life.busy,
+                        stopped=engine_life.stopped),
     record_rules=(
         RecordRule("vllm", "AsyncEngineArgs", check=_engine_args_rule),
         RecordRule("vllm.lora.request", "LoRARequest", check=_lora_rule),

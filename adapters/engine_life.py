@@ -84,12 +84,28 @@ async def answers(engine: Any, timeout_s: float) -> bool:
     return True
 
 
+def stopped(engine: Any) -> str | None:
+    """A core process stopped by a signal (SIGSTOP, a debugger) answers nothing until it is continued."""
+    for proc in _core_processes(engine):
+        try:
+            if psutil.Process(proc.pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                return f"its engine core (pid {proc.pid}) is stopped by a signal and answers nothing"
+        except (psutil.Error, OSError, AttributeError, TypeError, ValueError):
+            continue
+    return None
+
+
+def _core_processes(engine: Any) -> list[Any]:
+    manager = getattr(getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None)
+    return list(getattr(manager, "processes", None) or ())
+
+
 def core_cpu_s(engine: Any) -> float | None:
     """The CPU time the engine's core processes have used so far (None when it cannot be read)."""
     manager = getattr(getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None)
     total = 0.0
     try:
-        for proc in getattr(manager, "processes", None) or ():
+        for proc in _core_processes(engine):
             times = psutil.Process(proc.pid).cpu_times()
             total += times.user + times.system
     except (psutil.Error, OSError, AttributeError, TypeError, ValueError):   # OSError: none left to open /proc with

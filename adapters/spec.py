@@ -172,6 +172,9 @@ class Lifecycle:
     started: Callable[[Any], None] | None = None
     # Whether it has work in hand (an engine's live requests): in use, however long ago a call named it.
     busy: Callable[[Any], bool] | None = None
+    # Why it cannot answer now though it lives (its core process stopped by a signal), else None:
+    # health says so at once, rather than after the probes that find it silent.
+    stopped: Callable[[Any], str | None] | None = None
 
 
 @dataclass(frozen=True)

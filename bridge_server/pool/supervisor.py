@@ -395,10 +395,15 @@ class PoolSupervisor:
             except grpc.aio.AioRpcError:
                 misses += 1
             else:
+                serving = reply.status == health_pb2.HealthCheckResponse.SERVING
                 if misses >= 2:
                     log.warning("pool %s: worker %s answers its health check again", self.name, wp.id)
                     wp.detail = ""
-                    await self._health_changed(wp, reply.status == health_pb2.HealthCheckResponse.SERVING)
+                    await self._health_changed(wp, serving)
+                elif not serving and wp.state == UNHEALTHY:
+                    # health's Watch says only a change of status: why it is not serving may change meanwhile
+                    # (a core stopped by a signal, then found dead and being created again)
+                    await self._refresh_detail(wp)
                 misses, answered = 0, time.monotonic()
                 continue
             silent = time.monotonic() - answered

@@ -17,7 +17,8 @@ as dead when vLLM says so (its core exited), or when two probes in a row go unan
 no progress on anything (no stream of it yields an item meanwhile).
 
 Bounds: a dead core is seen within `interval_s`; one that stops answering within `interval_s` plus
-twice the probe's timeout; a published engine then serves again after its creation and warm-up (about
+twice the probe's timeout (one stopped by a signal, which cannot answer, is said in health at once,
+within `dead_check_s`, and judged by the probes like any other); a published engine then serves again after its creation and warm-up (about
 10-25 s for the tiny model on our CPUs). If it cannot be created again within `max_tries` tries, the
 worker stops, and its supervisor starts a new one.
 """
@@ -101,16 +102,32 @@ class Liveness:
     async def run(self) -> None:
         """A full check every `interval_s`, and at once when an object's lifecycle says it died: that
         costs an attribute read, so it is asked every `dead_check_s`, and health stops saying
-        SERVING within that of an engine core's exit, not a probe interval later."""
+        SERVING within that of an engine core's exit, not a probe interval later. A full check waits
+        for its probes (up to their timeout) in a task of its own, and meanwhile what health says of
+        a published core stopped by a signal is kept current."""
         last = time.monotonic()
-        while True:
-            await asyncio.sleep(min(self.dead_check_s, self.interval_s))
-            try:
-                if time.monotonic() - last >= self.interval_s or self._any_dead():
-                    last = time.monotonic()
-                    await self.check()
-            except Exception:   # the watch itself must never stop
-                log.exception("liveness check failed")
+        probing: asyncio.Task[None] | None = None
+        try:
+            while True:
+                await asyncio.sleep(min(self.dead_check_s, self.interval_s))
+                try:
+                    due = probing is None or probing.done()
+                    if due and (time.monotonic() - last >= self.interval_s or self._any_dead()):
+                        last = time.monotonic()
+                        probing = asyncio.create_task(self._checked())
+                    else:
+                        await self._set_detail(self._health_detail())    # a published core stopped, or resumed
+                except Exception:   # the watch itself must never stop
+                    log.exception("liveness check failed")
+        finally:
+            if probing is not None:
+                probing.cancel()
+
+    async def _checked(self) -> None:
+        try:
+            await self.check()
+        except Exception:   # noqa: BLE001 - the watch itself must never stop
+            log.exception("liveness check failed")
 
     def _any_dead(self) -> bool:
         catalog = self.invoker.catalog
@@ -183,6 +200,16 @@ class Liveness:
 
     def _health_detail(self) -> str:
         reasons = [f"published {name!r} is dead and being created again" for name in sorted(self._replacing)]
+        catalog = self.invoker.catalog
+        for name, obj in sorted(self.invoker.objects.items()):
+            lifecycle = catalog.lifecycle(obj)
+            if name not in self._replacing and lifecycle is not None and lifecycle.stopped is not None:
+                try:
+                    why = lifecycle.stopped(obj)
+                except Exception:    # noqa: BLE001 - a failing look is for the probes to judge
+                    why = None
+                if why is not None:
+                    reasons.append(f"published {name!r} cannot answer: {why}")
         if self.invoker.wedged:
             reasons.append(self.invoker.wedged)
         return clip("; ".join(reasons), 500)

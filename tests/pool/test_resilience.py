@@ -763,13 +763,16 @@ def test_a_stopped_engine_core_is_found_dead_and_replaced(server: PoolServer, cl
     time.sleep(0.5)
     stopped_at = time.monotonic()
     core.send_signal(signal.SIGSTOP)
+    # said at once: a stopped core answers nothing (health said SERVING for the probes' ~20 s before)
+    wait_until(lambda: health(server, "pool/e") != SERVING, 3, "pool/e NOT_SERVING while the core is stopped")
+    assert "is stopped by a signal" in server.pool("e").workers[0].detail, server.pool("e").workers[0]
     in_flight.done.wait(30)
     assert in_flight.error is not None and in_flight.error.code == grpc.StatusCode.UNAVAILABLE, in_flight.error
     assert in_flight.error.reason == "engine dead" and "answered no probe" in in_flight.error.details
     assert in_flight.ended - stopped_at < 15      # probe every 1 s, two unanswered within 4 s
     wait_until(lambda: health(server, "pool/e") != SERVING, 10, "pool/e NOT_SERVING")
-    status = server.pool("e")
-    assert status.workers[0].state == "unhealthy" and "being created again" in status.workers[0].detail
+    wait_until(lambda: "being created again" in server.pool("e").workers[0].detail, 10, "the detail kept current")
+    assert server.pool("e").workers[0].state == "unhealthy"
     with pytest.raises(CallError) as err:
         client.call(f"{D}.divide", 6, 3, timeout=5)      # no worker can serve: at once, saying why
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and "unhealthy" in err.value.details
