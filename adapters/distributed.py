@@ -19,6 +19,7 @@ import grpc
 from adapters.engine_requests import clip_int
 from adapters.spec import AdapterSpec, CallContext, Exposure, Finalizer
 from bridge_server.wire.errors import BridgeError, quote
+from bridge_server.wire.protocol import host_of
 
 
 def _catalog_names_only(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
@@ -103,24 +104,40 @@ def _short(value: object) -> str:
 
 MAX_LOGGER_NAME = 200        # characters of a logger's name a client may give
 MAX_LOGGERS = 10_000         # loggers in the worker's process, past which no client adds one
+MAX_CLIENT_LOGGERS = 1_250   # ... of which one client (an identity, else a host) adds at most this many
+_loggers_added: dict[str, int] = {}     # by identity, else host
 
 
 def bounded_logger(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
     """init_logger registers a logger under the given name in the process's logging manager, which
     keeps every one for the process's life, and a dotted name makes one placeholder per prefix: a
-    name of k parts costs O(k^2) memory and time under logging's lock. So a name is short, and a
-    client adds loggers only while the process holds fewer than MAX_LOGGERS (existing ones it may
-    always get). vLLM's `init_logger` is in both documented modules: this guards it in both."""
+    name of k parts costs O(k^2) memory and time under logging's lock. So a name is short, and
+    clients add loggers only while the process holds fewer than MAX_LOGGERS (existing ones they may
+    always get), each client at most MAX_CLIENT_LOGGERS of them: one stranger's 10,000 names left
+    every other client unable to name a new logger for the worker's life. vLLM's `init_logger` is in
+    both documented modules: this guards it in both."""
     import logging
     name = args.get("name")
     if isinstance(name, str) and len(name) > MAX_LOGGER_NAME:
         raise BridgeError.validation(f"parameter name: {len(name):,} characters is over the limit of "
                                      f"{MAX_LOGGER_NAME}", parameter="name")
     known = logging.Logger.manager.loggerDict
-    if isinstance(name, str) and name not in known and len(known) >= MAX_LOGGERS:
+    if not isinstance(name, str) or name in known:
+        return
+    parts = name.split(".")
+    new = sum(".".join(parts[:i]) not in known for i in range(1, len(parts) + 1))    # with its placeholders
+    if len(known) + new > MAX_LOGGERS:
         raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
                           f"parameter name: this worker holds {len(known):,} loggers, which it keeps for good; no "
                           f"new one is made past {MAX_LOGGERS:,}", parameter="name", reason="too many loggers")
+    who = ctx.identity or host_of(ctx.client)
+    added = _loggers_added.get(who, 0)
+    if added + new > MAX_CLIENT_LOGGERS:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"parameter name: this client has added {added:,} loggers to this worker, which keeps "
+                          f"them for good; one client adds at most {MAX_CLIENT_LOGGERS:,} (of {MAX_LOGGERS:,} in "
+                          f"all)", parameter="name", reason="too many loggers")
+    _loggers_added[who] = added + new
 
 
 # Who set up the worker's process groups (vLLM's parallel_state globals: the world group and the

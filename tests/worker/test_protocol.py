@@ -348,6 +348,26 @@ def test_what_makes_an_object_per_part_makes_no_more_than_the_request_paid_for(c
     assert client.call(f"{D}.divide", 10, 5) == 2
 
 
+def test_one_client_adds_at_most_its_share_of_the_loggers_a_worker_keeps(tmp_path: Path) -> None:
+    """A worker keeps every logger init_logger makes (and a placeholder per dotted prefix) for its
+    life, at most 10,000: one stranger's names left every other client unable to name a new one.
+    One client (an identity, else a host) adds at most 1,250; the names that exist stay anyone's."""
+    w = start_worker(tmp_path, name="loggers")
+    try:
+        with BridgeClient(w.address) as client:
+            made = 0
+            with pytest.raises(CallError) as err:
+                for i in range(100):          # 97 new loggers a name: its prefixes are placeholders too
+                    client.call(f"{D}.init_logger", f"p{i:02d}." + ".".join(["x"] * 96), timeout=30)
+                    made += 1
+            assert made == 12, made             # 12 x 97 = 1,164; a 13th would pass 1,250
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "too many loggers"
+            assert "this client has added 1,164 loggers to this worker" in err.value.details, err.value
+            assert client.call(f"{D}.init_logger", "p00." + ".".join(["x"] * 96)) is not None    # an existing one
+    finally:
+        w.stop()
+
+
 def test_token_counts_are_integer_tensors_however_they_get_there(client: BridgeClient) -> None:
     """A float8 (or complex, or bool) tensor of token counts was taken, and every DPMetadata method and
     sequence-parallel helper then failed in torch as UNIMPLEMENTED, naming nothing."""
