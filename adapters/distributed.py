@@ -173,6 +173,7 @@ def _group_guard(name: str, then: Callable[[object, Mapping[str, object], CallCo
     """The guard of an entry that sets up, tears down or uses the process groups (see _GroupHold),
     after the entry's own guard (`then`) if it has one."""
     changes = name in _SETS_UP or name in _TEARS_DOWN
+
     def guard(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
         if then is not None:
             then(receiver, args, ctx)

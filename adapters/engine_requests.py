@@ -576,8 +576,8 @@ def check_step_cost(label: str, name: str, params: Any, cost: float) -> None:
         return
     n, counts = _step_parts(params)
     field = max(counts, key=lambda f: counts[f] * _STEP_US[f])
-    parts = " + ".join(f"{count:,} {field.replace('_', ' ')} x {_STEP_US[field]:g} µs"
-                       for field, count in counts.items() if count)
+    parts = " + ".join(f"{count:,} {each.replace('_', ' ')} x {_STEP_US[each]:g} µs"
+                       for each, count in counts.items() if count)
     raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
                       f"{label}: parameter {name}.{field}: n ({n}) x ({parts}) comes to {cost:,.0f} µs that the "
                       f"engine core would add to every step, for every request of the engine, over this server's "

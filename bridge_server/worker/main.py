@@ -137,7 +137,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
                     model_dirs=tuple(args.model_dir) + tuple(published_models(objects)),
                     lora_dirs=tuple(args.lora_dir), engine_args_allowed=frozenset(args.engine_arg_allowed),
                     max_prompt_chars=args.max_prompt_chars, operators=frozenset(args.operator),
-                    outside_ranks=args.outside_ranks, unread_request_s=args.unread_request_s, idle_engine_s=args.idle_engine_s,
+                    outside_ranks=args.outside_ranks, unread_request_s=args.unread_request_s,
+                    idle_engine_s=args.idle_engine_s,
                     max_live_sequences=args.max_live_sequences, grammar_compile_s=args.grammar_compile_s,
                     **({"rendezvous_hosts": frozenset(args.rendezvous_host)} if args.rendezvous_host else {}))
     dist = None
