@@ -19,9 +19,8 @@ no progress on anything (no stream of it yields an item meanwhile).
 Bounds: a dead core is seen within `interval_s`; one that stops answering within `interval_s` plus
 twice the probe's timeout (one stopped by a signal, which cannot answer, is said in health at once,
 within `dead_check_s`, and judged by the probes like any other); a published engine then serves
-again after its creation and warm-up (about
-10-25 s for the tiny model on our CPUs). If it cannot be created again within `max_tries` tries, the
-worker stops, and its supervisor starts a new one.
+again after its creation and warm-up (about 10-25 s for the tiny model on our CPUs). If it cannot be
+created again within `max_tries` tries, the worker stops, and its supervisor starts a new one.
 """
 
 from __future__ import annotations
