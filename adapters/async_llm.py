@@ -37,9 +37,10 @@ import grpc
 
 from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check_engine_types,
                                      check_grammar_backend, check_logprobs, check_prompt, check_prompt_form,
-                                     check_request_options, check_sampling_params, check_step_cost, check_token_ids,
-                                     check_tokenization, clip_int, logprob_entries, pooling_rule,
-                                     prompt_tokens_at_most, sampling_rule, step_cost_us, text_of)
+                                     check_request_items, check_request_options, check_sampling_params,
+                                     check_step_cost, check_token_ids, check_tokenization, clip_int, logprob_entries,
+                                     pooling_rule, prompt_tokens_at_most, request_items, sampling_rule, step_cost_us,
+                                     text_of)
 from adapters import engine_life, grammar_check, grammar_ends, tokenizer_calls
 from adapters.engine_life import PREFIX
 from adapters.fair_share import admit_to_shared
@@ -201,8 +202,10 @@ def _request_guard(method: str, params_name: str) -> Any:
         check_logprobs(label, params_name, params, logprobs)
         step_us = step_cost_us(params)
         check_step_cost(label, params_name, params, step_us)
+        items = request_items(params)
+        check_request_items(label, params_name, params, items)
         rank = admit_to_shared(engine, label, args, params, logprobs, ctx.client, _live_ids(engine),
-                               ctx.policy.max_live_sequences, step_us) if ctx.published else None
+                               ctx.policy.max_live_sequences, step_us, items) if ctx.published else None
         _own(engine, args.get("request_id"), _owner(ctx))
         _asker.set((ctx.client, ctx.policy.grammar_compile_s))
         settings: dict[str, Any] = {} if rank is None else {"priority": rank}

@@ -21,7 +21,8 @@ starts there.
   logprobs live requests may produce (made on the worker's loop: eight requests at the one-request
   bound held it 10 s); and what live requests add to every step of the engine core
   (`engine_requests.step_cost_us`: each within its own bound, a few of them would still slow every
-  request of the engine by as many times).
+  request of the engine by as many times), and the items of their params the engine core holds, a
+  copy per completion (`engine_requests.request_items`).
 """
 
 from __future__ import annotations
@@ -34,14 +35,16 @@ from typing import Any
 
 import grpc
 
-from adapters.engine_requests import MAX_LOGPROB_ENTRIES, MAX_STEP_US, clip_int
+from adapters.engine_requests import MAX_LOGPROB_ENTRIES, MAX_REQUEST_ITEMS, MAX_STEP_US, clip_int
 from bridge_server.wire.errors import BridgeError, quote
 from bridge_server.wire.protocol import host_of
 
-__all__ = ["HOST_PART", "MAX_ENGINE_LOGPROB_ENTRIES", "MAX_ENGINE_STEP_US", "SHARE", "admit_to_shared"]
+__all__ = ["HOST_PART", "MAX_ENGINE_ITEMS", "MAX_ENGINE_LOGPROB_ENTRIES", "MAX_ENGINE_STEP_US", "SHARE",
+           "admit_to_shared"]
 
 MAX_ENGINE_LOGPROB_ENTRIES = 2 * MAX_LOGPROB_ENTRIES
 MAX_ENGINE_STEP_US = 2 * MAX_STEP_US
+MAX_ENGINE_ITEMS = 2 * MAX_REQUEST_ITEMS
 SHARE = 0.75            # of what the others left, a host's (or a host's client's) most
 HOST_PART = 16          # a client's rank counts 1/HOST_PART of its host's other sequences
 MAX_HOSTS_KEPT = 1024   # past this many hosts, those with nothing live are forgotten
@@ -55,6 +58,7 @@ class _Live:
     sequences: int
     logprobs: int
     step_us: float = 0.0
+    items: int = 0
 
 
 _ledger: weakref.WeakKeyDictionary[Any, dict[str, list[_Live]]] = weakref.WeakKeyDictionary()   # engine -> host
@@ -77,6 +81,8 @@ class _Bound:
 _LOGPROBS = _Bound("logprobs", MAX_ENGINE_LOGPROB_ENTRIES, "may produce", "logprobs", "too many logprobs")
 _STEP = _Bound("step_us", MAX_ENGINE_STEP_US, "add to every step of its engine core", "µs",
                "too costly per step")
+_ITEMS = _Bound("items", MAX_ENGINE_ITEMS, "have the engine core hold, a copy per completion,", "param items",
+                "too many items")
 
 
 def _room_for(bound: _Bound, engine: Any, label: str, host: str, client: str, amount: float, live: Any) -> None:
@@ -112,12 +118,12 @@ def _live_sequences(engine: Any, hosts: dict[str, list[_Live]], live: Any) -> in
 
 
 def admit_to_shared(engine: Any, label: str, args: Mapping[str, Any], params: Any, logprobs: int, client: str,
-                    live: Any, max_sequences: int, step_us: float = 0.0) -> int | None:
+                    live: Any, max_sequences: int, step_us: float = 0.0, items: int = 0) -> int | None:
     """Notes the request against the engine's bounds and its host's and client's shares (refusing it
     past them) and, on an engine that schedules by priority, returns its priority (None: vLLM's own
     order). `live`: the external ids of the requests vLLM holds (None: unknown, every noted request
     counts); `max_sequences`: the engine's bound on live sequences (0: none); `step_us`: what the
-    request adds to every step of the engine core."""
+    request adds to every step of the engine core; `items`: its params' items the core holds."""
     fair = _fair_share(engine)
     if fair:
         for key, default in (("priority", 0), ("arrival_time", None)):
@@ -149,11 +155,13 @@ def admit_to_shared(engine: Any, label: str, args: Mapping[str, Any], params: An
         _room_for(_LOGPROBS, engine, label, host, client, logprobs, live)
     if step_us:
         _room_for(_STEP, engine, label, host, client, step_us, live)
-    live_request = _Live(client, args["request_id"], n, logprobs, step_us) \
+    if items:
+        _room_for(_ITEMS, engine, label, host, client, items, live)
+    live_request = _Live(client, args["request_id"], n, logprobs, step_us, items) \
         if isinstance(args.get("request_id"), str) else None
     if live_request is not None:
         held.append(live_request)
-        if logprobs or step_us:
+        if logprobs or step_us or items:
             _costly.setdefault(engine, []).append((host, live_request))
     hosts[host] = held
     if len(hosts) > MAX_HOSTS_KEPT:

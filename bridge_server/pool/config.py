@@ -22,6 +22,7 @@ File layout (every key optional except a pool's `name`)::
     workers = 2
     max_concurrent = 64          # calls one worker runs at once
     queue_size = 1024            # calls waiting for a slot, per pool
+    host_slot_share = 0.9375     # of a pool's slots, the most one host's calls hold (the rest rounded down kept)
     affinity = "hint"            # hint | strict_queue | strict_fail_fast
     worker_args = ["--ref-ttl", "3600"]
     warmup = true                # engines run once before they serve (no client pays the first use)
@@ -126,6 +127,7 @@ class PoolConfig:
     workers: int = 1
     max_concurrent: int = 64
     queue_size: int = 1024
+    host_slot_share: float = 0.9375   # of a pool's slots, the most one host's calls (or an identity's) hold at once
     affinity: str = "hint"
     env: dict[str, str] = field(default_factory=dict)
     objects: list[ObjectSpec] = field(default_factory=list)
@@ -321,6 +323,9 @@ def validate(cfg: ServerConfig) -> ServerConfig:
         seen.add(p.name)
         if p.workers < 1 or p.max_concurrent < 1 or p.queue_size < 0:
             raise ConfigError(f"pool {p.name!r}: workers and max_concurrent must be >= 1, queue_size >= 0")
+        if not 0 < p.host_slot_share <= 1:
+            raise ConfigError(f"pool {p.name!r}: host_slot_share must be more than 0 and at most 1, got "
+                              f"{p.host_slot_share:g}")
         for key, value in vars(p).items():
             if key.endswith("_s") and isinstance(value, (int, float)) and value < 0:
                 raise ConfigError(f"pool {p.name!r}: {key} must be >= 0, got {value:g}")

@@ -197,7 +197,8 @@ class Forwarder:
             route = read_route(md, context.time_remaining(), head, identity)
             plan = self.router.plan(route)
             pool = plan.pool
-            backend = pool.take(plan) or await pool.wait(plan, route.deadline, client_of(identity, context))
+            client = client_of(identity, context)
+            backend = pool.take(plan, client) or await pool.wait(plan, route.deadline, client)
             self.router.placed(plan, backend)
             out.pool = pool.name
             flight = Flight()
@@ -233,7 +234,7 @@ class Forwarder:
                 raise AssertionError("unreachable: abort raises")
             finally:
                 backend.flights.discard(flight)
-                pool.release(backend)
+                pool.release(backend, client)
         except BaseException as exc:
             await self._abort(context, out, exc)
             raise
@@ -283,7 +284,7 @@ class Forwarder:
         route = read_route(md, context.time_remaining(), head, identity)
         plan = self.router.plan(route)
         pool = plan.pool
-        backend = pool.take(plan) or await pool.wait(plan, route.deadline, caller)
+        backend = pool.take(plan, caller) or await pool.wait(plan, route.deadline, caller)
         self.router.placed(plan, backend)
         out.pool = pool.name
         flight = Flight()
@@ -345,7 +346,7 @@ class Forwarder:
             if lc is not None:
                 lc.cancel()       # the caller went away first (or the call ended, then this does nothing)
             backend.flights.discard(flight)
-            pool.release(backend)
+            pool.release(backend, caller)
 
     # ------------------------------------------------------------------------------------ Multiplex
     async def multiplex(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:

@@ -75,6 +75,7 @@ class _Running:
     backend: Backend
     flight: Flight
     own_window: bool              # the router's window, credited as replies are written
+    client: str = ""              # whose slot it holds (`PoolRouter.holding`)
     lc: LaneCall | None = None
     ended: bool = False
 
@@ -197,7 +198,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         if running.get(run.client_id) is run:
             del running[run.client_id]
         run.backend.flights.discard(run.flight)
-        run.pool.release(run.backend)
+        run.pool.release(run.backend, run.client)
         if not running and not queued:
             idle.set()
 
@@ -260,7 +261,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     def launch(client_id: int, start: Any, md: Metadata, route: Route, plan: Plan, backend: Backend) -> None:
         router.placed(plan, backend)
         own_window = start.stream and not 0 < start.window <= STREAM_WINDOW
-        run = _Running(client_id, plan.pool, backend, Flight(), own_window=own_window)
+        run = _Running(client_id, plan.pool, backend, Flight(), own_window=own_window, client=route.client)
         running[client_id] = run
         run.flight.call = _FlightHook(functools.partial(on_lost, run, "the worker died"))
         backend.flights.add(run.flight)
@@ -318,7 +319,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             limits = [t for t in (context.time_remaining(), time_left_s(start.time_left_ms)) if t is not None]
             route = read_route(md, min(limits) if limits else None, call, identity, client)
             plan = router.plan(route)
-            backend = plan.pool.take(plan)
+            backend = plan.pool.take(plan, route.client)
         except BridgeError as err:
             refuse(client_id, err)
             return

@@ -13,6 +13,12 @@ from the hosts it has). A client that queues a thousand calls at once then neith
 for everyone else nor puts them behind all of its own calls: another client's call waits for the
 next free slot; and a second stream of the same stranger finds only what its host has left.
 
+Slots are kept for others too: one host (an identity, where the server has one) holds at most
+`host_slot_share` of a pool's slots at once (15/16: 60 of 64; the part kept is rounded down, so a
+pool of fewer than 16 slots keeps none), and its further calls wait, so that others' calls still
+run. One connection's 64 streams of long generations, each read as it came, had held every slot:
+every other client's call, a `divide` too, waited 60 s and failed, with health SERVING.
+
 A slot may be held by a stream whose caller reads nothing: the worker has a whole window of items
 out that nobody credits back. That is bounded by `reader_stall_s` (60 s) everywhere; while calls
 wait in the queue, the pool ends such streams after `contended_stall_s` (5 s) instead, so a caller
@@ -137,6 +143,7 @@ class PoolRouter:
         self.queued: Counter[str] = Counter()     # waiters per client
         self.queued_by_host: Counter[str] = Counter()   # the same per host (wire.protocol.host_of)
         self.served: dict[str, int] = {}          # client -> when it was last given a slot from the queue
+        self.holding: Counter[str] = Counter()    # slots held, by host (an identity: by identity)
         self._grants = itertools.count()
         self.sessions: OrderedDict[str, Backend] = OrderedDict()
         self.unavailable = ""        # set by the supervisor when no worker will come (degraded, stopping)
@@ -247,7 +254,21 @@ class PoolRouter:
                 best = b
         return best
 
+    def _at_share(self, client: str) -> bool:
+        """Whether `client`'s host holds all the slots it may (see the module docstring)."""
+        if not client:
+            return False
+        slots = sum(b.max_concurrent for b in self.backends if b.state == READY)
+        kept = int(slots * (1.0 - self.config.host_slot_share))
+        return self.holding[host_of(client)] >= max(1, slots - kept)
+
+    def _granted(self, client: str) -> None:
+        if client:
+            self.holding[host_of(client)] += 1
+
     def _pick(self, w: Waiter) -> Backend | None:
+        if self._at_share(w.client):
+            return None
         if w.required is not None:
             return w.required if w.required.state != DEAD and w.required.has_slot() else None
         return self._free_backend(w.preferred)
@@ -278,6 +299,7 @@ class PoolRouter:
                 self.served = {c: self.served[c] for c in self.queued if c in self.served}
             self.served[w.client] = next(self._grants)
             b.in_flight += 1
+            self._granted(w.client)
             self.observe_wait(time.monotonic() - w.since)
             w.future.set_result(b)
             if not any(x.has_slot() for x in self.backends):
@@ -292,27 +314,39 @@ class PoolRouter:
             else:
                 del counts[key]
 
-    def release(self, backend: Backend) -> None:
+    def release(self, backend: Backend, client: str = "") -> None:
+        """The slot `client`'s call held on `backend` is free again."""
         backend.in_flight -= 1
         backend.calls += 1
+        if client:
+            host = host_of(client)
+            left = self.holding[host] - 1
+            if left > 0:
+                self.holding[host] = left
+            else:
+                del self.holding[host]
         if self.queue:
             self.dispatch()
 
-    def take(self, plan: Plan) -> Backend | None:
-        """A free slot for the call now (reserved), or None: then it must wait in the queue."""
+    def take(self, plan: Plan, client: str = "") -> Backend | None:
+        """A free slot for `client`'s call now (reserved), or None: then it must wait in the queue."""
         required = plan.required
         if required is not None:
-            if required.has_slot():
+            if required.has_slot() and not self._at_share(client):
                 required.in_flight += 1
+                self._granted(client)
                 return required
             if plan.fail_fast:
                 raise pool_error(grpc.StatusCode.UNAVAILABLE,
                                  f"worker busy: {plan.what} runs on worker {required.id}, which has all its "
                                  f"{required.max_concurrent} slots taken (affinity strict_fail_fast)", "worker busy")
             return None
+        if self._at_share(client):
+            return None
         b = self._free_backend(plan.preferred)
         if b is not None:
             b.in_flight += 1
+            self._granted(client)
             return b
         if self.unavailable and not any(x.state == READY for x in self.backends):
             raise self.unavailable_error()
@@ -367,7 +401,7 @@ class PoolRouter:
         except asyncio.CancelledError:
             f = waiter.future
             if f.done() and not f.cancelled() and f.exception() is None:
-                self.release(f.result())      # given a slot just as the caller went away
+                self.release(f.result(), client)      # given a slot just as the caller went away
             raise
         finally:
             if timer is not None:

@@ -34,7 +34,7 @@ def test_a_freed_slot_goes_to_the_client_served_least_recently_each_clients_call
             await pool.wait(_anywhere(pool), None, client)
             order.append(f"{client}{n}")
             await asyncio.sleep(0)
-            pool.release(backend)
+            pool.release(backend, client)
 
         tasks = [asyncio.create_task(call("flood", i)) for i in range(5)]
         await asyncio.sleep(0)
@@ -66,7 +66,7 @@ def test_one_client_may_not_fill_the_queue_and_others_still_queue() -> None:
         pool.release(backend)                                   # to the flood's first: it came first
         await asyncio.sleep(0)
         assert waiting[0].done() and not other.done()
-        pool.release(backend)
+        pool.release(backend, "flood")
         assert await asyncio.wait_for(other, 5) is backend      # then the other client, ahead of five more
         assert not any(t.done() for t in waiting[1:])
         for t in waiting:
@@ -133,5 +133,33 @@ def test_a_call_that_queues_after_every_slot_freed_is_served_at_once() -> None:
         pool.release(backend)                      # both end before the third call joins the queue
         assert await asyncio.wait_for(pool.wait(plan, None, "late"), 5) is backend
         assert backend.in_flight == 1 and not pool.queue
+
+    asyncio.run(main())
+
+
+def test_one_host_holds_at_most_its_share_of_the_slots_and_others_still_run() -> None:
+    """One connection's 64 streams of long generations, each read as it came, held every slot of the
+    pool: every other client's call, a `divide` too, waited 60 s and failed, health SERVING. A host
+    holds at most 15/16 of a pool's slots (a pool of fewer than 16 keeps none back); its further calls
+    wait for its own to end, while another host's run at once."""
+    async def main() -> None:
+        pool, backend = _pool(slots=64, queue_size=100)
+        plan = _anywhere(pool)
+        stranger = [f"ipv4:10.0.0.1:{5000 + i}" for i in range(64)]
+        held = [c for c in stranger if pool.take(plan, c) is backend]
+        assert len(held) == 60 and pool.holding["ipv4:10.0.0.1"] == 60, pool.holding
+        more = asyncio.create_task(pool.wait(plan, None, stranger[60]))
+        await asyncio.sleep(0)
+        assert not more.done() and backend.in_flight == 60          # four slots free, kept for others
+        bystander = "ipv4:10.0.0.2:7000"
+        assert pool.take(plan, bystander) is backend                 # at once
+        pool.release(backend, held[0])                               # one of its own ends: its next runs
+        assert await asyncio.wait_for(more, 5) is backend and pool.holding["ipv4:10.0.0.1"] == 60
+        pool.release(backend, bystander)
+        for c in [*held[1:], stranger[60]]:
+            pool.release(backend, c)
+        assert backend.in_flight == 0 and not pool.holding
+        small, only = _pool(slots=4, queue_size=10)                  # fewer than 16 slots: all of them
+        assert all(small.take(_anywhere(small), f"ipv4:10.0.0.1:{i}") is only for i in range(4))
 
     asyncio.run(main())

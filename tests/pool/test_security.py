@@ -241,8 +241,8 @@ def test_tokenizer_work_of_a_request_is_bounded_and_off_the_event_loop(server: P
             list(client.stream(generate, "Hi", {"max_tokens": 2, key: [f"w{i}" for i in range(count)]}, f"many-{key}",
                                timeout=30))
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and key in err.value.details
-    with others_calling(server, "e") as slowest:
-        words = [f"word{i} other{i}" for i in range(4096)]
+    with others_calling(server, "e") as slowest:     # as many characters as a request may give, in 500 words
+        words = [f"word{i} " + "other " * 40 for i in range(500)]  # (more cost every engine step: step_cost_us)
         items = list(client.stream(generate, "Hi", {"max_tokens": 2, "bad_words": words}, "bad-words", timeout=60))
     assert items[-1]["finished"]
     assert slowest and max(slowest) < 1.0, max(slowest)
