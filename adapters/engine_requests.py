@@ -148,6 +148,22 @@ def check_request_options(engine: Any, label: str, args: Mapping[str, Any]) -> N
         raise BridgeError.validation(f"{label}: parameter prompt_text: vLLM takes it only with a prompt that is a "
                                      f"request it built (EngineCoreRequest); the text of this prompt is the prompt",
                                      target=label, parameter="prompt_text")
+    headers = args.get("trace_headers")
+    if isinstance(headers, Mapping):
+        size = sum(len(str(k)) + len(str(v)) for k, v in headers.items())
+        if len(headers) > MAX_TRACE_HEADERS or size > MAX_TRACE_HEADER_CHARS:
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                              f"{label}: parameter trace_headers: {len(headers):,} headers of {size:,} characters in "
+                              f"all, over this server's limit of {MAX_TRACE_HEADERS} headers and "
+                              f"{MAX_TRACE_HEADER_CHARS:,} characters (vLLM sends them to the engine core with each "
+                              f"completion)", target=label, parameter="trace_headers", reason="too large")
+
+
+# A request's trace headers (W3C trace context: a few short headers), which vLLM copies to the engine
+# core with each of its n completions, tracing or not: 16 headers of a million characters at n=16 took
+# the core to 3.7 GB and the worker +1.3 GB.
+MAX_TRACE_HEADERS = 64
+MAX_TRACE_HEADER_CHARS = 8_192
 
 
 # What a client may pass to the tokenizer with its prompt (`tokenization_kwargs`), and of what type.
@@ -590,13 +606,19 @@ def request_items(params: Any, cap: int = MAX_REQUEST_ITEMS) -> int:
     stack = [getattr(params, f, None) for f in fields]
     while stack and each * n <= cap:
         value = stack.pop()
-        if isinstance(value, dict):
+        if isinstance(value, str):
+            each += len(value) // _CHARS_PER_ITEM
+        elif isinstance(value, dict):
             each += len(value)
-            stack.extend(v for v in value.values() if isinstance(v, (list, tuple, set, frozenset, dict)))
+            stack.extend(v for v in (*value.keys(), *value.values()) if isinstance(v, _HELD))
         elif isinstance(value, (list, tuple, set, frozenset)):
             each += len(value)
-            stack.extend(v for v in value if isinstance(v, (list, tuple, set, frozenset, dict)))
+            stack.extend(v for v in value if isinstance(v, _HELD))
     return each * n
+
+
+_HELD = (str, list, tuple, set, frozenset, dict)
+_CHARS_PER_ITEM = 32      # text counts by its size: an item costs the core about 35 bytes
 
 
 def check_request_items(label: str, name: str, params: Any, items: int) -> None:

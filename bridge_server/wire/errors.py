@@ -82,6 +82,8 @@ _PY_STATUS: dict[str, grpc.StatusCode] = {
 # as is what vLLM says of a group's state in a ValueError (a CPU group has no device communicator).
 _TORCH_STATUS = (("Trying to create tensor with negative dimension", grpc.StatusCode.INVALID_ARGUMENT),
                  ("No device communicator", grpc.StatusCode.FAILED_PRECONDITION),
+                 # a Rust tokenizer in use by another thread at that moment: the call was fine, try again
+                 ("Already borrowed", grpc.StatusCode.UNAVAILABLE),
                  ("can't allocate memory", grpc.StatusCode.RESOURCE_EXHAUSTED),
                  ("Could not resolve the process group", grpc.StatusCode.FAILED_PRECONDITION),
                  ("exchangeDevice", grpc.StatusCode.FAILED_PRECONDITION),

@@ -382,6 +382,12 @@ class Invoker:
                         published=published)
         if not callable(member):
             raise BridgeError.validation(f"{label} is an attribute, not a method: use GET_ATTR", target=label)
+        if not inspect.isroutine(member) or entry is not None and entry.kind is Kind.ATTRIBUTE:
+            # A callable object in an attribute (the engine's tokenizer) is not a method of its owner:
+            # calling it ran its `__call__`, which nothing declares, with any options (padding to 10**7).
+            raise BridgeError.validation(f"{label} is an attribute (a {type(member).__qualname__}), not a method: "
+                                         f"read it with GET_ATTR, and call what is documented of it on its ref",
+                                         target=label)
         is_async = inspect.iscoroutinefunction(member) or inspect.isasyncgenfunction(member)
         streams = inspect.isasyncgenfunction(member) or inspect.isgeneratorfunction(member)
         sig = member_signature(type(obj), name, member)

@@ -177,6 +177,8 @@ def test_what_torch_and_imports_say_of_the_arguments_and_the_server_gets_its_sta
     assert BridgeError.from_exception(ValueError("No device communicator found"), "t").code == \
         grpc.StatusCode.FAILED_PRECONDITION
     assert BridgeError.from_exception(ValueError("bad value"), "t").code == grpc.StatusCode.INVALID_ARGUMENT
+    # a shared Rust tokenizer busy in another thread: nothing wrong with the call
+    assert BridgeError.from_exception(RuntimeError("Already borrowed"), "t").code == grpc.StatusCode.UNAVAILABLE
 
 
 def _raise(exc: BaseException) -> None:

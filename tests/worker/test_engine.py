@@ -354,6 +354,15 @@ def test_no_call_changes_the_shared_tokenizer_and_truncation_matches_the_library
 
     from transformers import AutoTokenizer
     local = AutoTokenizer.from_pretrained(model)
+    # The engine's documented `tokenizer` attribute, called as a METHOD, ran the tokenizer's own __call__
+    # with any options (padding to 10**7: +1.2 GB; other clients' streams "Already borrowed")
+    with pytest.raises(CallError) as err:
+        bridge.call(Target.method("engine", "tokenizer"), "hi", kwargs={"padding": "max_length", "max_length": 10**7})
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "tokenizer is an attribute (a " in err.value.details
+    assert "not a method: read it with GET_ATTR" in err.value.details, err.value
+    with pytest.raises(CallError) as err:      # nor its __call__ on a ref to it
+        bridge.call(Target.method(bridge.call(Target.get("engine", "tokenizer")), "__call__"), "hi")
+    assert err.value.code == grpc.StatusCode.PERMISSION_DENIED, err.value
     tokenizer = bridge.call(Target.method("engine", "get_tokenizer"))
     encode = Target.method(tokenizer, "encode")
     text = "Once upon a time there was a tokenizer that everyone shared " * 3
@@ -1133,6 +1142,11 @@ def test_the_items_a_request_has_the_engine_core_hold_are_bounded(bridge: Bridge
         assert "comes to at least 2,0" in err.value.details, err.value
     fits = {**many, "n": 64, "allowed_token_ids": list(range(1000))}     # 64,000
     assert list(bridge.stream(GENERATE, "Hello", fits, "items-fit", timeout=120))[-1]["finished"]
+    with pytest.raises(CallError) as err:      # copied with each completion too, tracing or not
+        list(bridge.stream(GENERATE, "Hello", greedy(2), "items-trace", kwargs={"trace_headers": {"h": "a" * 10_000}},
+                           timeout=60))
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.detail is not None, err.value
+    assert err.value.detail.parameter == "trace_headers" and "10,001 characters" in err.value.details, err.value
 
 
 def test_one_client_takes_at_most_three_quarters_of_its_hosts_sequences(engine_worker: WorkerProcess,

@@ -570,6 +570,33 @@ def test_stock_health_and_reflection_services_answer(worker: WorkerProcess) -> N
         assert {"vllm_bridge.v1.Bridge", "grpc.health.v1.Health"} <= names
 
 
+def test_the_open_health_service_keeps_little_for_a_stranger(worker: WorkerProcess) -> None:
+    """Health answers without a token, and its servicer keeps a watched name, the request and its bytes
+    for as long as the stream lasts: 6 watches of 60 MB names held 1.7 GB of the pool server, 90,000
+    small ones from one host 600 MB. A name is at most 256 characters; a host holds 1,024 watches."""
+    from bridge_server.wire.protocol import MAX_WATCHES_PER_HOST
+    with grpc.insecure_channel(worker.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        long = health_pb2.HealthCheckRequest(service="s" * 300)
+        for call in (lambda: health.Check(long, timeout=10), lambda: next(health.Watch(long, timeout=10))):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert "service: a name of 300 characters is over the limit of 256" in err.value.details()
+        watches = [health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+                   for _ in range(MAX_WATCHES_PER_HOST)]
+        assert all(next(w).status == health_pb2.HealthCheckResponse.SERVING for w in watches)
+        with pytest.raises(grpc.RpcError) as err:
+            next(health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "1,024 watches" in err.value.details()
+        watches.pop().cancel()
+        time.sleep(0.5)
+        again = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert next(again).status == health_pb2.HealthCheckResponse.SERVING
+        for w in [*watches, again]:
+            w.cancel()
+
+
 def test_many_concurrent_calls_are_served_at_once(worker: WorkerProcess) -> None:
     from concurrent.futures import ThreadPoolExecutor
     with BridgeClient(worker.address) as c, ThreadPoolExecutor(32) as pool:
