@@ -118,7 +118,7 @@ def _payloads(request: pb.CollectiveRequestView, pool: PoolRouter) -> tuple[list
     payloads = collective_calls(request)
     if request.per_rank and len(payloads) != ranks:
         raise BridgeError.validation(f"Collective: per_rank has {len(payloads)} calls, but pool {pool.name!r} has "
-                                     f"{ranks} ranks", parameter="per_rank")
+                                     f"{ranks} rank{'s' if ranks != 1 else ''}", parameter="per_rank")
     if not request.per_rank:
         payloads *= ranks
     calls = [routed_request(p, f"Collective: the call for rank {r}") for r, p in enumerate(payloads)]

@@ -198,7 +198,8 @@ class PoolRouter:
     def rank_backend(self, rank: int) -> Backend:
         """`x-bridge-rank: N` asks for the worker in slot N (in a distributed pool, rank N)."""
         if rank >= self.config.workers:
-            raise BridgeError.validation(f"pool {self.name!r} has {self.config.workers} workers: no rank {rank}",
+            workers = f"{self.config.workers} worker{'s' if self.config.workers != 1 else ''}"
+            raise BridgeError.validation(f"pool {self.name!r} has {workers}: no rank {rank}",
                                          parameter="x-bridge-rank")
         live = [b for b in self.backends if b.index == rank]
         if not live:

@@ -398,10 +398,30 @@ def _build_record(label: str, where: str, cls: type, value: dict[Any, Any], buil
     try:
         return cls(**fields)
     except Exception as exc:  # the class's own validation says what is wrong
-        why = _field_types_error(cls, fields) or f"{type(exc).__name__}: {exc}"
+        why = _field_types_error(cls, fields) or _validation_said(exc) or f"{type(exc).__name__}: {exc}"
         raise BridgeError.validation(f"{what}: {why}", target=label,
                                      parameter=f"{where}.{field}" if (field := _refused_field(exc, fields)) else where
                                      ) from None
+
+
+def _validation_said(exc: BaseException) -> str | None:
+    """What pydantic's ValidationError says, without what its text adds: every input (private fields
+    included), its internals' names and a web address."""
+    listed = getattr(exc, "errors", None)
+    if type(exc).__name__ != "ValidationError" or not callable(listed):
+        return None
+    try:
+        errors = listed()
+    except Exception:   # noqa: BLE001 - then its own text it is
+        return None
+    said = []
+    for error in errors[:3]:
+        # (a check's own message may end in a dump of the record's fields, private ones included)
+        msg = re.sub(r":\s*\{[^{}]*\}\s*$", "", str(error.get("msg", "")).removeprefix("Value error, "))
+        loc = ".".join(str(part) for part in error.get("loc", ()) if isinstance(part, (str, int)))
+        said.append(f"{loc}: {msg}" if loc else msg)
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "; ".join(said) + more
 
 
 def _refused_field(exc: BaseException, fields: Mapping[str, Any]) -> str | None:
@@ -410,6 +430,14 @@ def _refused_field(exc: BaseException, fields: Mapping[str, Any]) -> str | None:
     named = getattr(exc, "parameter", None)
     if isinstance(named, str) and named in fields:
         return named
+    listed = getattr(exc, "errors", None)
+    if type(exc).__name__ == "ValidationError" and callable(listed):
+        try:
+            locs = [str(e["loc"][0]) for e in listed() if e.get("loc")]
+        except Exception:   # noqa: BLE001
+            locs = []
+        if locs and locs[0] in fields:
+            return locs[0]
     first = re.match(r"\w+", str(exc))
     return first.group(0) if first is not None and first.group(0) in fields else None
 
@@ -427,7 +455,9 @@ def check_record(label: str, where: str, cls: type, fields: dict[str, Any], buil
         try:
             _class_signature(cls).bind(**fields)      # what is wrong, in Python's words
         except TypeError as exc:
-            raise BridgeError.validation(f"{what}: {exc}", target=label, parameter=where) from None
+            unknown = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
+            raise BridgeError.validation(f"{what}: {exc}", target=label,
+                                         parameter=f"{where}.{unknown.group(1)}" if unknown else where) from None
         except ValueError:
             pass   # no introspectable signature: let the class judge
     _no_private(label, where, cls, fields)

@@ -598,9 +598,11 @@ class Invoker:
         plan = plan or self.plan(request.target, caller)
         self._admit(plan, caller)
         if plan.streams:
+            said = "a Collective runs calls that return one result, on every rank" if caller.collective else \
+                "call it with Stream (or a Multiplex start with stream set), not Call"
             raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
-                              f"{plan.label} yields its results one by one: call it with Stream (or a Multiplex "
-                              f"start with stream set), not Call", target=plan.label, reason="use Stream")
+                              f"{plan.label} yields its results one by one: {said}", target=plan.label,
+                              reason="use Stream")
         args, kwargs = await self.prepare(plan, *await self.decode_in_turn(request, caller, plan, deadlines.call),
                                           caller)
         setting = request.target.kind == pb.Target.SET_ATTR

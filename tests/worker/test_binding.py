@@ -161,7 +161,7 @@ REFUSED = [
     ("vllm.AsyncLLMEngine.abort", ("r", 1), {}, "internal", "expected bool, got int 1"),
     # `params: SamplingParams | PoolingParams`: a map is built as the first, and the message says how to
     # send the other
-    ("vllm.AsyncLLMEngine.add_request", ("r", "Hi", {"task": "embed"}), {}, "params",
+    ("vllm.AsyncLLMEngine.add_request", ("r", "Hi", {"task": "embed"}), {}, "params.task",
      "(a map given for params is built as SamplingParams; for PoolingParams, send a Record of its type"),
     ("vllm.distributed.get_pp_indices", (32.0, 0, 2), {}, "num_hidden_layers", "expected int, got float 32.0"),
     ("vllm.distributed.tensor_model_parallel_all_reduce", ([1.0, 2.0],), {}, "input_",
@@ -332,3 +332,19 @@ def test_a_record_may_name_its_type_as_its_constructor_is_named(catalog: Catalog
     assert catalog.resolve_type("vllm.SamplingParams") is SamplingParams
     assert catalog.resolve_type("vllm.pooling_params.PoolingParams") is PoolingParams
     assert catalog.resolve_type("vllm.NoSuchParams") is None
+
+
+@pytest.mark.parametrize(("params", "parameter", "said"), [
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "sampling_params.structured_outputs",
+     "You can only use one kind of structured outputs constraint"),
+    ({"best_of": 2}, "sampling_params.best_of", "unexpected keyword argument 'best_of'"),
+])
+def test_what_a_record_refuses_is_said_by_field_without_pydantics_dump(catalog: Catalog, params: dict[str, Any],
+                                                                       parameter: str, said: str) -> None:
+    """pydantic's text of a refused record lists every input (private fields too), its internals'
+    names and a web address; an unknown key was named in the message but not as the parameter."""
+    with pytest.raises(BridgeError) as err:
+        bind(catalog, "vllm.AsyncLLMEngine.generate", "Hi", params, "r")
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.parameter == parameter, err.value
+    assert said in err.value.message and "input_value" not in err.value.message, err.value.message
+    assert "pydantic.dev" not in err.value.message and "_backend" not in err.value.message, err.value.message
