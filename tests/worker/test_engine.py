@@ -1051,6 +1051,19 @@ def test_an_arrival_time_off_the_clock_is_refused_by_name(bridge: BridgeClient, 
     assert "parameter arrival_time: expected a time.time() within a day" in err.value.details, err.value
 
 
+def room_again(call: Any, reason: str, within_s: float = 10.0) -> None:
+    """Runs `call` until a bound (`reason`) no longer refuses it: a released request's room comes back
+    once its abort has reached vLLM, a moment later."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            call()
+            return
+        except CallError as again:
+            assert again.reason == reason and time.monotonic() < deadline, again
+            time.sleep(0.2)
+
+
 def test_live_requests_together_are_bounded_in_logprobs_and_the_server_ranks_them(
         engine_worker: WorkerProcess, bridge: BridgeClient) -> None:
     """Each request within its own bound, eight at once held the worker's loop 10 s: the live
@@ -1073,14 +1086,8 @@ def test_live_requests_together_are_bounded_in_logprobs_and_the_server_ranks_the
         small = neighbour.call(add, "lp-live-3", "Hello", {**greedy(400), "logprobs": 20}, timeout=30)   # 8,400
         neighbour.release(small)
     assert bridge.release(held) == 1                                   # aborted: room again
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            bridge.release(bridge.call(add, "lp-live-4", "Hello", near_bound, timeout=30))
-            break
-        except CallError as again:
-            assert again.reason == "too many logprobs" and time.monotonic() < deadline, again
-            time.sleep(0.2)
+    room_again(lambda: bridge.release(bridge.call(add, "lp-live-4", "Hello", near_bound, timeout=30)),
+               "too many logprobs")
     with pytest.raises(CallError) as err:
         bridge.call(add, "own-arrival", "Hello", greedy(2), time.time() - 5, timeout=30)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
@@ -1118,14 +1125,8 @@ def test_what_a_request_adds_to_every_engine_step_is_bounded_alone_and_together(
         neighbour.release(neighbour.call(add, "step-live-3", "Hello", {**greedy(400), "bad_words": ["!"] * 100},
                                          timeout=30))
     assert bridge.release(held) == 1                                   # aborted: room again
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            bridge.release(bridge.call(add, "step-live-4", "Hello", dear, timeout=30))
-            break
-        except CallError as again:
-            assert again.reason == "too costly per step" and time.monotonic() < deadline, again
-            time.sleep(0.2)
+    room_again(lambda: bridge.release(bridge.call(add, "step-live-4", "Hello", dear, timeout=30)),
+               "too costly per step")
 
 
 def test_the_items_a_request_has_the_engine_core_hold_are_bounded(bridge: BridgeClient) -> None:
