@@ -82,8 +82,9 @@ def encode(tokenizer: Any, text: Any, text_pair: Any = None, add_special_tokens:
         raise _refuse(quote(next(iter(kwargs)), 40), "not an option this server passes on (it takes text, "
                                                      "add_special_tokens, truncation and max_length)")
     if type(text) is not str:
-        raise BridgeError.validation(f"{ENCODE_LABEL}: parameter text: expected a string, got {type(text).__name__}",
-                                     target=ENCODE_LABEL, parameter="text")
+        raise BridgeError.validation(f"{ENCODE_LABEL}: parameter text: expected a string (the library's signature "
+                                     f"also names lists of words and of ids, which this server does not pass on), "
+                                     f"got {type(text).__name__}", target=ENCODE_LABEL, parameter="text")
     if type(add_special_tokens) is not bool:
         raise BridgeError.validation(f"{ENCODE_LABEL}: parameter add_special_tokens: expected a bool, got "
                                      f"{type(add_special_tokens).__name__}", target=ENCODE_LABEL,

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.errors import BridgeError, quote
 from bridge_server.wire.options import MAX_SESSION_ID_CHARS
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -281,6 +281,11 @@ def read_release(data: bytes, limit: int | None = None) -> pb.ReleaseRequest:
             raise BridgeError.validation(f"Release: a session id of {len(request.session_id):,} characters; at most "
                                          f"{MAX_SESSION_ID_CHARS}", parameter="session_id")
         if len(request.ref_ids) <= MAX_RELEASE_IDS:
+            for i, ref in enumerate(request.ref_ids):     # (an unknown, or gone, ref id releases nothing)
+                worker, dot, token = ref.partition(".")
+                if not (worker and dot and token):
+                    raise BridgeError.validation(f"Release: ref_ids[{i}]: {quote(ref, 80)} is not a ref id (a Ref's "
+                                                 f"id: its worker's id, a dot and a token)", parameter=f"ref_ids[{i}]")
             return request
     said = f"{len(request.ref_ids):,} ref ids" if request is not None else f"more than {MAX_RELEASE_IDS:,} fields"
     raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",

@@ -57,6 +57,11 @@ def test_a_large_call_of_too_many_arguments_and_a_release_of_too_many_ids_are_re
         read_release(b"\x8a\x00\x00" * 200_000)
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "100,000" in err.value.message
     assert list(read_release(pb.ReleaseRequest(ref_ids=["w.a", "w.b"]).SerializeToString()).ref_ids) == ["w.a", "w.b"]
+    for bad in ("zzz", "w.", ".t", "\x00"):          # released nothing, and said nothing
+        with pytest.raises(BridgeError) as err:
+            read_release(pb.ReleaseRequest(ref_ids=["w.a", bad]).SerializeToString())
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.parameter == "ref_ids[1]", err.value
+        assert "is not a ref id" in err.value.message
 
 
 def test_a_batch_is_counted_in_all_its_parts_and_a_request_of_many_fields_is_refused() -> None:
