@@ -385,7 +385,7 @@ class Invoker:
         if not inspect.isroutine(member) or entry is not None and entry.kind is Kind.ATTRIBUTE:
             # A callable object in an attribute (the engine's tokenizer) is not a method of its owner:
             # calling it ran its `__call__`, which nothing declares, with any options (padding to 10**7).
-            raise BridgeError.validation(f"{label} is an attribute (a {type(member).__qualname__}), not a method: "
+            raise BridgeError.validation(f"{label} is an attribute (a {type(member).__name__}), not a method: "
                                          f"read it with GET_ATTR, and call what is documented of it on its ref",
                                          target=label)
         is_async = inspect.iscoroutinefunction(member) or inspect.isasyncgenfunction(member)
