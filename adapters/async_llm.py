@@ -5,8 +5,9 @@ requests share one engine, which is what lets vLLM batch them. What this adapter
 remote caller cannot do for itself:
 - refuse calls that would kill the engine core (a pooling task the model lacks, token ids outside
   the model's vocabulary) or block the worker (completions by the million), and prompts that cannot
-  fit the model, before they reach it (`engine_requests.py`); tokenize long prompts off the event
-  loop, so one call's prompt never stalls the others;
+  fit the model, before they reach it (`engine_requests.py`), and what a request would cost the
+  engine past its bounds (`request_costs.py`); tokenize long prompts off the event loop, so one
+  call's prompt never stalls the others;
 - know when an engine can no longer serve (its core process exited, or it stops answering: its input
   thread dies on a request it cannot decode, its output path dies), and then fail its calls at once
   with the cause (`engine_life.py`: the worker probes every engine and replaces a published one);
@@ -36,11 +37,11 @@ from typing import Any
 import grpc
 
 from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check_engine_types,
-                                     check_grammar_backend, check_logprobs, check_prompt, check_prompt_form,
-                                     check_request_items, check_request_options, check_sampling_params,
-                                     check_step_cost, check_token_ids, check_tokenization, clip_int, logprob_entries,
-                                     pooling_rule, prompt_tokens_at_most, request_items, sampling_rule, step_cost_us,
-                                     text_of)
+                                     check_grammar_backend, check_prompt, check_prompt_form, check_request_options,
+                                     check_sampling_params, check_token_ids, check_tokenization, clip_int,
+                                     pooling_rule, sampling_rule, text_of)
+from adapters.request_costs import (check_logprobs, check_request_items, check_step_cost, logprob_entries,
+                                    prompt_tokens_at_most, request_items, step_cost_us)
 from adapters import engine_life, grammar_check, grammar_ends, tokenizer_calls
 from adapters.engine_life import PREFIX
 from adapters.fair_share import admit_to_shared

@@ -20,9 +20,9 @@ starts there.
   engine to as many hosts as a stranger has, and an IPv6 stranger has thousands of /64s); and the
   logprobs live requests may produce (made on the worker's loop: eight requests at the one-request
   bound held it 10 s); and what live requests add to every step of the engine core
-  (`engine_requests.step_cost_us`: each within its own bound, a few of them would still slow every
+  (`request_costs.step_cost_us`: each within its own bound, a few of them would still slow every
   request of the engine by as many times), and the items of their params the engine core holds, a
-  copy per completion (`engine_requests.request_items`).
+  copy per completion (`request_costs.request_items`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from typing import Any
 
 import grpc
 
-from adapters.engine_requests import MAX_LOGPROB_ENTRIES, MAX_REQUEST_ITEMS, MAX_STEP_US, clip_int
+from adapters.engine_requests import clip_int
+from adapters.request_costs import MAX_LOGPROB_ENTRIES, MAX_REQUEST_ITEMS, MAX_STEP_US
 from bridge_server.wire.errors import BridgeError, quote
 from bridge_server.wire.protocol import host_of
 
