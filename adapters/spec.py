@@ -39,6 +39,10 @@ class Policy:
     # Without authentication, an engine a client made that no call has named for this long, and that
     # has no work in hand, is released (and so shut down); 0: never (see `Invoker.end_idle_engines`).
     idle_engine_s: float = 900.0
+    # Without authentication, a ref whose maker's connection has closed, and that no call has used for
+    # this long, is released (`Invoker.end_orphans`); 0: never. The grace keeps the refs of a client
+    # that reconnects and goes on using them.
+    orphan_ref_s: float = 300.0
     # The sequences a published engine holds live, every client's (a host takes at most three quarters
     # of what the other hosts leave, a client the same of its host's); 0: no bound.
     max_live_sequences: int = 12_288

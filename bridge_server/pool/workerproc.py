@@ -114,7 +114,7 @@ def worker_command(wp: WorkerProc, cfg: PoolConfig, max_request_bytes: int = 64 
            "--lane", wp.lane_path, "--grace", str(cfg.worker_grace_s),
            "--probe-interval", str(cfg.probe_interval_s), "--probe-timeout", str(cfg.probe_timeout_s),
            "--reader-stall", str(cfg.reader_stall_s), "--unread-request-s", str(cfg.unread_request_s),
-           "--idle-engine-s", str(cfg.idle_engine_s)]
+           "--idle-engine-s", str(cfg.idle_engine_s), "--orphan-ref-s", str(cfg.orphan_ref_s)]
     if not cfg.warmup:
         cmd.append("--no-warmup")
     cmd += ["--max-engines-per-client", str(cfg.max_engines_per_client), "--max-sessions", str(cfg.max_sessions),

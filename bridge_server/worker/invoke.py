@@ -58,6 +58,7 @@ from bridge_server.worker.catalog import Catalog, Entry, Kind
 from bridge_server.worker.contexts import EnteredContexts, generator_manager
 from bridge_server.worker.deadlines import Deadlines, with_deadline
 from bridge_server.worker.openfiles import room_for_files
+from bridge_server.worker.peers import peer_endpoints
 from bridge_server.worker.refs import RefRegistry, payer_of
 from bridge_server.worker.results import CODE_TYPES, Results, take_turn
 from bridge_server.worker.streams import Pace, PutItem, Tee, iterable, iterate, lazily
@@ -678,6 +679,40 @@ class Invoker:
                 continue
             gone += self.refs.evict(entry.id, f"released: an engine made without an identity, that no call named "
                                               f"for {idle:g} s and that held no live request (idle_engine_s)")
+        return gone
+
+    def orphan_candidates(self, now: float | None = None) -> bool:
+        """Whether any ref could be an orphan (`end_orphans`): made without an identity over a TCP
+        connection, and unused for `orphan_ref_s`. Cheap, so the TCP tables are read only then."""
+        grace = self.policy.orphan_ref_s
+        if grace <= 0:
+            return False
+        now = time.monotonic() if now is None else now
+        return any(not e.owner and peer_endpoints(e.connection) for e in self.refs.unused_since(now - grace))
+
+    def end_orphans(self, peers: set[str], now: float | None = None) -> int:
+        """Without authentication a ref is everyone's, and only its maker's connection could release
+        it by session: a client that made process groups (13 sockets each) and went away left the
+        worker without room for any other client's objects, and an entered `suppress_stdout` left
+        the worker silent, for good. So a ref made without an identity whose maker's connection is
+        no longer open (`peers`: the open TCP endpoints, `peers.open_peers`) and that no call has
+        used for `orphan_ref_s` is released, and its ref's error says why. An engine still working
+        on a request waits for it to end; a ref another connection goes on using stays."""
+        grace = self.policy.orphan_ref_s
+        if grace <= 0:
+            return 0
+        now = time.monotonic() if now is None else now
+        gone = 0
+        for entry in self.refs.unused_since(now - grace):
+            ends = peer_endpoints(entry.connection) if not entry.owner else ()
+            if not ends or any(end in peers for end in ends):
+                continue
+            lifecycle = self.catalog.lifecycle(entry.obj)
+            if lifecycle is not None and lifecycle.busy is not None and lifecycle.busy(entry.obj):
+                entry.last_used = now
+                continue
+            gone += self.refs.evict(entry.id, f"released: made without an identity by a connection that has "
+                                              f"closed, and unused for {grace:g} s since (orphan_ref_s)")
         return gone
 
     async def call_python(self, target: str, args: list[Any], kwargs: dict[str, Any]) -> Any:

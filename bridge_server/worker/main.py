@@ -94,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--idle-engine-s", type=float, default=900.0, metavar="S",
                    help="without authentication, an engine a client made that no call has named for this long, "
                         "and that holds no live request, is released; 0: never (default %(default)s)")
+    s.add_argument("--orphan-ref-s", type=float, default=300.0, metavar="S",
+                   help="without authentication, a ref whose maker's connection has closed, and that no call has "
+                        "used for this long, is released; 0: never (default %(default)s)")
     s.add_argument("--reader-stall", type=float, default=READER_STALL_S, metavar="S",
                    help="a stream whose caller reads nothing for this long ends, freeing its slot; 0: never "
                         "(default %(default)s)")
@@ -129,7 +132,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     for name in ("max_engines_per_client", "max_sessions", "max_refs_per_client", "max_ref_bytes_per_client",
                  "max_request_bytes",
                  "max_prompt_chars", "reader_stall", "outside_ranks", "unread_request_s", "grammar_compile_s",
-                 "max_live_sequences", "idle_engine_s"):
+                 "max_live_sequences", "idle_engine_s", "orphan_ref_s"):
         if getattr(args, name) < 0:
             raise SystemExit(f"vllm-bridge worker: --{name.replace('_', '-')} must be >= 0")
     objects = json.loads(args.objects)
@@ -138,7 +141,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
                     lora_dirs=tuple(args.lora_dir), engine_args_allowed=frozenset(args.engine_arg_allowed),
                     max_prompt_chars=args.max_prompt_chars, operators=frozenset(args.operator),
                     outside_ranks=args.outside_ranks, unread_request_s=args.unread_request_s,
-                    idle_engine_s=args.idle_engine_s,
+                    idle_engine_s=args.idle_engine_s, orphan_ref_s=args.orphan_ref_s,
                     max_live_sequences=args.max_live_sequences, grammar_compile_s=args.grammar_compile_s,
                     **({"rendezvous_hosts": frozenset(args.rendezvous_host)} if args.rendezvous_host else {}))
     dist = None

@@ -52,6 +52,7 @@ from bridge_server.worker.invoke import Caller, Invoker, Limits
 from bridge_server.worker.lane import LaneServer, serve_lane
 from bridge_server.worker.liveness import Liveness, ObjectConfig
 from bridge_server.worker.mux import multiplex
+from bridge_server.worker.peers import open_peers
 from bridge_server.worker.refs import RefRegistry
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import pool_pb2 as ppb
@@ -336,13 +337,18 @@ class Worker:
 
     async def _sweep(self) -> None:
         every = self.config.sweep_every_s
-        for limit in (self.config.policy.unread_request_s, self.config.policy.idle_engine_s):
+        policy = self.config.policy
+        for limit in (policy.unread_request_s, policy.idle_engine_s, policy.orphan_ref_s):
             if limit > 0:     # what expires goes within a quarter of its time
                 every = min(every, limit / 4)
         while True:
             await asyncio.sleep(every)
             self.invoker.refs.sweep()
             self.invoker.end_idle_engines()
+            if self.invoker.orphan_candidates():
+                peers = await asyncio.to_thread(open_peers)     # the kernel takes ms to list them
+                if peers is not None:
+                    self.invoker.end_orphans(peers)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops taking calls, lets in-flight ones finish within the grace period, then releases refs."""

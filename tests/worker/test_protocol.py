@@ -230,6 +230,50 @@ def test_suppress_stdout_is_in_force_once_and_ends_with_its_ref(worker: WorkerPr
     assert client.call(f"{D}.divide", 10, 5) == 2
 
 
+def test_what_a_closed_connection_made_goes_after_orphan_ref_s(tmp_path: Path) -> None:
+    """Without authentication only the connection that made a ref could release it by session: a
+    client that entered `suppress_stdout` and made process groups, then went away, left the worker
+    silent and short of open files for good. Once its connection has closed and nothing has used
+    them for orphan_ref_s, they are released, and presenting one says why; the refs of a connection
+    still open stay."""
+    import os
+
+    import psutil
+    own = [("grpc.use_local_subchannel_pool", 1)]      # each client its own connection
+    w = start_worker(tmp_path, "--orphan-ref-s", "1", name="orphans")
+    try:
+        process = psutil.Process(w.proc.pid)
+        stdout = os.readlink(f"/proc/{w.proc.pid}/fd/1")
+        with BridgeClient(w.address, channel_options=own) as stays:
+            kept = stays.call(f"{D}.suppress_stdout")
+            files = process.num_fds()
+            with BridgeClient(w.address, channel_options=own) as goes:
+                entered = goes.call(f"{D}.suppress_stdout")
+                goes.call(Target.method(entered, "__enter__"))
+                groups = [goes.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1", free_port(),
+                                    0, 1, "gloo", timeout=30) for _ in range(3)]
+                assert process.num_fds() > files + 3 * 5
+                assert os.readlink(f"/proc/{w.proc.pid}/fd/1") == "/dev/null"
+            deadline = time.monotonic() + 20
+            while os.readlink(f"/proc/{w.proc.pid}/fd/1") != stdout and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert os.readlink(f"/proc/{w.proc.pid}/fd/1") == stdout      # its suppression ended
+            for ref in (entered, *groups):
+                with pytest.raises(CallError) as err:
+                    stays.call(Target.method(ref, "__exit__"))
+                assert err.value.code == grpc.StatusCode.NOT_FOUND and "(orphan_ref_s)" in err.value.details, \
+                    err.value
+            deadline = time.monotonic() + 10
+            while process.num_fds() > files + 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert process.num_fds() <= files + 2, (process.num_fds(), files)      # the groups' sockets closed
+            stays.call(Target.method(kept, "__enter__"))            # the open connection's ref stays
+            assert os.readlink(f"/proc/{w.proc.pid}/fd/1") == "/dev/null"
+            assert stays.call(Target.method(kept, "__exit__")) is False
+    finally:
+        w.stop()
+
+
 @pytest.mark.parametrize("args,kwargs,parameter", [
     ((1, 2, 3), {}, "exc_type"), ((None, "x", None), {}, "exc_value"), ((None,), {}, ""),
     ((None, None, None, None), {}, "args[3]"), ((), {"typ": "ValueError", "value": None, "traceback": None}, "typ"),
