@@ -199,7 +199,7 @@ class Forwarder:
             pool = plan.pool
             client = client_of(identity, context)
             backend = pool.take(plan, client) or await pool.wait(plan, route.deadline, client)
-            self.router.placed(plan, backend)
+            self.router.placed(plan, backend, client)
             out.pool = pool.name
             flight = Flight()
             backend.flights.add(flight)
@@ -285,7 +285,7 @@ class Forwarder:
         plan = self.router.plan(route)
         pool = plan.pool
         backend = pool.take(plan, caller) or await pool.wait(plan, route.deadline, caller)
-        self.router.placed(plan, backend)
+        self.router.placed(plan, backend, caller)
         out.pool = pool.name
         flight = Flight()
         backend.flights.add(flight)

@@ -259,7 +259,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             end(run)
 
     def launch(client_id: int, start: Any, md: Metadata, route: Route, plan: Plan, backend: Backend) -> None:
-        router.placed(plan, backend)
+        router.placed(plan, backend, route.client)
         own_window = start.stream and not 0 < start.window <= STREAM_WINDOW
         run = _Running(client_id, plan.pool, backend, Flight(), own_window=own_window, client=route.client)
         running[client_id] = run

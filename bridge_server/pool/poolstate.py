@@ -23,6 +23,12 @@ A slot may be held by a stream whose caller reads nothing: the worker has a whol
 out that nobody credits back. That is bounded by `reader_stall_s` (60 s) everywhere; while calls
 wait in the queue, the pool ends such streams after `contended_stall_s` (5 s) instead, so a caller
 that stops reading a pool's worth of streams delays others by seconds, not minutes.
+
+Session pins are remembered up to SESSION_CAP, and the least recently used go first; but not
+across clients at will: a host that holds more than half of them evicts its own (and, within it, a
+connection that holds more than half of its host's, its own). A stranger's 100,000 calls under new
+session names had evicted every other client's pins, moving a strict session off the worker that
+held its state.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import grpc
 
 from bridge_server.pool.config import PoolConfig
 from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.options import connection_of
 from bridge_server.wire.protocol import host_of
 from bridge_server.wire.stall import contended_stall
 
@@ -47,6 +54,8 @@ READY, DRAINING, DEAD = "ready", "draining", "dead"
 # lane is being reopened. Calls bound to it (its refs, strict sessions) still reach it.
 UNHEALTHY, RECONNECTING = "unhealthy", "reconnecting"
 SESSION_CAP = 100_000          # pinned sessions remembered per pool (least recently used go first)
+PIN_HOST_SHARE = 0.5           # of SESSION_CAP: past it, a host's new pins evict its own (the module's doc)
+_Pinner = tuple[str, str]       # ("host", a host) or ("connection", a connection): who pinned a session
 # Our own deadline error must reach the caller before its deadline does. The server's deadline starts
 # when the call's headers are read, so it trails the caller's by the request's transit, and the error
 # still has to travel back: 5 ms was too little on a loaded 2-vCPU machine (the caller's own bare
@@ -146,6 +155,9 @@ class PoolRouter:
         self.holding: Counter[str] = Counter()    # slots held, by host (an identity: by identity)
         self._grants = itertools.count()
         self.sessions: OrderedDict[str, Backend] = OrderedDict()
+        # Who pinned each session (host, connection), and each one's pins, least recently used first.
+        self._pinner: dict[str, tuple[_Pinner, _Pinner]] = {}
+        self._pins_of: dict[_Pinner, OrderedDict[str, None]] = {}
         self.unavailable = ""        # set by the supervisor when no worker will come (degraded, stopping)
         # Distributed pools: collectives run one at a time on all ranks, in the order they arrive,
         # or the group deadlocks; and a broken collective restarts the group (set by the supervisor).
@@ -223,24 +235,43 @@ class PoolRouter:
         b = self.sessions.get(session)
         if b is not None:
             self.sessions.move_to_end(session)
+            for key in self._pinner[session]:
+                self._pins_of[key].move_to_end(session)
         return b
 
-    def pin(self, session: str, backend: Backend) -> None:
+    def pin(self, session: str, backend: Backend, client: str = "") -> None:
+        """Pins `session` to `backend` for `client` (`router.client_of`; "" for the server's own)."""
         old = self.sessions.get(session)
         if old is backend:
             return
-        if old is not None:
-            old.sessions -= 1
+        self.unpin(session)
         self.sessions[session] = backend
         backend.sessions += 1
+        keys = self._pinner[session] = (("host", host_of(client)), ("connection", connection_of(client)))
+        for key in keys:
+            self._pins_of.setdefault(key, OrderedDict())[session] = None
         while len(self.sessions) > SESSION_CAP:
-            _, evicted = self.sessions.popitem(last=False)
-            evicted.sessions -= 1
+            self.unpin(self._pin_to_evict(*keys))
+
+    def _pin_to_evict(self, host: _Pinner, connection: _Pinner) -> str:
+        """The least recently used pin; but the adder's own host's (or connection's) when it holds
+        more than its share (the module's doc), so that no client evicts the others' pins at will."""
+        of_host = self._pins_of[host]
+        if len(of_host) > SESSION_CAP * PIN_HOST_SHARE:
+            of_connection = self._pins_of[connection]
+            return next(iter(of_connection if len(of_connection) > len(of_host) // 2 else of_host))
+        return next(iter(self.sessions))
 
     def unpin(self, session: str) -> None:
         old = self.sessions.pop(session, None)
-        if old is not None:
-            old.sessions -= 1
+        if old is None:
+            return
+        old.sessions -= 1
+        for key in self._pinner.pop(session):
+            pins = self._pins_of[key]
+            del pins[session]
+            if not pins:
+                del self._pins_of[key]
 
     # ------------------------------------------------------------------------------- capacity
     def _free_backend(self, preferred: Backend | None) -> Backend | None:

@@ -317,10 +317,10 @@ class Router:
         return Plan(pool, pinned, None, mode == "strict_fail_fast", f"session {session!r}", None)
 
     @staticmethod
-    def placed(plan: Plan, backend: Backend) -> None:
-        """The call got its slot: a session seen for the first time is pinned where it runs."""
+    def placed(plan: Plan, backend: Backend, client: str = "") -> None:
+        """The call (`client`'s) got its slot: a session seen for the first time is pinned where it runs."""
         if plan.pin is not None and plan.pool.pinned(plan.pin) is None:
-            plan.pool.pin(plan.pin, backend)
+            plan.pool.pin(plan.pin, backend, client)
 
     def reader_stall_s(self) -> float:
         """The bound on a caller that reads nothing of a stream whose calls span pools (Multiplex):

@@ -4,12 +4,13 @@ calls neither fills the queue for everyone nor puts another client's call behind
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import grpc
 import pytest
 
 from bridge_server.pool.config import PoolConfig
-from bridge_server.pool.poolstate import Backend, Plan, PoolRouter, client_share
+from bridge_server.pool.poolstate import SESSION_CAP, Backend, Plan, PoolRouter, client_share
 from bridge_server.wire.errors import BridgeError
 
 
@@ -163,3 +164,31 @@ def test_one_host_holds_at_most_its_share_of_the_slots_and_others_still_run() ->
         assert all(small.take(_anywhere(small), f"ipv4:10.0.0.1:{i}") is only for i in range(4))
 
     asyncio.run(main())
+
+
+def test_a_flood_of_new_sessions_evicts_its_own_pins_and_not_the_others() -> None:
+    """The pool remembers SESSION_CAP pins, least recently used first; a stranger's 100,000 calls
+    under new session names had evicted every other client's pins, moving a strict session off the
+    worker holding its state. A host past half the pins evicts its own, and within it a connection
+    past half of its host's, its own: a client of another host, and another connection of the
+    stranger's own host, keep theirs."""
+    pool, first = _pool(slots=4, queue_size=8)
+    second = Backend("p-1", "p", "unix:/nowhere-1", 4)
+    pool.add(second)
+    pool.pin("bob", second, "ipv4:10.0.0.2:5000")
+    pool.pin("carol", second, "ipv4:127.0.0.1:4000")          # the stranger's host, another connection
+    for i in range(SESSION_CAP + 500):
+        pool.pin(f"flood-{i}", first, "ipv4:127.0.0.1:5000")
+    assert len(pool.sessions) == SESSION_CAP
+    assert pool.pinned("bob") is second and pool.pinned("carol") is second
+    assert "flood-0" not in pool.sessions and f"flood-{SESSION_CAP + 499}" in pool.sessions
+    assert first.sessions + second.sessions == SESSION_CAP and second.sessions == 2
+    # a host within its share still evicts the least recently used pin, whoever's it is
+    pool.unpin("flood-1000")
+    oldest, after = list(itertools.islice(pool.sessions, 2))
+    pool.pin("dave", second, "ipv4:10.0.0.3:5000")
+    pool.pin("erin", second, "ipv4:10.0.0.3:5001")
+    assert oldest not in pool.sessions and after in pool.sessions and pool.pinned("dave") is second
+    for session in list(pool.sessions):
+        pool.unpin(session)
+    assert first.sessions == second.sessions == 0 and not pool._pins_of
