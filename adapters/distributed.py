@@ -153,6 +153,11 @@ GROUP_HOLD_LAPSE_S = 60.0
 _SETS_UP = frozenset({"init_distributed_environment", "initialize_model_parallel",
                       "ensure_model_parallel_initialized"})
 _TEARS_DOWN = frozenset({"destroy_model_parallel", "destroy_distributed_environment", "cleanup_dist_env_and_memory"})
+# What puts other groups in force for every client while it lasts: a
+# stranger's `patch_tensor_parallel_group`, entered on every rank of a distributed pool, swapped the
+# pool's tensor-parallel group for groups of one rank each, and every other client's all_reduce
+# returned its tensor unreduced, silently. A change like setting up or tearing down.
+_SWAPS = frozenset({"patch_tensor_parallel_group"})
 
 
 @dataclass
@@ -172,7 +177,7 @@ def _groups_exist() -> bool:
 def _group_guard(name: str, then: Callable[[object, Mapping[str, object], CallContext], None] | None = None) -> Any:
     """The guard of an entry that sets up, tears down or uses the process groups (see _GroupHold),
     after the entry's own guard (`then`) if it has one."""
-    changes = name in _SETS_UP or name in _TEARS_DOWN
+    changes = name in _SETS_UP or name in _TEARS_DOWN or name in _SWAPS
 
     def guard(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
         if then is not None:
@@ -187,8 +192,8 @@ def _group_guard(name: str, then: Callable[[object, Mapping[str, object], CallCo
                     f"another client's, which used them within the last {GROUP_HOLD_LAPSE_S:.0f} s"
                 raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
                                   f"vllm.distributed.{name}: this worker's process groups are {whose}: only their "
-                                  f"maker (or an operator) sets them up again or tears them down; any client may "
-                                  f"use them", target=f"vllm.distributed.{name}", reason="groups held")
+                                  f"maker (or an operator) sets them up again, swaps them or tears them down; any "
+                                  f"client may use them", target=f"vllm.distributed.{name}", reason="groups held")
         if name in _SETS_UP:
             _groups.holder = ctx.client        # (one that fails leaves no groups, and so no hold)
         _groups.used = now
@@ -201,8 +206,14 @@ def _store_at_its_host(host_name: str, port: int, world_size: int | None = None,
     own listens on every interface, whatever host it is given: a group a client made "at 127.0.0.1"
     took keys (and pickled objects) from anyone who could reach the machine."""
     from torch.distributed import TCPStore
-    if is_master and kwargs.get("master_listen_fd") is None and isinstance(host_name, str) and host_name:
-        kwargs["master_listen_fd"] = _listening_at(host_name, port)
+    if is_master and kwargs.get("master_listen_fd") is None:
+        # Never torch's own socket: it listens on every interface. Where ours cannot be made (a host
+        # name that does not resolve, " 127.0.0.1" with its blank), the group is not made.
+        fd = _listening_at(host_name, port) if isinstance(host_name, str) and host_name else None
+        if fd is None:
+            raise ValueError(f"cannot listen at host {host_name!r}, port {port}: a process group's store "
+                             f"listens at the host its rendezvous names, and only there")
+        kwargs["master_listen_fd"] = fd
     return TCPStore(host_name, port, world_size, is_master, **kwargs)
 
 
@@ -279,7 +290,7 @@ def _rendezvous(receiver: object, args: Mapping[str, object], ctx: CallContext) 
     _a_port(receiver, args, ctx)
     if "host" in args:
         host = args["host"]
-        _allowed_host("host", host.strip() if isinstance(host, str) else host, hosts)
+        _allowed_host("host", host, hosts)      # as given: " 127.0.0.1" resolves nowhere, and is not allowed
     size, most = args.get("world_size"), ctx.world_size + ctx.policy.outside_ranks
     if isinstance(size, int) and size > most:
         # Its other ranks would have to come from elsewhere: the call waits for them in a thread
@@ -456,7 +467,7 @@ _COLLECTIVES = frozenset({
     "reduce_scatter", "patched_fused_scaled_matmul_reduce_scatter", "in_the_same_node_as",
     *_SETS_UP, *_TEARS_DOWN,
     "init_model_parallel_group", "init_world_group", "init_gloo_process_group", "graph_capture",
-    "prepare_communication_buffer_for_model",
+    "prepare_communication_buffer_for_model", "patch_tensor_parallel_group",
 })
 
 DISTRIBUTED = AdapterSpec(
@@ -475,7 +486,7 @@ DISTRIBUTED = AdapterSpec(
     }),
     inline=frozenset({"divide", "ensure_divisibility", "get_pp_indices", "is_torch_equal_or_newer"}),
     # The inline helpers' guards are plain functions: they run where the call is read (`Invoker.immediate`).
-    guards={**_GUARDS, **{name: _group_guard(name, _GUARDS.get(name)) for name in _COLLECTIVES}},
+    guards={**_GUARDS, **{name: _group_guard(name, _GUARDS.get(name)) for name in _COLLECTIVES | _SWAPS}},
     collectives=_COLLECTIVES,
     overrides={"suppress_stdout": _suppress_stdout, **{name: _zeroed(name) for name in _FAKES}},
     finalizers=(Finalizer("adapters.distributed", "StdoutSuppression", _end_suppression),),

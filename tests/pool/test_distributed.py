@@ -61,6 +61,19 @@ def test_all_reduce_sums_the_ranks_tensors_on_every_rank(tp: BridgeClient) -> No
     assert [t.tolist() for t in out] == [[3.0] * 4, [3.0] * 4]
 
 
+def test_a_client_cannot_swap_the_pools_tensor_parallel_group(tp: BridgeClient) -> None:
+    """`patch_tensor_parallel_group`, entered on every rank, put a stranger's groups in force for
+    every client: others' all_reduce came back unreduced, silently. The pool's groups are the
+    server's, so only an operator swaps them."""
+    groups = tp.collective(f"{D}.get_tp_group")
+    with pytest.raises(CallError) as err:
+        tp.collective(f"{D}.patch_tensor_parallel_group", per_rank=[((g,), {}) for g in groups])
+    assert err.value.code == grpc.StatusCode.PERMISSION_DENIED, err.value
+    assert "the server's" in err.value.details and "swaps them" in err.value.details, err.value.details
+    out = tp.collective(f"{D}.tensor_model_parallel_all_reduce", per_rank=per_rank(torch.ones(2), torch.ones(2)))
+    assert [t.tolist() for t in out] == [[2.0, 2.0]] * 2
+
+
 def test_all_gather_gather_and_reduce_scatter_move_real_tensors(tp: BridgeClient) -> None:
     a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
     gathered = tp.collective(f"{D}.tensor_model_parallel_all_gather", per_rank=per_rank(a, b))

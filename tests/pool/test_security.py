@@ -265,6 +265,12 @@ def test_process_groups_meet_only_where_the_operator_allows(client: BridgeClient
     err = denied(lambda: client.call(f"{D}.stateless_init_torch_distributed_process_group", "203.0.113.7",
                                      free_port(), 0, 2, "gloo", timeout=10))
     assert "rendezvous_hosts" in err.details and time.monotonic() - t0 < 5
+    # an allowed name with a blank passed once, and torch's store then listened on every interface
+    for host in (" 127.0.0.1", "localhost ", "127.0.0.1\t"):
+        t0 = time.monotonic()
+        err = denied(lambda: client.call(f"{D}.stateless_init_torch_distributed_process_group", host, free_port(),
+                                         0, 1, "gloo", timeout=10))
+        assert err.reason == "host not allowed" and time.monotonic() - t0 < 5, (host, err.details)
     for method in ("tcp://203.0.113.7:1234", "TCP://203.0.113.7:1234", "  tcp://203.0.113.7:1234", "file:///tmp/x",
                    "FILE:///tmp/x", "tcp://:1234", "gloo://203.0.113.7"):
         err = denied(lambda: client.call(f"{D}.init_distributed_environment", 2, 0, method, timeout=10))
