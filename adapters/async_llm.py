@@ -42,7 +42,7 @@ from adapters.engine_requests import (I64_MAX, I64_MIN, LONG_PROMPT_CHARS, check
                                      pooling_rule, sampling_rule, text_of)
 from adapters.request_costs import (check_logprobs, check_request_items, check_step_cost, logprob_entries,
                                     prompt_tokens_at_most, request_items, step_cost_us)
-from adapters import engine_life, grammar_check, grammar_ends, tokenizer_calls
+from adapters import engine_life, grammar_check, grammar_ends, lora_ids, tokenizer_calls
 from adapters.engine_life import PREFIX
 from adapters.fair_share import admit_to_shared
 from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Finalizer, Growing, Lifecycle, Policy,
@@ -191,6 +191,7 @@ def _request_guard(method: str, params_name: str) -> Any:
         check_request_options(engine, label, args)
         check_sampling_params(engine, label, params_name, params)
         check_engine_types(label, "lora_request", args.get("lora_request"))
+        lora_ids.check(engine, label, args.get("lora_request"), ctx.client)
         _check_arrival(label, args.get("arrival_time"))
         priority = args.get("priority")
         if type(priority) is int and not I64_MIN <= priority <= I64_MAX:
@@ -205,6 +206,7 @@ def _request_guard(method: str, params_name: str) -> Any:
         check_step_cost(label, params_name, params, step_us)
         items = request_items(params)
         check_request_items(label, params_name, params, items)
+        await lora_ids.admit(engine, label, args.get("lora_request"), ctx.client)
         rank = admit_to_shared(engine, label, args, params, logprobs, ctx.client, _live_ids(engine),
                                ctx.policy.max_live_sequences, step_us, items) if ctx.published else None
         _own(engine, args.get("request_id"), _owner(ctx))
@@ -379,15 +381,37 @@ def _collective_rpc_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext
 
 def _lora_guard(method: str) -> Any:
     """LoRA methods on an engine made without LoRA fail inside its core with a bare `Exception`
-    ("Call to add_lora method failed"), which says neither that the call can never work here nor why."""
+    ("Call to add_lora method failed"), which says neither that the call can never work here nor why.
+    An id added means its adapter for every client; one removed is free again (`lora_ids.py`)."""
     def guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
         engine_life.alive(engine, args)
+        label = f"{PREFIX}.{method}"
         if getattr(getattr(engine, "vllm_config", None), "lora_config", ...) is None:
-            label = f"{PREFIX}.{method}"
             raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "engine",
                               f"{label}: LoRA is not enabled on this engine (it was made without the engine "
                               f"argument enable_lora)", target=label, reason="lora disabled")
+        if method == "add_lora":
+            lora_ids.check(engine, label, args.get("lora_request"), ctx.client)
+            _lora_adder.set(ctx.client)
+        if method in ("remove_lora", "pin_lora"):
+            lora_id = args.get("lora_id")
+            if type(lora_id) is not int or not 1 <= lora_id <= I64_MAX:
+                shown = clip_int(lora_id) if type(lora_id) is int else type(lora_id).__name__
+                raise BridgeError.validation(f"{label}: parameter lora_id: expected an adapter's id, an integer from "
+                                             f"1 to 2**63 - 1, got {shown}", target=label, parameter="lora_id")
+        if method == "remove_lora":
+            lora_ids.unbind(engine, args.get("lora_id"))
     return guard
+
+
+# Whose `add_lora` the call is, as its guard found it (the guard and the call run in one context).
+_lora_adder: contextvars.ContextVar[str] = contextvars.ContextVar("lora_adder", default="")
+
+
+async def _add_lora(engine: Any, lora_request: Any) -> bool:
+    """`add_lora`: vLLM's failure to load is the client's path's, said by it; the id is bound to its
+    adapter once loaded (`lora_ids.py`)."""
+    return await lora_ids.add(engine, f"{PREFIX}.add_lora", lora_request, _lora_adder.get())
 
 
 def _shutdown_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
@@ -410,6 +434,12 @@ def _creation_guard(receiver: Any, args: Mapping[str, Any], ctx: CallContext) ->
             raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
                               f"{PREFIX}: parameter {name}: not settable by a client (it names code to run, or "
                               f"addresses to connect to)", target=PREFIX, parameter=name, reason="not allowed")
+    config = args.get("vllm_config")
+    if config is not None and getattr(config, "model_config", None) is None:
+        # vLLM's own failure comes later, as an AttributeError on None
+        raise BridgeError.validation(f"{PREFIX}: parameter vllm_config: a configuration without a model "
+                                     f"(model_config is None): make the engine with from_engine_args, or give "
+                                     f"the configuration a model", target=PREFIX, parameter="vllm_config.model_config")
 
 
 def _within(path: str, dirs: tuple[str, ...]) -> bool:
@@ -609,6 +639,7 @@ ASYNC_LLM = AdapterSpec(
             "new": _creation_guard, "from_engine_args": _engine_args_guard, "from_vllm_config": _creation_guard,
             **{m: _lora_guard(m) for m in ("add_lora", "list_loras", "pin_lora", "remove_lora")}},
     overrides={"new": _new, "generate": _generate, "encode": _encode, "add_request": _add_request,
+               "add_lora": _add_lora,
                "sleep": engine_life.sleep, "wake_up": engine_life.wake_up},
     # Requests of the caller's own, and reads. Not here (operators only, on a published engine):
     # pause/resume, sleep/wake_up, cache resets, pin/remove LoRA, profiling, scaling, collective_rpc,
