@@ -167,10 +167,17 @@ async def warmup(engine: Any) -> None:
 
     tasks = tuple(await engine.get_supported_tasks())
     n = next(_warmups)
+    # Token ids, not text (an engine made with skip_tokenizer_init takes no text), as many as the
+    # engine's length leaves room for beside what they generate (a client may make one of 2 tokens).
+    room = int(getattr(getattr(engine, "model_config", None), "max_model_len", 0) or 0)
+    if room < 2:
+        return          # nothing can be generated: no request could pay for a compile either
+    prompt = {"prompt_token_ids": [1] * min(4, room - 1)}
+    gen = min(4, room - len(prompt["prompt_token_ids"]))
     if "generate" in tasks:
-        sources = [engine.generate("Hello, world", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        sources = [engine.generate(prompt, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True),
                                    f"bridge-warmup-{n}"),
-                   engine.generate("Hello, world", SamplingParams(max_tokens=2, temperature=1.0, ignore_eos=True),
+                   engine.generate(prompt, SamplingParams(max_tokens=min(2, gen), temperature=1.0, ignore_eos=True),
                                    f"bridge-warmup-{n}-sampled")]
     else:
         task = next((t for t in ("embed", "classify", "score", "token_embed", "token_classify")
@@ -178,7 +185,7 @@ async def warmup(engine: Any) -> None:
         if task is None:
             return
         pooled = PoolingParams(task=task)  # type: ignore[arg-type]
-        sources = [engine.encode("Hello, world", pooled, f"bridge-warmup-{n}")]
+        sources = [engine.encode(prompt, pooled, f"bridge-warmup-{n}")]
 
     async def drain(source: Any) -> None:
         async for _ in source:

@@ -13,7 +13,6 @@ import enum
 import functools
 import math
 import operator
-import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -23,6 +22,7 @@ import numpy as np
 import pydantic
 import torch
 
+from bridge_server.wire.errors import without_addresses
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["SCALAR_WRITERS", "TORCH_DTYPES", "CodecError", "Encoder", "FieldReader", "TooCostly", "field_reader",
@@ -61,15 +61,6 @@ class CodecError(ValueError):
 
 def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-def without_addresses(text: str) -> str:
-    """A repr without the memory addresses default reprs show ("<function f at 0x7f30...>"): where
-    the heap lies is nothing a client needs, and it is what defeats address randomization."""
-    return _ADDRESS.sub("", text) if " at 0x" in text else text
 
 
 def short_repr(obj: object, limit: int = 40) -> str:

@@ -172,6 +172,8 @@ class Decoder:
             raise CodecError(path, "a torch dtype name (e.g. 'float32')", f"dtype {msg.dtype!r}")
         if any(d < 0 for d in shape):
             raise CodecError(path, "non-negative tensor dimensions", f"shape {list(shape)}")
+        if math.prod(d for d in shape if d) * dtype.itemsize >= 2**63:   # torch's sizes (empty ones too) are int64
+            raise CodecError(path, "tensor dimensions whose product fits in 64 bits", f"shape {list(shape)}")
         size = math.prod(shape) * dtype.itemsize
         if len(msg.data) != size:
             expected = f"{size} bytes for {msg.dtype} of shape {list(shape)}"

@@ -16,6 +16,7 @@ import errno
 import functools
 import logging
 import os
+import re
 import sys
 import traceback as tb
 from dataclasses import dataclass, field
@@ -60,6 +61,19 @@ def quote(value: object, limit: int = QUOTE_CHARS) -> str:
     except Exception:   # a repr that fails must not turn a refusal into a crash
         text = f"<{type(value).__qualname__}>"
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def without_addresses(text: str) -> str:
+    """A repr (or a message quoting one) without the memory addresses default reprs show
+    ("<function f at 0x7f30...>"): where the heap lies is nothing a client needs, and it is what
+    defeats address randomization."""
+    return _ADDRESS.sub("", text) if " at 0x" in text else text
+
+
+_ENGINE_CORE_FAILED = re.compile(r"Call to \w+ method failed: ")   # vLLM's core, on a method it ran
+
 
 # Python exception types whose meaning maps onto a more specific status than UNKNOWN.
 _PY_STATUS: dict[str, grpc.StatusCode] = {
@@ -133,7 +147,7 @@ class BridgeError(Exception):
         if isinstance(exc, BridgeError):
             return exc
         py_type = type(exc).__name__
-        text = str(exc)
+        text = without_addresses(str(exc))
         code = grpc.StatusCode.INVALID_ARGUMENT if pure and isinstance(exc, AssertionError) else _py_status(exc)
         cause = exc.__cause__
         refusal = exc if text or cause is None else cause      # a wrapper with nothing to say: its cause
@@ -141,14 +155,14 @@ class BridgeError(Exception):
         if isinstance(refusal, ValueError) and isinstance(named, str) and named:
             # vLLM's request checks name what they refused (VLLMValidationError): a refusal of an
             # argument like ours, which says which one, and that the rule is vLLM's.
-            shown, said = clip(named, 80), str(refusal.args[0]) if refusal.args else str(refusal)
+            shown, said = clip(named, 80), without_addresses(str(refusal.args[0]) if refusal.args else str(refusal))
             return cls(grpc.StatusCode.INVALID_ARGUMENT, "validation",
                        f"{target}: parameter {shown}: vLLM refused it: {clip(said, 600)}{_value_shown(refusal)}",
                        target=target, parameter=shown, python_type=type(refusal).__name__)
         if not text and cause is not None and not isinstance(cause, BridgeError):
             # A wrapper with nothing to say (vLLM's EngineGenerateError raised `from` what failed):
             # what failed is the message, and its kind the status, unless the wrapper has its own.
-            text = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+            text = f"{type(cause).__name__}: {without_addresses(str(cause))}" if str(cause) else type(cause).__name__
             if code is grpc.StatusCode.UNKNOWN:
                 code = _py_status(cause)
         if not text:
@@ -156,6 +170,14 @@ class BridgeError(Exception):
             frames = tb.extract_tb(exc.__traceback__)
             where = f" at {_importable(frames[-1].filename)}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
             text = f"{py_type} with no message{where}"
+        core_said = _ENGINE_CORE_FAILED.match(text) if py_type == "Exception" else None
+        if core_said is not None:
+            # An engine method vLLM runs in its core process ("Call to profile method failed:
+            # Profiler is not enabled."): the core sends only the text, so the kind of failure is
+            # lost; what the engine refused in its state is FAILED_PRECONDITION, not UNKNOWN.
+            return cls(grpc.StatusCode.FAILED_PRECONDITION, "engine",
+                       f"{target}: the engine core refused it: {text[core_said.end():]}", target=target,
+                       python_type=py_type, traceback=_traceback(exc), reason="engine core refused")
         dead = py_type == "EngineDeadError"    # the engine, not the call, failed: say so the same way every time
         return cls(code, "engine" if dead else "python_error", f"{target}: {py_type}: {text}", target=target,
                    python_type=py_type, traceback=_traceback(exc),

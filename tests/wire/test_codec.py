@@ -488,6 +488,8 @@ ERRORS: list[tuple[str, pb.Value, str, str]] = [
     ("quantized dtype", in_list(tensor_value("qint8", [1], b"\0")), "value[1]", "qint8"),
     ("byte length", in_list(tensor_value("float32", [2, 3], b"\0" * 23)), "value[1]", "24 bytes"),
     ("negative dim", in_list(tensor_value("int8", [-1], b"")), "value[1]", "[-1]"),
+    ("empty, but its sizes overflow torch's", in_list(tensor_value("float32", [2**32, 2**32, 0], b"")), "value[1]",
+     "fits in 64 bits"),
     ("bool bytes", in_list(tensor_value("bool", [1], b"\x02")), "value[1]", "bool"),
     ("unhashable set element",
      pb.Value(set=pb.Items(items=[pb.Value(int=1), pb.Value(list=pb.Items())])), "value[1]", "hashable"),

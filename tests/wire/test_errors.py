@@ -14,7 +14,7 @@ from google.protobuf import any_pb2
 from google.rpc import status_pb2
 
 from bridge_server.client.client import CallError
-from bridge_server.wire.errors import STATUS_DETAILS_KEY
+from bridge_server.wire.errors import STATUS_DETAILS_KEY, BridgeError
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 METHOD = "/test.Errors/Fail"
@@ -227,3 +227,13 @@ def test_the_largest_error_reaches_the_client_whole_every_time(kind: str) -> Non
                 assert err.detail.traceback == "" or err.detail.traceback.endswith("the failing frame")
     finally:
         server.stop(None)
+
+
+def test_an_exceptions_message_shows_no_heap_address() -> None:
+    """vLLM quotes objects' default reprs in its errors ("Process group <...ProcessGroup object at
+    0x7fb1ec5859f0> is not initialized"): where the heap lies is nothing a client needs."""
+    inner = ValueError("Process group <torch.distributed.ProcessGroup object at 0x7fb1ec5859f0> is not initialized")
+    for exc in (inner, _raised(RuntimeError(), inner)):
+        err = BridgeError.from_exception(exc, "vllm.distributed.in_the_same_node_as")
+        assert "0x" not in err.message and "ProcessGroup object> is not initialized" in err.message, err.message
+
