@@ -541,7 +541,10 @@ class Invoker:
         except BridgeError:
             raise
         except Exception as exc:
-            raise BridgeError.from_exception(exc, plan.label, pure=plan.inline) from exc
+            err = BridgeError.from_exception(exc, plan.label, pure=plan.inline)
+            if not err.parameter and err.code == grpc.StatusCode.INVALID_ARGUMENT:
+                err.parameter = _named_first(str(exc), plan.signature, kwargs)
+            raise err from exc
         finally:
             if managed:
                 self._contexts.moved(plan.receiver)
@@ -756,6 +759,17 @@ class Invoker:
             async for item in items:
                 activity[receiver] = time.monotonic()
                 yield item, put
+
+
+def _named_first(said: str, signature: inspect.Signature | None, kwargs: Mapping[str, Any]) -> str:
+    """The parameter a refusal of the arguments is about, where its text opens with one of the
+    call's parameter names ("presence_penalty must be in [-2, 2], got inf."): vLLM's own checks say
+    which in words only. "" where it names none."""
+    head = said.split(" ", 1)[0].rstrip(":,.")
+    if not head.isidentifier():
+        return ""
+    names = set(kwargs) | (set(signature.parameters) if signature is not None else set())
+    return head if head in names else ""
 
 
 def _not_operator(plan: Plan) -> BridgeError:

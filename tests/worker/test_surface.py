@@ -316,3 +316,14 @@ def test_the_inline_helpers_take_only_what_keeps_them_trivial(client: BridgeClie
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "1,048,576 entries" in err.value.details
     assert client.call(Target.method(dp, "cu_tokens_across_sp"), 2).tolist() == [3, 6, 10, 14, 16, 18]
     client.release(dp)
+
+
+def test_a_refusal_in_vllms_words_names_the_parameter_it_opens_with(client: BridgeClient) -> None:
+    """vLLM's own checks say which argument they refused in words only ("presence_penalty must be in
+    [-2, 2], got inf."): the parameter is named where the text opens with one of the call's."""
+    for kwargs, parameter in (({"presence_penalty": float("inf")}, "presence_penalty"),
+                              ({"temperature": -1.0}, "temperature")):
+        with pytest.raises(CallError) as err:
+            client.call("vllm.SamplingParams", kwargs=kwargs)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert err.value.detail.parameter == parameter, err.value
