@@ -118,6 +118,11 @@ def bind_checked(label: str, signature: inspect.Signature, args: list[Any], kwar
             given = checks.check(label, param, value)
             if given is not value:
                 bound.arguments[pname] = given
+        if constructs is not None and (bad := _non_finite(value)) is not None:
+            # as in a map built into the record (`check_record`): a SamplingParams made by its
+            # constructor took the NaN a map given to generate was refused
+            raise BridgeError.validation(f"{label}: parameter {pname}: expected a finite number, got {bad}",
+                                         target=label, parameter=pname)
     if rule is not None and rule.check is not None:
         rule.check(bound.arguments, building.policy)
     return bound

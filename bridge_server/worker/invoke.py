@@ -57,10 +57,10 @@ from bridge_server.worker.binding import (
 from bridge_server.worker.catalog import Catalog, Entry, Kind
 from bridge_server.worker.contexts import EnteredContexts, generator_manager
 from bridge_server.worker.deadlines import Deadlines, with_deadline
-from bridge_server.worker.openfiles import room_for_files
+from bridge_server.worker.openfiles import open_files, room_for_files
 from bridge_server.worker.peers import peer_endpoints
 from bridge_server.worker.refs import RefRegistry, payer_of
-from bridge_server.worker.results import CODE_TYPES, Results, take_turn
+from bridge_server.worker.results import CODE_TYPES, Results, charge_files, take_turn
 from bridge_server.worker.streams import Pace, PutItem, Tee, iterable, iterate, lazily
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -549,18 +549,21 @@ class Invoker:
             if managed:
                 self._contexts.moved(plan.receiver)
 
-    def _admit(self, plan: Plan, caller: Caller) -> None:
+    def _admit(self, plan: Plan, caller: Caller) -> bool:
         """Refuses, before anything runs, a call that would block this rank's process group (in a
         distributed pool an entry that talks to every rank runs only as a Collective), and one that
-        may make or enter something while the worker holds its share of open files (`openfiles`)."""
+        may make or enter something while the worker holds its share of open files (`openfiles`).
+        Says whether the call may make something (what it opens is then counted: `call`)."""
         if self.distributed and not caller.collective and plan.entry is not None and plan.entry.collective:
             raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
                               f"{plan.label} talks to every rank of the pool's process group: run it with the "
                               f"Collective RPC (every rank at once); called on one rank it would wait forever",
                               target=plan.label, reason="use Collective")
         frees = plan.fill_exit_args or (plan.entry is not None and plan.entry.frees)
-        if plan.fn is not None and not (plan.published or plan.inline or frees):
+        makes = plan.fn is not None and not (plan.published or plan.inline or frees)
+        if makes:
             room_for_files(plan.label)
+        return makes
 
     def _makes_engines(self, plan: Plan) -> bool:
         entry = plan.entry
@@ -600,7 +603,7 @@ class Invoker:
                    plan: Plan | None = None, out: pb.Value | None = None) -> pb.Value:
         """Runs a call; its result is encoded into `out` (a reply's value) if given."""
         plan = plan or self.plan(request.target, caller)
-        self._admit(plan, caller)
+        makes = self._admit(plan, caller)
         if plan.streams:
             said = "a Collective runs calls that return one result, on every rank" if caller.collective else \
                 "call it with Stream (or a Multiplex start with stream set), not Call"
@@ -612,16 +615,28 @@ class Invoker:
         setting = request.target.kind == pb.Target.SET_ATTR
         if setting:        # what the value brings counts against the bytes refs may hold
             self.refs.room_to_set(plan.receiver, args[0], caller.identity, connection_of(caller.client))
+        before = open_files() if makes else None
         if self._makes_engines(plan):
             result = await self._made(plan, caller, args, kwargs, deadlines.call)
         else:
             result = await self.run_checked(plan, args, kwargs, deadlines.call, caller)
+        if before is not None:      # what its object took counts against its maker's share (`refs.py`)
+            charge_files((open_files() or before) - before)
         if setting:
             self.refs.recount(plan.receiver, caller.identity, connection_of(caller.client))
             result = None
         elif plan.result_ref and result is not None and self.adopt is not None:
             await with_deadline(self.adopt(result), deadlines.call, plan.label, "warming up what it made")
-        return await self.results.deliver(plan, result, caller, deadlines.call, out)
+        try:
+            return await self.results.deliver(plan, result, caller, deadlines.call, out)
+        except BridgeError as err:
+            if err.reason == "too many open files":
+                # refused for the files it holds: they close with it now, not when the error's frames go
+                result = None
+                raise err.with_traceback(None) from None
+            raise
+        finally:
+            charge_files(0)
 
     @staticmethod
     def immediate(plan: Plan) -> bool:

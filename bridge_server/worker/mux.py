@@ -286,12 +286,15 @@ class MuxSession:
             self.handle(request)
 
     def parse(self, raw: bytes) -> pb.MuxRequest | None:
+        """The request; None when it was handled here instead (as views) or refused."""
         if len(raw) > self.max_request_bytes:
             err = too_large(len(raw), self.max_request_bytes, "Multiplex")
         else:
             try:
                 return pb.MuxRequest.FromString(raw)
             except (DecodeError, RecursionError, ValueError) as exc:
+                if self._as_views(raw):
+                    return None
                 err = BridgeError.validation(
                     f"Multiplex: a request is not a valid vllm_bridge.v1.MuxRequest ({len(raw)} bytes): {exc}",
                     parameter="request")
@@ -299,6 +302,25 @@ class MuxSession:
             if call_id not in self.running:     # a running call's own events go on
                 self._refuse(call_id, err)
         return None
+
+    def _as_views(self, raw: bytes) -> bool:
+        """Handles a request that protobuf would not parse whole, call by call, if it can: a call
+        nested near protobuf's depth limit is within it on its own, but not inside a MuxRequest (the
+        pool server forwards Call's requests over the lane in one, and a Call the pool server took
+        was refused as "not a valid MuxRequest", about an RPC its client never made). Says whether
+        it did; a call that is bad on its own is then refused by its id, as itself."""
+        try:
+            view = pb.MuxRequestView.FromString(raw)
+        except (DecodeError, RecursionError, ValueError):
+            return False
+        if view.WhichOneof("kind") == "batch":
+            if len(view.batch.requests) > MUX_BATCH_SLICE:
+                return False        # a large batch is read in slices, by `feed`, as views already
+            for each in view.batch.requests:
+                self._handle_view(each, True)
+        else:
+            self._handle_view(view, False)
+        return True
 
     def _views(self, raw: bytes) -> tuple[Sequence[pb.MuxRequestView], bool]:
         """A large message's requests, read with their calls unparsed (see LARGE_REQUEST_BYTES):

@@ -8,7 +8,8 @@ worker died, with every client's refs and sessions. So a call that may make or e
 refused once the worker holds a share of its limit (`FILES_SHARE`), which leaves the rest to the
 engine and to the worker's own sockets; releasing refs makes room again. What only reads or ends
 something (a context's exit) is never refused for it, nor are the published engine's requests,
-which hold no files.
+which hold no files. And what a call's object took is counted against its maker's share of that room
+(`refs.py`), so that one client cannot take all of it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import grpc
 
 from bridge_server.wire.errors import BridgeError
 
-__all__ = ["FILES_SHARE", "room_for_files"]
+__all__ = ["FILES_SHARE", "files_cap", "open_files", "room_for_files"]
 
 FILES_SHARE = 0.25      # of the soft RLIMIT_NOFILE, what calls that make things may bring the worker to
 
@@ -34,6 +35,13 @@ def open_files() -> int | None:
         return None
     except OSError:         # none left even to list them with: as many as may be
         return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def files_cap(share: float = FILES_SHARE) -> int | None:
+    """The open files calls that make things may bring the worker to (None: no limit); read each
+    time, as the limit may change under a running worker."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else int(soft * share)
 
 
 def room_for_files(label: str, share: float = FILES_SHARE) -> None:

@@ -11,7 +11,10 @@ object. When a ref goes away its id leaves a tombstone, so a late user is told w
 than "unknown". Limits bound what clients make a worker hold: refs per session (the oldest go),
 sessions per worker and refs per identity (refused: RESOURCE_EXHAUSTED, naming the limit), and the
 memory of the tensors an identity's refs hold: a ref to an object built from a 64 MiB tensor costs
-one ref of 100,000 but 64 MiB of the worker's memory, and the worker is every client's.
+one ref of 100,000 but 64 MiB of the worker's memory, and the worker is every client's. The same for
+the files an object holds open (a process group ~13 sockets): the worker's room for them is every
+client's, authenticated or not, so a host (an identity) holds at most three quarters of what the
+others leave of it (one identity's 381 groups refused every other identity's calls that make anything).
 
 Without authentication the clients are one identity, and each limit is theirs together; so each
 connection takes only its share of it, as the engine's fair share does: a host at most three
@@ -58,6 +61,7 @@ class RefEntry:
     connection: str = ""          # without authentication, the connection whose call created it
     payer: str = ""               # whose limits it counts against (`payer_of`)
     host: str | None = None       # without an identity: the payer's host
+    files: int = 0                # open files its object took when it was made (`put`'s `files`)
 
 
 def payer_of(owner: str, connection: str) -> tuple[str, str | None]:
@@ -114,6 +118,12 @@ def _bump(counts: dict[str, int], key: str, n: int) -> None:
         counts[key] = left
     else:
         counts.pop(key, None)
+
+
+def _files_holder(owner: str, connection: str) -> str:
+    """Whose share of the worker's open files an object counts against: its identity's, or without
+    one its connection's host's (connections cost nothing; hosts do)."""
+    return "\0" + owner if owner else host_of(connection)
 
 
 class RefGone(BridgeError):
@@ -193,7 +203,9 @@ class RefRegistry:
 
     def __init__(self, worker_id: str, *, session_cap: int = 10_000, idle_ttl_s: float | None = None,
                  finalize: Finalizer | None = None, tombstones: int = 100_000, max_sessions: int = 10_000,
-                 max_refs_per_client: int = 100_000, max_ref_bytes_per_client: int = 1 << 30) -> None:
+                 max_refs_per_client: int = 100_000, max_ref_bytes_per_client: int = 1 << 30,
+                 files_cap: Callable[[], int | None] = lambda: None,
+                 files_open: Callable[[], int | None] = lambda: None) -> None:
         self.worker_id = worker_id
         self.session_cap = session_cap
         self.idle_ttl_s = idle_ttl_s
@@ -201,6 +213,9 @@ class RefRegistry:
         self.max_refs_per_client = max_refs_per_client
         self.max_ref_bytes_per_client = max_ref_bytes_per_client
         self._bytes = Tally()
+        self.files_cap = files_cap     # the open files calls that make things may bring the worker to (None: no bound)
+        self.files_open = files_open   # the files the worker holds open now
+        self._files: dict[str, int] = {}      # by who holds them (`_files_holder`)
         self._session_tally = Tally()
         self._session_payer: dict[tuple[str, str], tuple[str, str | None]] = {}   # who made each session
         self._charged: dict[int, tuple[str, str | None, int]] = {}   # id(obj) -> who pays for its tensors, how much
@@ -220,7 +235,9 @@ class RefRegistry:
         return len(self._sessions)
 
     def put(self, obj: object, session_id: str, *, owner: str = "", exclusive: bool = False, pinned: bool = False,
-            ref_id: str | None = None, expires_in: float | None = None, connection: str = "") -> RefEntry:
+            ref_id: str | None = None, expires_in: float | None = None, connection: str = "",
+            files: int = 0) -> RefEntry:
+        """`files`: the open files the object took when it was made, counted against its maker's share."""
         key = (owner, session_id)
         payer, host = payer_of(owner, connection)
         owned = self._sessions.get(key)
@@ -253,6 +270,9 @@ class RefRegistry:
         if not pinned and id(obj) not in self._holders and self.max_ref_bytes_per_client:
             nbytes = held_bytes(obj)
             self._room_for_bytes(payer, host, nbytes, f"a ref to this {_type_name(obj)}")
+        holder = _files_holder(owner, connection)
+        if files > 0:
+            self._room_for_files(holder, files, f"a ref to this {_type_name(obj)}")
         if victim is not None:
             self._drop(victim, f"evicted: session {session_id!r} exceeded its cap of {self.session_cap} refs (of "
                                f"one client's)")
@@ -262,7 +282,9 @@ class RefRegistry:
             self._charged[id(obj)] = (payer, host, nbytes)
         entry = RefEntry(ref_id or f"{self.worker_id}.{secrets.token_urlsafe(18)}", obj, owner, session_id,
                          _type_name(obj), exclusive, pinned=pinned, connection="" if owner else connection,
-                         payer=payer, host=host)
+                         payer=payer, host=host, files=max(files, 0))
+        if entry.files:
+            self._files[holder] = self._files.get(holder, 0) + entry.files
         if expires_in and not pinned:
             entry.expires = entry.created + expires_in
         self._refs[entry.id] = entry
@@ -346,6 +368,8 @@ class RefRegistry:
                 del self._sessions[key]
                 self._session_gone(key)
         self._count.add(entry.payer, entry.host, -1)
+        if entry.files:
+            _bump(self._files, _files_holder(entry.owner, entry.connection), -entry.files)
         theirs = self._in_session.get((key, entry.payer))
         if theirs is not None:
             theirs.pop(ref_id, None)
@@ -399,6 +423,22 @@ class RefRegistry:
                               f"worker {self.worker_id}: {what} ({nbytes:,} bytes) would pass the bytes (tensors, "
                               f"text, containers) refs may hold: {why} (max_ref_bytes_per_client): release some first",
                               reason="max_ref_bytes_per_client")
+
+    def _room_for_files(self, holder: str, files: int, what: str) -> None:
+        """`files` more for `holder` (already open: the object is made), within its share of what the
+        worker's own files (its engines, connections, libraries) leave of the cap to clients' objects."""
+        cap, now = self.files_cap(), self.files_open()
+        if cap is None or now is None:
+            return
+        held, total = self._files.get(holder, 0), sum(self._files.values())
+        room = cap - (now - files - total)
+        share = math.ceil(SHARE * max(room - (total - held), 0))
+        if held + files > share:
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
+                              f"worker {self.worker_id}: {what} holds {files:,} open files, and this client's "
+                              f"objects hold {held:,}: of the {max(room, 0):,} the worker's clients' objects may hold "
+                              f"open together, a host (an identity) holds at most {SHARE:.0%} of what the others "
+                              f"leave ({share:,} now): release refs first", reason="too many open files")
 
     def recount(self, obj: object, owner: str, connection: str) -> None:
         """After an object refs hold changed in place: its charge becomes what it holds now."""

@@ -10,6 +10,7 @@ result. A stream's items go through the same encoder (`item_writer`), paced by `
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import reprlib
@@ -58,6 +59,16 @@ async def take_turn(turns: Turns, caller: Caller, deadline: float | None, label:
                         f"waiting for its turn to {doing}")
 
 
+# The open files the call's object took when it was made (`Invoker.call` counts them), charged to the
+# first ref its result mints (`refs.py`: a client's share of the worker's open files).
+_opened: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("opened", default=None)
+
+
+def charge_files(opened: int) -> None:
+    """The call now running opened `opened` files: its result's first ref holds them."""
+    _opened.set([opened] if opened > 0 else None)
+
+
 @dataclass
 class Results:
     """Encodes one worker's results: refs go to `refs`, costly results wait for `turns`."""
@@ -80,9 +91,13 @@ class Results:
                 raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
                                   f"the result holds a {type(obj).__name__} ({_short_repr(obj)[:80]}), which is not "
                                   f"part of the documented surface: no ref to it leaves the worker", reason="code")
+            pending = _opened.get()
+            files = 0
+            if pending:
+                files, pending[0] = pending[0], 0
             entry = self.refs.put(obj, caller.session, owner=caller.identity, exclusive=exclusive,
                                   expires_in=self.expires_in if self.catalog.expires(obj) else None,
-                                  connection=connection_of(caller.client))
+                                  connection=connection_of(caller.client), files=files)
             if minted is not None:
                 minted.append(entry.id)
             return pb.Ref(id=entry.id, session_id=caller.session, worker_id=self.refs.worker_id,

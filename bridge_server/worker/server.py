@@ -52,6 +52,7 @@ from bridge_server.worker.invoke import Caller, Invoker, Limits
 from bridge_server.worker.lane import LaneServer, serve_lane
 from bridge_server.worker.liveness import Liveness, ObjectConfig
 from bridge_server.worker.mux import multiplex
+from bridge_server.worker.openfiles import files_cap, open_files
 from bridge_server.worker.peers import open_peers
 from bridge_server.worker.refs import RefRegistry
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -379,7 +380,8 @@ def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
     refs = RefRegistry(worker_id, session_cap=config.session_cap, idle_ttl_s=config.idle_ttl_s,
                        finalize=finalize, max_sessions=config.max_sessions,
                        max_refs_per_client=config.max_refs_per_client,
-                       max_ref_bytes_per_client=config.max_ref_bytes_per_client)
+                       max_ref_bytes_per_client=config.max_ref_bytes_per_client, files_cap=files_cap,
+                       files_open=open_files)
     invoker = Invoker(catalog, refs, objects=dict(objects or {}), tensor_max_bytes=config.tensor_max_bytes,
                       shared_threads=config.shared_threads, distributed=config.distributed is not None,
                       world_size=config.distributed.world_size if config.distributed is not None else 1,

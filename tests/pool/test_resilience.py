@@ -328,6 +328,52 @@ def test_an_error_quotes_only_a_prefix_of_what_the_client_sent(server: PoolServe
     assert_untouched(server, client)
 
 
+def _nested(levels: int) -> pb.Value:
+    value = pb.Value(int=1)
+    for _ in range(levels):
+        outer = pb.Value()
+        outer.map.entries.add(key=pb.Value(str="k"), value=value)
+        value = outer
+    return value
+
+
+def test_a_call_near_protobufs_depth_limit_is_answered_as_the_call_it_is(server: PoolServer,
+                                                                         client: BridgeClient) -> None:
+    """The pool server forwards a Call over its lane inside a MuxRequest, two levels deeper: a Call
+    the pool server took, nested a little under protobuf's limit, was refused as "Multiplex: a
+    request is not a valid MuxRequest", an RPC its client never made. It is the call it is."""
+    request = _call(_nested(20))
+    for n in range(21, 80):         # the deepest call protobuf takes
+        try:
+            deeper = _call(_nested(n))
+        except Exception:
+            break
+        if not _parses(deeper):
+            break
+        request = deeper
+    with pytest.raises(Exception):      # the lane's message would be over protobuf's depth
+        pb.MuxRequest.FromString(pb.MuxRequest(start=pb.MuxStart(id=1, call=request)).SerializeToString())
+    with grpc.insecure_channel(server.address) as ch, pytest.raises(grpc.RpcError) as err:
+        ch.unary_unary("/vllm_bridge.v1.Bridge/Call")(request.SerializeToString(), timeout=10)
+    code, details = err.value.code(), err.value.details()   # type: ignore[attr-defined]
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "Multiplex" not in details, details
+    assert "vllm.distributed.divide" in details, details
+    assert_untouched(server, client)
+
+
+def _call(arg: pb.Value) -> pb.CallRequest:
+    return pb.CallRequest(target=pb.Target(kind=pb.Target.FUNCTION, name="vllm.distributed.divide"),
+                          args=[arg, pb.Value(int=1)])
+
+
+def _parses(message: pb.CallRequest) -> bool:
+    try:
+        pb.CallRequest.FromString(message.SerializeToString())
+    except Exception:
+        return False
+    return True
+
+
 def test_a_caller_that_stops_reading_frees_its_slots_and_its_engine_requests(server: PoolServer,
                                                                              client: BridgeClient) -> None:
     """Each way a caller can hold a worker slot by reading nothing of a stream (a Stream through the

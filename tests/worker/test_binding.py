@@ -348,3 +348,18 @@ def test_what_a_record_refuses_is_said_by_field_without_pydantics_dump(catalog: 
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.parameter == parameter, err.value
     assert said in err.value.message and "input_value" not in err.value.message, err.value.message
     assert "pydantic.dev" not in err.value.message and "_backend" not in err.value.message, err.value.message
+
+
+@pytest.mark.parametrize("kwargs,parameter", [({"temperature": float("nan")}, "temperature"),
+                                              ({"max_tokens": 4, "logit_bias": {5: float("inf")}}, "logit_bias")])
+def test_a_record_made_by_its_constructor_takes_no_nan_as_a_map_takes_none(
+        catalog: Catalog, kwargs: dict[str, Any], parameter: str) -> None:
+    """A map given to generate with a NaN was refused; the same values given to SamplingParams'
+    constructor made a ref that generate then took."""
+    entry = catalog.entries["vllm.SamplingParams"]
+    assert entry.signature is not None and entry.kind is Kind.CONSTRUCTOR
+    with pytest.raises(BridgeError) as err:
+        bind_arguments(entry.name, entry.signature, [], kwargs, Building(catalog.short_types, catalog.rule),
+                       checks_of(entry), constructs=entry.owner)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.parameter == parameter, err.value
+    assert "expected a finite number" in err.value.message, err.value.message

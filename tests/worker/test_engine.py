@@ -1212,6 +1212,10 @@ def test_the_items_a_request_has_the_engine_core_hold_are_bounded(bridge: Bridge
                            timeout=60))
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.detail is not None, err.value
     assert err.value.detail.parameter == "trace_headers" and "10,001 characters" in err.value.details, err.value
+    with pytest.raises(CallError) as err:      # the id too: copied into each completion's id and every output
+        list(bridge.stream(GENERATE, "Hello", greedy(2), "r" * 1_025, timeout=60))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.detail is not None, err.value
+    assert err.value.detail.parameter == "request_id" and "1,025 characters" in err.value.details, err.value
 
 
 def test_one_client_takes_at_most_three_quarters_of_its_hosts_sequences(engine_worker: WorkerProcess,

@@ -205,6 +205,45 @@ def test_process_groups_take_at_most_a_quarter_of_the_workers_open_files(tmp_pat
         w.stop()
 
 
+def test_one_identity_holds_at_most_its_share_of_the_files_clients_objects_hold(tmp_path: Path) -> None:
+    """The open files a worker lets clients' objects take are every client's, authenticated or not:
+    one identity's 381 process groups took them all, and every other identity's calls that make
+    anything were refused. What an object opened when it was made counts against its maker's share,
+    three quarters of what the others leave."""
+    import resource
+
+    import psutil
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice:alice-token-0123456789abcdef\nbob:bob-token-0123456789abcdef0\n")
+    tokens.chmod(0o600)
+    w = start_worker(tmp_path, "--token-file", str(tokens), name="files")
+    group = (f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1")
+    try:
+        process = psutil.Process(w.proc.pid)
+        with BridgeClient(w.address, token="alice-token-0123456789abcdef") as alice, \
+                BridgeClient(w.address, token="bob-token-0123456789abcdef0") as bob:
+            base = process.num_fds()
+            mine = [alice.call(*group, free_port(), 0, 1, "gloo", timeout=30)]
+            each = process.num_fds() - base
+            assert each >= 4, each
+            # clients' objects may now hold 4.5 groups' files together: alice three quarters of that
+            _, hard = resource.prlimit(w.proc.pid, resource.RLIMIT_NOFILE)
+            resource.prlimit(w.proc.pid, resource.RLIMIT_NOFILE, ((base + each * 9 // 2) * 4, hard))
+            mine += [alice.call(*group, free_port(), 0, 1, "gloo", timeout=30) for _ in range(2)]
+            with pytest.raises(CallError) as err:
+                alice.call(*group, free_port(), 0, 1, "gloo", timeout=30)
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "too many open files"
+            assert "holds at most 75% of what the others leave" in err.value.details, err.value.details
+            theirs = bob.call(*group, free_port(), 0, 1, "gloo", timeout=30)     # bob still makes one
+            bob.release(theirs)
+            alice.release(mine[0])
+            mine[0] = alice.call(*group, free_port(), 0, 1, "gloo", timeout=30)   # released: room again
+            for ref in mine:
+                alice.release(ref)
+    finally:
+        w.stop()
+
+
 def test_suppress_stdout_is_in_force_once_and_ends_with_its_ref(worker: WorkerProcess, client: BridgeClient) -> None:
     """An entered `suppress_stdout` points the worker's stdout at /dev/null for every client until it
     is exited, holding two files: 9,500 of them took a worker to its open-file limit and it died, and
