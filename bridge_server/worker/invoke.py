@@ -59,7 +59,7 @@ from bridge_server.worker.contexts import EnteredContexts, generator_manager
 from bridge_server.worker.deadlines import Deadlines, with_deadline
 from bridge_server.worker.openfiles import open_files, room_for_files
 from bridge_server.worker.peers import peer_endpoints
-from bridge_server.worker.refs import RefRegistry, payer_of
+from bridge_server.worker.refs import RefEntry, RefRegistry, payer_of
 from bridge_server.worker.results import CODE_TYPES, Results, charge_files, take_turn
 from bridge_server.worker.streams import Pace, PutItem, Tee, iterable, iterate, lazily
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -684,20 +684,9 @@ class Invoker:
         live request, is released (its last ref gone, it shuts down); its ref's error says why. An
         identity's engines are its own to release, and count against its own limit only."""
         idle = self.policy.idle_engine_s
-        if idle <= 0:
-            return 0
-        now = time.monotonic() if now is None else now
-        gone = 0
-        for entry in self.refs.unused_since(now - idle):
-            lifecycle = self.catalog.lifecycle(entry.obj)
-            if entry.owner or lifecycle is None:
-                continue
-            if lifecycle.busy is not None and lifecycle.busy(entry.obj):
-                entry.last_used = now          # in use: counted from when its work ends
-                continue
-            gone += self.refs.evict(entry.id, f"released: an engine made without an identity, that no call named "
-                                              f"for {idle:g} s and that held no live request (idle_engine_s)")
-        return gone
+        return self._release_unused(idle, now, lambda e: not e.owner and self.catalog.lifecycle(e.obj) is not None,
+                                    f"released: an engine made without an identity, that no call named for {idle:g} s "
+                                    f"and that held no live request (idle_engine_s)")
 
     def orphan_candidates(self, now: float | None = None) -> bool:
         """Whether any ref could be an orphan (`end_orphans`): made without an identity over a TCP
@@ -714,23 +703,32 @@ class Invoker:
         worker without room for any other client's objects, and an entered `suppress_stdout` left
         the worker silent, for good. So a ref made without an identity whose maker's connection is
         no longer open (`peers`: the open TCP endpoints, `peers.open_peers`) and that no call has
-        used for `orphan_ref_s` is released, and its ref's error says why. An engine still working
-        on a request waits for it to end; a ref another connection goes on using stays."""
+        used for `orphan_ref_s` is released, and its ref's error says why. A ref another connection
+        goes on using stays."""
+        def orphaned(entry: RefEntry) -> bool:
+            ends = peer_endpoints(entry.connection) if not entry.owner else ()
+            return bool(ends) and not any(end in peers for end in ends)
         grace = self.policy.orphan_ref_s
-        if grace <= 0:
+        return self._release_unused(grace, now, orphaned, f"released: made without an identity by a connection "
+                                                           f"that has closed, and unused for {grace:g} s since "
+                                                           f"(orphan_ref_s)")
+
+    def _release_unused(self, idle_s: float, now: float | None, picked: Callable[[RefEntry], bool],
+                        reason: str) -> int:
+        """Releases the refs `picked` of those no call has used for `idle_s` (0: none); an engine still
+        working on a request is counted from when its work ends."""
+        if idle_s <= 0:
             return 0
         now = time.monotonic() if now is None else now
         gone = 0
-        for entry in self.refs.unused_since(now - grace):
-            ends = peer_endpoints(entry.connection) if not entry.owner else ()
-            if not ends or any(end in peers for end in ends):
+        for entry in self.refs.unused_since(now - idle_s):
+            if not picked(entry):
                 continue
             lifecycle = self.catalog.lifecycle(entry.obj)
             if lifecycle is not None and lifecycle.busy is not None and lifecycle.busy(entry.obj):
-                entry.last_used = now
+                entry.last_used = now          # in use: counted from when its work ends
                 continue
-            gone += self.refs.evict(entry.id, f"released: made without an identity by a connection that has "
-                                              f"closed, and unused for {grace:g} s since (orphan_ref_s)")
+            gone += self.refs.evict(entry.id, reason)
         return gone
 
     async def call_python(self, target: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
@@ -753,6 +751,9 @@ class Invoker:
         The caller closes it (`contextlib.aclosing`) however it stops: closing is what ends the
         source (vLLM aborts its request), and garbage collection may come much later."""
         plan = plan or self.plan(request.target, caller)
+        if plan.result_ref:         # one object, as a ref: found out only after it was made (an engine: 17 s)
+            raise BridgeError.validation(f"{plan.label} returns one object, as a ref, which is not iterable: use "
+                                         f"Call instead of Stream", target=plan.label)
         self._admit(plan, caller)
         args, kwargs = await self.prepare(plan, *await self.decode_in_turn(request, caller, plan, deadlines.call),
                                           caller)

@@ -532,6 +532,17 @@ def test_an_engine_from_a_configuration_without_a_model_is_refused_by_name(bridg
     assert err.value.detail.parameter == "vllm_config.model_config", err.value
 
 
+def test_streaming_what_returns_a_ref_is_refused_before_it_is_made(bridge: BridgeClient, model: Path,
+                                                                   engine_worker: WorkerProcess) -> None:
+    """Stream of from_engine_args built an engine for 17 s, then said to use Call."""
+    before = engine_processes(engine_worker)
+    t0 = time.monotonic()
+    with pytest.raises(CallError) as err:
+        list(bridge.stream(f"{E}.from_engine_args", engine_args(model), timeout=60))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "use Call" in err.value.details, err.value
+    assert time.monotonic() - t0 < 5 and engine_processes(engine_worker) == before
+
+
 def test_an_engine_that_takes_no_text_or_only_a_few_tokens_is_made(bridge: BridgeClient, model: Path,
                                                                     engine_worker: WorkerProcess) -> None:
     """The worker warms every engine up before its maker gets it; its warm-up sent text of 8
