@@ -41,8 +41,9 @@ class Policy:
     idle_engine_s: float = 900.0
     # Without authentication, a ref whose maker's connection has closed, and that no call has used for
     # this long, is released (`Invoker.end_orphans`); 0: never. The grace keeps the refs of a client
-    # that reconnects and goes on using them.
-    orphan_ref_s: float = 300.0
+    # that reconnects and goes on using them: the pool server closes a connection idle for 5 minutes,
+    # so a client idle longer than that reconnects, and its refs live on for this long unused.
+    orphan_ref_s: float = 3600.0
     # The sequences a published engine holds live, every client's (a host takes at most three quarters
     # of what the other hosts leave, a client the same of its host's); 0: no bound.
     max_live_sequences: int = 12_288

@@ -33,7 +33,7 @@ File layout (every key optional except a pool's `name`)::
     contended_stall_s = 5        # ... and only this long while other calls wait for a slot
     unread_request_s = 30        # a request nobody can read (add_request's) ends this long after it started
     idle_engine_s = 900          # without authentication, an engine unnamed this long, with no live request, goes
-    orphan_ref_s = 300           # without authentication, a ref whose maker's connection closed, unused this long, goes
+    orphan_ref_s = 3600          # without authentication, a ref whose maker's connection closed, unused this long, goes
     max_live_sequences = 12288   # sequences the published engine holds live, every client's together
     grammar_compile_s = 5        # how long a new grammar's trial (compiling, generating) may take; 0: none
     model_dirs = ["/models"]     # what clients may do and make: model_dirs, lora_dirs, rendezvous_hosts,
@@ -150,7 +150,7 @@ class PoolConfig:
     contended_stall_s: float = CONTENDED_STALL_S   # the same while calls wait for a slot (0: reader_stall_s only)
     unread_request_s: float = 30.0   # a request nobody can read (add_request's) ends this long after it started
     idle_engine_s: float = 900.0     # without authentication: an engine unnamed this long, idle, is released (0: never)
-    orphan_ref_s: float = 300.0      # without authentication: a ref of a closed connection, unused this long, goes (0: never)
+    orphan_ref_s: float = 3600.0     # without authentication: a ref of a closed connection, unused this long, goes (0: never)
     max_live_sequences: int = 12_288   # sequences a published engine holds live, every client's (0: no bound)
     grammar_compile_s: float = 5.0   # a new grammar's trial (compile, generate) longer than this is refused
     worker_grace_s: float = 10.0         # the worker's own grace on SIGTERM

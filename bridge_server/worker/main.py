@@ -94,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--idle-engine-s", type=float, default=900.0, metavar="S",
                    help="without authentication, an engine a client made that no call has named for this long, "
                         "and that holds no live request, is released; 0: never (default %(default)s)")
-    s.add_argument("--orphan-ref-s", type=float, default=300.0, metavar="S",
+    s.add_argument("--orphan-ref-s", type=float, default=3600.0, metavar="S",
                    help="without authentication, a ref whose maker's connection has closed, and that no call has "
                         "used for this long, is released; 0: never (default %(default)s)")
     s.add_argument("--reader-stall", type=float, default=READER_STALL_S, metavar="S",
