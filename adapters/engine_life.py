@@ -128,8 +128,18 @@ async def serving(engine: Any, method: str) -> None:
 
 
 async def sleep(engine: Any, level: int = 1) -> None:
+    """vLLM's sleep levels are 1 (weights offloaded) and 2 (discarded); any other failed only in its
+    core, after the engine was already counted asleep here, so every later request was refused."""
+    if type(level) is not int or level not in (1, 2):
+        shown = level if type(level) is int and abs(level) < 10**6 else type(level).__name__
+        raise BridgeError.validation(f"{PREFIX}.sleep: parameter level: expected 1 or 2, got {shown}",
+                                     target=f"{PREFIX}.sleep", parameter="level")
     _asleep[engine] = True
-    await engine.sleep(level)
+    try:
+        await engine.sleep(level)
+    except BaseException:
+        _asleep[engine] = False
+        raise
 
 
 async def wake_up(engine: Any, tags: list[str] | None = None) -> None:

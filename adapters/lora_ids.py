@@ -68,6 +68,11 @@ def check(engine: Any, label: str, lora_request: Any, client: str, parameter: st
     if fields is None:
         return False
     lora_id, path = fields
+    if not 1 <= lora_id < 2**63:
+        shown = lora_id if abs(lora_id) < 10**18 else f"an integer of {lora_id.bit_length()} bits"
+        raise BridgeError.validation(f"{label}: parameter {parameter}.lora_int_id: expected an adapter's id, an "
+                                     f"integer from 1 to 2**63 - 1, got {shown}", target=label,
+                                     parameter=f"{parameter}.lora_int_id")
     bound = _engines.get(engine)
     known = bound.paths.get(lora_id) if bound is not None else None
     if known is not None:

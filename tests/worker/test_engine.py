@@ -438,6 +438,12 @@ def test_engine_control_methods(bridge: BridgeClient) -> None:
         with pytest.raises(CallError) as err:
             bridge.call(Target.method("engine", "remove_lora"), bad)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.detail.parameter == "lora_id", err.value
+    for level in (3, 2**70):     # refused in the core only, after the engine was counted asleep here
+        with pytest.raises(CallError) as err:
+            bridge.call(Target.method("engine", "sleep"), level)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.detail.parameter == "level", err.value
+    assert bridge.call(Target.method("engine", "is_sleeping")) is False
+    assert list(bridge.stream(Target.method("engine", "generate"), "awake", greedy(2), "after-sleep"))[-1]["finished"]
 
 
 def test_lora_adapters_load_pin_generate_and_unload(bridge: BridgeClient, model: Path) -> None:
@@ -475,6 +481,11 @@ def test_lora_adapters_load_pin_generate_and_unload(bridge: BridgeClient, model:
     with pytest.raises(CallError) as err:
         bridge.call(Target.method("engine", "add_lora"), {**other, "lora_int_id": 3})
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.reason == "lora not loaded", err.value
+    for bad_id in (2**70, -5):
+        with pytest.raises(CallError) as err:
+            bridge.call(Target.method("engine", "add_lora"), {**lora, "lora_int_id": bad_id})
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert err.value.detail.parameter.startswith("lora_request"), err.value
     assert bridge.call(Target.get("engine", "errored")) is False
     assert list(bridge.stream(Target.method("engine", "generate"), "Once upon", greedy(4), "lora-first-use",
                               kwargs={"lora_request": {**lora, "lora_int_id": 4}}))[-1]["finished"]
