@@ -121,25 +121,42 @@ def _not_loaded(label: str, parameter: str, path: str, exc: Exception) -> Bridge
 
 async def admit(engine: Any, label: str, lora_request: Any, client: str, parameter: str = "lora_request") -> None:
     """A request's adapter: checked, and loaded first if its id is new on the engine (see the doc)."""
-    if not check(engine, label, lora_request, client, parameter):
-        return
-    try:
-        await engine.add_lora(lora_request)
-    except Exception as exc:       # noqa: BLE001 - vLLM's failure to load, said as the client's
-        raise _not_loaded(label, parameter, _fields(lora_request)[1], exc) from None   # type: ignore[index]
-    _bind(engine, label, lora_request, client, parameter)
+    if check(engine, label, lora_request, client, parameter):
+        await _load(engine, label, lora_request, client, parameter)
 
 
 async def add(engine: Any, label: str, lora_request: Any, client: str) -> bool:
     """`add_lora` (checked by its guard): the id is bound once the adapter loaded."""
+    if _fields(lora_request) is None:
+        return bool(await engine.add_lora(lora_request))
+    return await _load(engine, label, lora_request, client, "lora_request")
+
+
+async def _load(engine: Any, label: str, lora_request: Any, client: str, parameter: str) -> bool:
+    """Loads the adapter and binds its id to its path. vLLM keeps an id whose adapter it failed to
+    activate (registered, then a tensor of the wrong shape): the next request under that id, with
+    another path, was answered "already loaded" and ran the failed adapter's weights. So a failure
+    removes the id again, and an id vLLM says is loaded that no path here is bound to is refused."""
+    fields = _fields(lora_request)
+    assert fields is not None
+    lora_id, path = fields
     try:
-        added: bool = await engine.add_lora(lora_request)
+        added = bool(await engine.add_lora(lora_request))
     except Exception as exc:       # noqa: BLE001 - vLLM's failure to load, said as the client's
-        fields = _fields(lora_request)
-        if fields is None:
-            raise
-        raise _not_loaded(label, "lora_request", fields[1], exc) from None
-    _bind(engine, label, lora_request, client, "lora_request")
+        bound = _engines.get(engine)
+        if bound is None or lora_id not in bound.paths:
+            try:
+                await engine.remove_lora(lora_id)
+            except Exception:      # noqa: BLE001 - nothing was left registered
+                pass
+        raise _not_loaded(label, parameter, path, exc) from None
+    bound = _engines.get(engine)
+    if not added and (bound is None or lora_id not in bound.paths):
+        raise BridgeError(grpc.StatusCode.ALREADY_EXISTS, "validation",
+                          f"{label}: parameter {parameter}.lora_int_id: LoRA id {lora_id} is loaded on this engine "
+                          f"with an adapter this server did not load from {quote(path, 200)} (use another id)",
+                          target=label, parameter=f"{parameter}.lora_int_id", reason="lora id in use")
+    _bind(engine, label, lora_request, client, parameter)
     return added
 
 

@@ -28,11 +28,13 @@ The registry is touched only from the worker's event loop thread, so it needs no
 
 from __future__ import annotations
 
+import collections
 import math
 import secrets
 import sys
 import time
 import types
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -61,7 +63,6 @@ class RefEntry:
     connection: str = ""          # without authentication, the connection whose call created it
     payer: str = ""               # whose limits it counts against (`payer_of`)
     host: str | None = None       # without an identity: the payer's host
-    files: int = 0                # open files its object took when it was made (`put`'s `files`)
 
 
 def payer_of(owner: str, connection: str) -> tuple[str, str | None]:
@@ -216,6 +217,13 @@ class RefRegistry:
         self.files_cap = files_cap     # the open files calls that make things may bring the worker to (None: no bound)
         self.files_open = files_open   # the files the worker holds open now
         self._files: dict[str, int] = {}      # by who holds them (`_files_holder`)
+        # The objects charged for files, by id: (holder, files), until the object itself is gone (its
+        # finalizer queues its id in `_files_freed`), however many refs to it came and went, and
+        # whatever else holds it: a second ref minted by a read, or an object built around it, kept a
+        # process group's sockets open after the ref charged for them was released.
+        self._file_charges: dict[int, tuple[str, int]] = {}
+        self._files_freed: collections.deque[int] = collections.deque()
+        self._charged_until_released: set[int] = set()   # objects no finalizer can watch: until their last ref goes
         self._session_tally = Tally()
         self._session_payer: dict[tuple[str, str], tuple[str, str | None]] = {}   # who made each session
         self._charged: dict[int, tuple[str, str | None, int]] = {}   # id(obj) -> who pays for its tensors, how much
@@ -272,7 +280,11 @@ class RefRegistry:
             self._room_for_bytes(payer, host, nbytes, f"a ref to this {_type_name(obj)}")
         holder = _files_holder(owner, connection)
         if files > 0:
-            self._room_for_files(holder, files, f"a ref to this {_type_name(obj)}")
+            self._settle_files()
+            if id(obj) in self._file_charges:
+                files = 0           # charged already, to its maker, while it lives
+            else:
+                self._room_for_files(holder, files, f"a ref to this {_type_name(obj)}")
         if victim is not None:
             self._drop(victim, f"evicted: session {session_id!r} exceeded its cap of {self.session_cap} refs (of "
                                f"one client's)")
@@ -282,9 +294,9 @@ class RefRegistry:
             self._charged[id(obj)] = (payer, host, nbytes)
         entry = RefEntry(ref_id or f"{self.worker_id}.{secrets.token_urlsafe(18)}", obj, owner, session_id,
                          _type_name(obj), exclusive, pinned=pinned, connection="" if owner else connection,
-                         payer=payer, host=host, files=max(files, 0))
-        if entry.files:
-            self._files[holder] = self._files.get(holder, 0) + entry.files
+                         payer=payer, host=host)
+        if files > 0:
+            self._charge_files(obj, holder, files)
         if expires_in and not pinned:
             entry.expires = entry.created + expires_in
         self._refs[entry.id] = entry
@@ -368,8 +380,6 @@ class RefRegistry:
                 del self._sessions[key]
                 self._session_gone(key)
         self._count.add(entry.payer, entry.host, -1)
-        if entry.files:
-            _bump(self._files, _files_holder(entry.owner, entry.connection), -entry.files)
         theirs = self._in_session.get((key, entry.payer))
         if theirs is not None:
             theirs.pop(ref_id, None)
@@ -382,6 +392,9 @@ class RefRegistry:
         if left:
             self._holders[id(entry.obj)] = left
         else:
+            if id(entry.obj) in self._charged_until_released:
+                self._charged_until_released.discard(id(entry.obj))
+                self._files_freed.append(id(entry.obj))
             charged = self._charged.pop(id(entry.obj), None)
             if charged is not None:     # refs never pass between identities: whoever made its first pays
                 payer, host, nbytes = charged
@@ -423,6 +436,21 @@ class RefRegistry:
                               f"worker {self.worker_id}: {what} ({nbytes:,} bytes) would pass the bytes (tensors, "
                               f"text, containers) refs may hold: {why} (max_ref_bytes_per_client): release some first",
                               reason="max_ref_bytes_per_client")
+
+    def _charge_files(self, obj: object, holder: str, files: int) -> None:
+        self._file_charges[id(obj)] = (holder, files)
+        self._files[holder] = self._files.get(holder, 0) + files
+        try:
+            weakref.finalize(obj, self._files_freed.append, id(obj))   # (append: safe from any thread)
+        except TypeError:
+            self._charged_until_released.add(id(obj))
+
+    def _settle_files(self) -> None:
+        """Takes back the charges of the objects collected since (their finalizers queued them)."""
+        while self._files_freed:
+            charge = self._file_charges.pop(self._files_freed.popleft(), None)
+            if charge is not None:
+                _bump(self._files, charge[0], -charge[1])
 
     def _room_for_files(self, holder: str, files: int, what: str) -> None:
         """`files` more for `holder` (already open: the object is made), within its share of what the

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import statistics
 import threading
 import time
@@ -19,6 +20,7 @@ from typing import Any
 import grpc
 import psutil
 import pytest
+import safetensors.torch
 import torch
 
 from bridge_server.client.client import BridgeClient, CallError, Multiplexer, Target
@@ -49,7 +51,9 @@ def engine_worker(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iter
     objects = [{"name": "engine", "target": f"{E}.from_engine_args",
                 "kwargs": {"engine_args": engine_args(model, enable_lora=True, max_lora_rank=8)}}]
     # Every caller is an operator here: the tests drive the published engine's controls too.
-    w = start_worker(tmp_path_factory.mktemp("engine"), "--objects", json.dumps(objects), "--operator", "*",
+    tmp = tmp_path_factory.mktemp("engine")
+    (tmp / "loras").mkdir()
+    w = start_worker(tmp, "--objects", json.dumps(objects), "--operator", "*", "--lora-dir", str(tmp / "loras"),
                      "--max-live-sequences", str(MAX_LIVE), "--grammar-compile-s", str(COMPILE_S), name="engine")
     yield w
     w.stop()
@@ -446,7 +450,8 @@ def test_engine_control_methods(bridge: BridgeClient) -> None:
     assert list(bridge.stream(Target.method("engine", "generate"), "awake", greedy(2), "after-sleep"))[-1]["finished"]
 
 
-def test_lora_adapters_load_pin_generate_and_unload(bridge: BridgeClient, model: Path) -> None:
+def test_lora_adapters_load_pin_generate_and_unload(bridge: BridgeClient, model: Path,
+                                                    engine_worker: WorkerProcess) -> None:
     lora = {"lora_name": "tiny", "lora_int_id": 1, "lora_path": str(model / "lora")}
     assert bridge.call(Target.method("engine", "add_lora"), lora) is True
     assert bridge.call(Target.method("engine", "list_loras")) == {1}
@@ -487,6 +492,22 @@ def test_lora_adapters_load_pin_generate_and_unload(bridge: BridgeClient, model:
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
         assert err.value.detail.parameter.startswith("lora_request"), err.value
     assert bridge.call(Target.get("engine", "errored")) is False
+    # vLLM keeps an id whose adapter it registered and then failed to activate (a module of the wrong
+    # shape): the next request under that id, with another path, ran the failed adapter's weights
+    broken = engine_worker.log.parent / "loras" / "broken"
+    shutil.copytree(model / "lora", broken)
+    tensors = safetensors.torch.load_file(str(broken / "adapter_model.safetensors"))
+    for key in [k for k in tensors if "layers.1.self_attn.v_proj" in k]:
+        tensors[key] = torch.cat([tensors[key]] * 2, dim=1 if "lora_A" in key else 0) * 50
+    safetensors.torch.save_file(tensors, str(broken / "adapter_model.safetensors"))
+    with pytest.raises(CallError) as err:
+        bridge.call(Target.method("engine", "add_lora"), {**lora, "lora_int_id": 7, "lora_path": str(broken)})
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.reason == "lora not loaded", err.value
+    assert 7 not in bridge.call(Target.method("engine", "list_loras"))
+    again = list(bridge.stream(Target.method("engine", "generate"), "Once upon", greedy(16), "lora-after-broken",
+                               kwargs={"lora_request": {**lora, "lora_int_id": 7}}))
+    assert again[-1]["outputs"][0]["token_ids"] == with_lora[-1]["outputs"][0]["token_ids"]
+    assert bridge.call(Target.method("engine", "remove_lora"), 7) is True
     assert list(bridge.stream(Target.method("engine", "generate"), "Once upon", greedy(4), "lora-first-use",
                               kwargs={"lora_request": {**lora, "lora_int_id": 4}}))[-1]["finished"]
     assert bridge.call(Target.method("engine", "list_loras")) == {4}      # loaded before the request ran
