@@ -205,33 +205,32 @@ def _store_at_its_host(host_name: str, port: int, world_size: int | None = None,
     """torch's TCPStore, but a store's server listens at the host its rendezvous names only. torch's
     own listens on every interface, whatever host it is given: a group a client made "at 127.0.0.1"
     took keys (and pickled objects) from anyone who could reach the machine."""
-    from torch.distributed import TCPStore
+    from torch.distributed import DistNetworkError, TCPStore
     if is_master and kwargs.get("master_listen_fd") is None:
         # Never torch's own socket: it listens on every interface. Where ours cannot be made (a host
-        # name that does not resolve, " 127.0.0.1" with its blank), the group is not made.
-        fd = _listening_at(host_name, port) if isinstance(host_name, str) and host_name else None
-        if fd is None:
-            raise ValueError(f"cannot listen at host {host_name!r}, port {port}: a process group's store "
-                             f"listens at the host its rendezvous names, and only there")
-        kwargs["master_listen_fd"] = fd
+        # name that does not resolve, " 127.0.0.1" with its blank; a port in use), the group is not made.
+        try:
+            kwargs["master_listen_fd"] = _listening_at(host_name, port)
+        except OSError as exc:
+            raise DistNetworkError(f"a process group's store cannot listen at host {host_name!r}, port {port} "
+                                   f"(it listens at the host its rendezvous names, and only there): {exc}") from None
     return TCPStore(host_name, port, world_size, is_master, **kwargs)
 
 
-def _listening_at(host: str, port: int) -> int | None:
-    """A socket listening at (host, port), handed over as its fd (the store closes it); None where
-    it cannot be made, and torch's own error then says why."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError:
-        return None
+def _listening_at(host: object, port: int) -> int:
+    """A socket listening at (host, port), handed over as its fd (the store closes it); OSError
+    where it cannot be made."""
+    if not isinstance(host, str) or not host:
+        raise OSError(f"no host to listen at: {host!r}")
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         sock.listen(socket.SOMAXCONN)
     except OSError:
         sock.close()
-        return None
+        raise
     return sock.detach()
 
 

@@ -366,7 +366,7 @@ class MuxSession:
             start.id, start.stream, start.window = head.id, head.stream, head.window
             start.time_left_ms = head.time_left_ms
             start.metadata.update(head.metadata)
-            target = parse_request(pb.CallTargetView, head.call, rpc).target
+            target = parse_request(pb.CallTargetView, head.call, rpc, shown=pb.CallRequest).target
             if self.identity is None:     # the pool server's lane: the caller knows its call by another id
                 rpc = target_label(target)
             if len(head.call) < SMALL_CALL_BYTES:

@@ -588,7 +588,7 @@ def test_an_engine_that_takes_no_text_or_only_a_few_tokens_is_made(bridge: Bridg
                                    "few-tokens"))
         assert len(items[-1]["outputs"][0]["token_ids"]) == 1
     finally:
-        bridge.call(Target.method(engine, "shutdown"))
+        bridge.release(engine)       # its last ref: the engine shuts down (and counts no more for this client)
     assert wait_until(lambda: not (engine_processes(engine_worker) - before))
 
 

@@ -109,7 +109,9 @@ def test_an_unreadable_request_fails_alone_and_the_connection_serves_on(laned: t
             events.update((e.id, e) for e in read_reply(s).events)
     for call_id in (0, 7):
         assert events[call_id].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], events[call_id]
-        assert "not a valid vllm_bridge.v1.MuxRequest" in events[call_id].error.message
+    assert "not a valid vllm_bridge.v1.MuxRequest" in events[0].error.message, events[0]
+    # the start itself is readable: its call is what is refused, by its id
+    assert "call 7: the request is not a valid vllm_bridge.v1.CallRequest" in events[7].error.message, events[7]
     assert events[2].value.int == 2
     with socket.socket(socket.AF_UNIX) as s:    # a frame over the size limit: that peer is cut off
         s.connect(path)

@@ -192,7 +192,9 @@ def test_process_groups_take_at_most_a_quarter_of_the_workers_open_files(tmp_pat
                     groups.append(c.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1",
                                          free_port(), 0, 1, "gloo", timeout=30))
             assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
-            assert err.value.reason == "too many open files" and "25% of its limit" in err.value.details
+            # the worker-wide quarter, or first this client's share of it (three quarters of the room left)
+            assert err.value.reason == "too many open files", err.value
+            assert "25% of its limit" in err.value.details or "holds at most 75%" in err.value.details, err.value
             assert 1 <= len(groups) < 20, len(groups)
             assert c.call(f"{D}.divide", 10, 5) == 2                      # the worker serves on
             for group in groups:
