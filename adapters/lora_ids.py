@@ -78,9 +78,9 @@ def check(engine: Any, label: str, lora_request: Any, client: str, parameter: st
     if known is not None:
         if known[0] != _real(path):
             raise BridgeError(grpc.StatusCode.ALREADY_EXISTS, "validation",
-                              f"{label}: parameter {parameter}.lora_int_id: LoRA id {lora_id} is adapter "
-                              f"{quote(known[0], 200)} on this engine, and this request gives {quote(path, 200)}: "
-                              f"an id means one adapter for every client of the engine (use another id)",
+                              f"{label}: parameter {parameter}.lora_int_id: LoRA id {lora_id} is another "
+                              f"adapter than {quote(path, 200)} on this engine (whose, this does not say): an id "
+                              f"means one adapter for every client of the engine (use another id)",
                               target=label, parameter=f"{parameter}.lora_int_id", reason="lora id in use")
         return False
     held = bound.per_host.get(host_of(client), 0) if bound is not None else 0
