@@ -250,11 +250,12 @@ class Router:
     def ref_backend(self, refs: tuple[str, ...], listed: tuple[str, ...] = ()) -> Backend:
         """The one worker holding every ref the call uses. `listed`: those the caller named in
         x-bridge-refs, which a refusal names as that header's (the others are the request's own)."""
-        for ref in listed:      # (a request's own refs are the worker's to judge: it may hold them)
-            worker, dot, _ = ref.partition(".")
-            if not worker or not dot:
-                raise BridgeError.validation(f"metadata {MD_REFS}: {quote(ref, 80)} is not a ref id (a Ref's id: "
-                                             f"its worker's id, a dot and a token)", parameter=MD_REFS)
+        for ref in refs:      # (whether a well-formed id is a ref is its worker's to judge)
+            worker, dot, token = ref.partition(".")
+            if not (worker and dot and token):
+                shown = f"metadata {MD_REFS}: " if ref in listed else ""
+                raise BridgeError.validation(f"{shown}{quote(ref, 80)} is not a ref id (a Ref's id: its worker's "
+                                             f"id, a dot and a token)", parameter=MD_REFS if ref in listed else "ref")
         holders: dict[str, str] = {}
         for ref in refs:
             holders.setdefault(ref.partition(".")[0], ref)

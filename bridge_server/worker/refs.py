@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from bridge_server.wire.errors import BridgeError, clip
+from bridge_server.wire.errors import BridgeError, clip, quote
 from bridge_server.wire.protocol import host_of
 
 Finalizer = Callable[[object], None]
@@ -493,6 +493,11 @@ class RefRegistry:
             return RefGone(grpc.StatusCode.NOT_FOUND, "ref", f"ref {ref_id} is gone: {reason}",
                            reason="ref gone", parameter=ref_id)
         ref_id = clip(ref_id, 80)
+        worker, dot, token = ref_id.partition(".")
+        if not (worker and dot and token):
+            return RefGone(grpc.StatusCode.INVALID_ARGUMENT, "ref",
+                           f"{quote(ref_id)} is not a ref id (a Ref's id: its worker's id, a dot and a token)",
+                           reason="not a ref id", parameter=ref_id)
         if not ref_id.startswith(self.worker_id + "."):
             return RefGone(grpc.StatusCode.NOT_FOUND, "ref",
                            f"ref {ref_id} is not held by worker {self.worker_id} (a pool server sends a call to "

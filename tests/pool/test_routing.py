@@ -211,6 +211,13 @@ def test_refs_listed_in_the_header_that_no_worker_holds_are_refused_by_the_heade
         reply = pb.CallReply.FromString(call(divide.SerializeToString(), metadata=(("x-bridge-refs", " , ,"),),
                                              timeout=10))
         assert reply.value.float == 2.0 or reply.value.int == 2, reply
+        # a request's own ref that is no ref id: refused by the pool server as such (it was NOT_FOUND,
+        # "no worker 'nodot'", or from a worker "not held by worker ...")
+        on_it = pb.CallRequest(target=pb.Target(kind=pb.Target.METHOD, name="x", ref=pb.Ref(id="nodot")))
+        with pytest.raises(grpc.RpcError) as err:
+            call(on_it.SerializeToString(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()   # type: ignore[attr-defined]
+        assert "'nodot' is not a ref id" in err.value.details(), err.value.details()   # type: ignore[attr-defined]
 
 
 def test_a_ref_deep_in_a_large_request_reaches_its_worker(server: PoolServer) -> None:

@@ -574,6 +574,8 @@ BAD_CALLS = [
     ("private member", lambda c: c.call(Target.method(c.call("vllm.config.ParallelConfig"), "_secret")),
      grpc.StatusCode.PERMISSION_DENIED, "not part of the documented surface"),
     ("unknown ref", lambda c: c.call(Target.method(pb.Ref(id="w0.nope"), "x")), grpc.StatusCode.NOT_FOUND, "w0.nope"),
+    ("not a ref id", lambda c: c.call(Target.method(pb.Ref(id="nodot"), "x")), grpc.StatusCode.INVALID_ARGUMENT,
+     "'nodot' is not a ref id"),
     ("unknown object", lambda c: c.call(Target.method("no-such-object", "generate")), grpc.StatusCode.NOT_FOUND,
      "no published object 'no-such-object'"),
     ("method as function", lambda c: c.call(f"{FC}.DPMetadata.sp_local_sizes", 2), grpc.StatusCode.INVALID_ARGUMENT,
