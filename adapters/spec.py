@@ -37,10 +37,10 @@ class Policy:
     # 0: it runs to its end (see `Finalizer.expires`).
     unread_request_s: float = 30.0
     # Without authentication, an engine a client made that no call has named for this long, and that
-    # has no work in hand, is released (and so shut down); 0: never (see `Invoker.end_idle_engines`).
+    # has no work in hand, is released (and so shut down); 0: never (see `worker/reclaim.py`).
     idle_engine_s: float = 900.0
     # Without authentication, a ref whose maker's connection has closed, and that no call has used for
-    # this long, is released (`Invoker.end_orphans`); 0: never. The grace keeps the refs of a client
+    # this long, is released (`worker/reclaim.py`); 0: never. The grace keeps the refs of a client
     # that reconnects and goes on using them: the pool server closes a connection idle for 5 minutes,
     # so a client idle longer than that reconnects, and its refs live on for this long unused.
     orphan_ref_s: float = 3600.0

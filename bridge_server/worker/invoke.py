@@ -58,9 +58,8 @@ from bridge_server.worker.catalog import Catalog, Entry, Kind
 from bridge_server.worker.contexts import EnteredContexts, generator_manager
 from bridge_server.worker.deadlines import Deadlines, with_deadline
 from bridge_server.worker.openfiles import open_files, room_for_files
-from bridge_server.worker.peers import peer_endpoints
-from bridge_server.worker.refs import RefEntry, RefRegistry, payer_of
-from bridge_server.worker.results import CODE_TYPES, Results, charge_files, take_turn
+from bridge_server.worker.refs import RefRegistry, payer_of
+from bridge_server.worker.results import CODE_TYPES, Results, take_turn
 from bridge_server.worker.streams import Pace, PutItem, Tee, iterable, iterate, lazily
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -620,23 +619,21 @@ class Invoker:
             result = await self._made(plan, caller, args, kwargs, deadlines.call)
         else:
             result = await self.run_checked(plan, args, kwargs, deadlines.call, caller)
-        if before is not None:      # what its object took counts against its maker's share (`refs.py`)
-            charge_files((open_files() or before) - before)
+        # what its object took counts against its maker's share (`refs.py`)
+        opened = (open_files() or 0) - before if before is not None else 0
         if setting:
             self.refs.recount(plan.receiver, caller.identity, connection_of(caller.client))
             result = None
         elif plan.result_ref and result is not None and self.adopt is not None:
             await with_deadline(self.adopt(result), deadlines.call, plan.label, "warming up what it made")
         try:
-            return await self.results.deliver(plan, result, caller, deadlines.call, out)
+            return await self.results.deliver(plan, result, caller, deadlines.call, out, opened)
         except BridgeError as err:
             if err.reason == "too many open files":
                 # refused for the files it holds: they close with it now, not when the error's frames go
                 result = None
                 raise err.with_traceback(None) from None
             raise
-        finally:
-            charge_files(0)
 
     @staticmethod
     def immediate(plan: Plan) -> bool:
@@ -675,61 +672,6 @@ class Invoker:
             raise BridgeError(grpc.StatusCode.INTERNAL, "python", f"{plan.label} is declared inline (a trivial "
                               f"pure helper) but returned an awaitable", target=plan.label)
         return self.results.encode(plan, result, caller)
-
-    def end_idle_engines(self, now: float | None = None) -> int:
-        """Without authentication the engine limit is every client's together, and a connection's refs
-        outlive it (refs pass between a client's processes): two engines made by connections that had
-        exited (2 GB each) kept every later client from making one, for good, as nobody else could
-        release them. So such an engine that no call has named for `idle_engine_s`, and that holds no
-        live request, is released (its last ref gone, it shuts down); its ref's error says why. An
-        identity's engines are its own to release, and count against its own limit only."""
-        idle = self.policy.idle_engine_s
-        return self._release_unused(idle, now, lambda e: not e.owner and self.catalog.lifecycle(e.obj) is not None,
-                                    f"released: an engine made without an identity, that no call named for {idle:g} s "
-                                    f"and that held no live request (idle_engine_s)")
-
-    def orphan_candidates(self, now: float | None = None) -> bool:
-        """Whether any ref could be an orphan (`end_orphans`): made without an identity over a TCP
-        connection, and unused for `orphan_ref_s`. Cheap, so the TCP tables are read only then."""
-        grace = self.policy.orphan_ref_s
-        if grace <= 0:
-            return False
-        now = time.monotonic() if now is None else now
-        return any(not e.owner and peer_endpoints(e.connection) for e in self.refs.unused_since(now - grace))
-
-    def end_orphans(self, peers: set[str], now: float | None = None) -> int:
-        """Without authentication a ref is everyone's, and only its maker's connection could release
-        it by session: a client that made process groups (13 sockets each) and went away left the
-        worker without room for any other client's objects, and an entered `suppress_stdout` left
-        the worker silent, for good. So a ref made without an identity whose maker's connection is
-        no longer open (`peers`: the open TCP endpoints, `peers.open_peers`) and that no call has
-        used for `orphan_ref_s` is released, and its ref's error says why. A ref another connection
-        goes on using stays."""
-        def orphaned(entry: RefEntry) -> bool:
-            ends = peer_endpoints(entry.connection) if not entry.owner else ()
-            return bool(ends) and not any(end in peers for end in ends)
-        grace = self.policy.orphan_ref_s
-        return self._release_unused(grace, now, orphaned, f"released: made without an identity by a connection "
-                                                           f"that has closed, and unused for {grace:g} s since "
-                                                           f"(orphan_ref_s)")
-
-    def _release_unused(self, idle_s: float, now: float | None, picked: Callable[[RefEntry], bool],
-                        reason: str) -> int:
-        """Releases the refs `picked` of those no call has used for `idle_s` (0: none); an engine still
-        working on a request is counted from when its work ends."""
-        if idle_s <= 0:
-            return 0
-        now = time.monotonic() if now is None else now
-        gone = 0
-        for entry in self.refs.unused_since(now - idle_s):
-            if not picked(entry):
-                continue
-            lifecycle = self.catalog.lifecycle(entry.obj)
-            if lifecycle is not None and lifecycle.busy is not None and lifecycle.busy(entry.obj):
-                entry.last_used = now          # in use: counted from when its work ends
-                continue
-            gone += self.refs.evict(entry.id, reason)
-        return gone
 
     async def call_python(self, target: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
         """Runs a catalog entry for the worker itself (start-up work), with Python values in and out."""

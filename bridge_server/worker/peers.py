@@ -15,29 +15,14 @@ address that stays up) is taken as open, so nothing is reclaimed on a guess.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import urllib.parse
 
-__all__ = ["open_peers", "peer_address", "peer_endpoints"]
+__all__ = ["open_peers", "peer_endpoints"]
 
 _TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 _OPEN_STATES = {"01", "02", "03"}     # ESTABLISHED, SYN_SENT, SYN_RECV; the rest are closing or closed
-
-
-def peer_address(peer: str) -> tuple[str, int] | None:
-    """A gRPC peer string (`ipv4:10.0.0.1:5000`, `ipv6:%5B::1%5D:5000`, `ipv6:[::1]:5000`) as
-    (address, port), an IPv4-mapped IPv6 address as its IPv4 one; None for anything else."""
-    if not peer.startswith(("ipv4:", "ipv6:")):
-        return None
-    host, _, port = urllib.parse.unquote(peer[5:].split(" ", 1)[0]).rpartition(":")
-    try:
-        ip = ipaddress.ip_address(host.strip("[]"))
-        number = int(port)
-    except ValueError:
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return str(ip), number
 
 
 def _hex(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> str:
@@ -48,14 +33,22 @@ def _hex(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> str:
     return f"{words.hex().upper()}:{port:04X}"
 
 
+@functools.lru_cache(maxsize=4096)
 def peer_endpoints(peer: str) -> tuple[str, ...]:
-    """How a peer's end of its connection may appear in the TCP tables: an IPv4 peer in `tcp`, or
-    in `tcp6` as an IPv4-mapped address (a server listening on [::]); () for a peer that is not an
-    IP address and port."""
-    found = peer_address(peer)
-    if found is None:
+    """How a gRPC peer's end of its connection (`ipv4:10.0.0.1:5000`, `ipv6:%5B::1%5D:5000`) may
+    appear in the TCP tables: an IPv4 peer in `tcp`, or in `tcp6` as an IPv4-mapped address (a
+    server listening on [::]); () for a peer that is not an IP address and port. Cached: the sweep
+    asks it of every unused ref, and a client's refs share their connection."""
+    if not peer.startswith(("ipv4:", "ipv6:")):
         return ()
-    ip, port = ipaddress.ip_address(found[0]), found[1]
+    host, _, port_text = urllib.parse.unquote(peer[5:].split(" ", 1)[0]).rpartition(":")
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+        port = int(port_text)
+    except ValueError:
+        return ()
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
     if isinstance(ip, ipaddress.IPv4Address):
         return _hex(ip, port), _hex(ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + ip.packed), port)
     return (_hex(ip, port),)

@@ -278,7 +278,7 @@ class RefRegistry:
         if not pinned and id(obj) not in self._holders and self.max_ref_bytes_per_client:
             nbytes = held_bytes(obj)
             self._room_for_bytes(payer, host, nbytes, f"a ref to this {_type_name(obj)}")
-        holder = _files_holder(owner, connection)
+        holder = _files_holder(owner, connection) if files > 0 else ""
         if files > 0:
             self._settle_files()
             if id(obj) in self._file_charges:

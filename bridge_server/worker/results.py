@@ -10,7 +10,6 @@ result. A stream's items go through the same encoder (`item_writer`), paced by `
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import reprlib
@@ -59,16 +58,6 @@ async def take_turn(turns: Turns, caller: Caller, deadline: float | None, label:
                         f"waiting for its turn to {doing}")
 
 
-# The open files the call's object took when it was made (`Invoker.call` counts them), charged to the
-# first ref its result mints (`refs.py`: a client's share of the worker's open files).
-_opened: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("opened", default=None)
-
-
-def charge_files(opened: int) -> None:
-    """The call now running opened `opened` files: its result's first ref holds them."""
-    _opened.set([opened] if opened > 0 else None)
-
-
 @dataclass
 class Results:
     """Encodes one worker's results: refs go to `refs`, costly results wait for `turns`."""
@@ -81,9 +70,11 @@ class Results:
 
     def encoder(self, caller: Caller, exclusive: bool, stream: bool = False,
                 minted: list[str] | None = None, work_limit: int | None = None,
-                time_limit_s: float | None = None) -> Encoder:
+                time_limit_s: float | None = None, opened: list[int] | None = None) -> Encoder:
         """Values to protobuf; what cannot go by value becomes a ref the caller owns. Code that the
-        catalog does not name is refused, wherever in the result it is."""
+        catalog does not name is refused, wherever in the result it is. `opened`: the open files the
+        call's object took when it was made (`Invoker.call` counts them), charged with the first ref
+        minted to the object it holds (`refs.py`: each client's share of the worker's open files)."""
         code_ok = self.catalog.code_objects
 
         def make_ref(obj: object) -> pb.Ref:
@@ -91,10 +82,7 @@ class Results:
                 raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
                                   f"the result holds a {type(obj).__name__} ({_short_repr(obj)[:80]}), which is not "
                                   f"part of the documented surface: no ref to it leaves the worker", reason="code")
-            pending = _opened.get()
-            files = 0
-            if pending:
-                files, pending[0] = pending[0], 0
+            files = opened.pop() if opened else 0
             entry = self.refs.put(obj, caller.session, owner=caller.identity, exclusive=exclusive,
                                   expires_in=self.expires_in if self.catalog.expires(obj) else None,
                                   connection=connection_of(caller.client), files=files)
@@ -108,12 +96,13 @@ class Results:
 
     def encode(self, plan: Plan, result: Any, caller: Caller, out: pb.Value | None = None,
                work_limit: int | None = None, minted: list[str] | None = None,
-               time_limit_s: float | None = None) -> pb.Value:
+               time_limit_s: float | None = None, opened: list[int] | None = None) -> pb.Value:
         """The result as a Value (filled into `out` if given; the refs it mints listed in `minted`).
         Past `work_limit`: TooCostly, with nothing of the result left behind (`out` cleared, no ref
         minted)."""
         minted = [] if minted is None else minted
-        enc = self.encoder(caller, plan.exclusive, minted=minted, work_limit=work_limit, time_limit_s=time_limit_s)
+        enc = self.encoder(caller, plan.exclusive, minted=minted, work_limit=work_limit, time_limit_s=time_limit_s,
+                           opened=opened)
         if plan.entry is not None and plan.entry.doc is not None:
             result = _as_documented(plan.entry.doc.returns, result)
         out = pb.Value() if out is None else out
@@ -128,13 +117,15 @@ class Results:
             raise
 
     async def deliver(self, plan: Plan, result: Any, caller: Caller, deadline: float | None,
-                      out: pb.Value | None = None) -> pb.Value:
+                      out: pb.Value | None = None, files: int = 0) -> pb.Value:
         """encode, for a call's result, which waits for its turn once it costs more than a bound:
-        the loop that encodes it serves every other call and stream too."""
+        the loop that encodes it serves every other call and stream too. `files`: what the call's
+        object opened (see `encoder`), charged once, however often the result is encoded."""
         out = pb.Value() if out is None else out
         minted: list[str] = []
+        opened = [files] if files > 0 else []
         try:
-            self.encode(plan, result, caller, out, WORK_LIMIT, minted, WORK_TIME_S)
+            self.encode(plan, result, caller, out, WORK_LIMIT, minted, WORK_TIME_S, opened)
         except TooCostly:
             pass
         else:
@@ -147,7 +138,7 @@ class Results:
         await take_turn(self.turns, caller, deadline, plan.label, "encode a large result")
         sent = 0.0
         try:
-            self.encode(plan, result, caller, out, MAX_RESULT_WORK, time_limit_s=MAX_TURN_S)
+            self.encode(plan, result, caller, out, MAX_RESULT_WORK, time_limit_s=MAX_TURN_S, opened=opened)
             sent = out.ByteSize() * SEND_S_PER_BYTE
             return out
         except TooCostly:

@@ -54,6 +54,7 @@ from bridge_server.worker.liveness import Liveness, ObjectConfig
 from bridge_server.worker.mux import multiplex
 from bridge_server.worker.openfiles import files_cap, open_files
 from bridge_server.worker.peers import open_peers
+from bridge_server.worker.reclaim import end_idle_engines, end_orphans, orphan_candidates
 from bridge_server.worker.refs import RefRegistry
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import pool_pb2 as ppb
@@ -344,12 +345,13 @@ class Worker:
                 every = min(every, limit / 4)
         while True:
             await asyncio.sleep(every)
-            self.invoker.refs.sweep()
-            self.invoker.end_idle_engines()
-            if self.invoker.orphan_candidates():
+            refs, catalog = self.invoker.refs, self.invoker.catalog
+            refs.sweep()
+            end_idle_engines(refs, catalog, policy)
+            if orphan_candidates(refs, policy):
                 peers = await asyncio.to_thread(open_peers)     # the kernel takes ms to list them
                 if peers is not None:
-                    self.invoker.end_orphans(peers)
+                    end_orphans(refs, catalog, policy, peers)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops taking calls, lets in-flight ones finish within the grace period, then releases refs."""
