@@ -296,10 +296,12 @@ class Router:
                         session if pin else None)
         pool = named
         mode = opts.affinity or pool.config.affinity
-        if opts.rank is not None:
-            return Plan(pool, pool.rank_backend(opts.rank), None, mode == "strict_fail_fast", f"rank {opts.rank}",
-                        None)
         pinned = pool.pinned(session) if session is not None else None
+        if opts.rank is not None:
+            # A session first seen here is pinned to that rank's worker, as one first seen with a ref is
+            # to the ref's: its refs are there, and its next calls without a rank must find them.
+            return Plan(pool, pool.rank_backend(opts.rank), None, mode == "strict_fail_fast", f"rank {opts.rank}",
+                        session if session is not None and pinned is None else None)
         if pinned is not None and session is not None and pinned.state != READY:
             # Dead or draining (being recycled): hint moves the session; the strict modes stay with a
             # draining worker (it still serves them) and fail for a dead one.

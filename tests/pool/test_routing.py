@@ -85,6 +85,11 @@ def test_calls_are_routed_by_pool_name_and_an_unknown_pool_lists_the_pools(serve
             assert "pools: a, b" in rpc_err.value.details()   # type: ignore[attr-defined]
         # x-bridge-rank picks the worker of that slot.
         assert [holder(c.call(PC, pool="a", rank=r)) for r in (1, 0, 1)] == ["a-1-g1", "a-0-g1", "a-1-g1"]
+        # A session first seen in a call to a rank is pinned there (its refs are there): its next
+        # calls without a rank go there too (unpinned, new sessions would spread over both workers).
+        ranked = [f"ranked-{i}" for i in range(4)]
+        assert {holder(c.call(PC, pool="a", rank=1, session_id=s)) for s in ranked} == {"a-1-g1"}
+        assert {holder(c.call(PC, pool="a", session_id=s)) for s in ranked for _ in range(2)} == {"a-1-g1"}
         with pytest.raises(CallError) as err:
             c.call(PC, pool="a", rank=2)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "no rank 2" in err.value.details
