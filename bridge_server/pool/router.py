@@ -124,7 +124,7 @@ def routed_request(raw: bytes, rpc: str, limit: int | None = None, router: Route
     if unread and router is not None and not payload_refs(head):
         found = router.named_in(unread)
         if len(found) == 1:        # (more than one: bytes that only look like refs; the worker will say)
-            head.args.add().ref.id = f"{found[0]}."
+            head.args.add().ref.id = found[0]
     return head
 
 
@@ -220,7 +220,7 @@ class Router:
         self.pools[backend.pool].remove(backend, reason, message)
 
     def named_in(self, parts: list[bytes], searched: int = REF_SEARCH_BYTES) -> list[str]:
-        """The live workers whose refs the first `searched` bytes of `parts` hold: a Ref's
+        """A ref of each live worker whose refs the first `searched` bytes of `parts` hold: a Ref's
         id is a string field (tag 0x0a, its length, then the id) that is its worker's id, a dot and
         a token, the length saying exactly that much (so text that merely names a worker is not
         taken for a ref). One pass over the bytes, in C (bytes made to look like ids: ~6 ms per MiB)."""
@@ -228,7 +228,7 @@ class Router:
         if not ids:
             return []
         pattern = re.compile(rb"\x0a[\x01-\x7f](?:" + b"|".join(re.escape(i.encode()) for i in ids) + rb")\.")
-        found: dict[str, None] = {}
+        found: dict[str, str] = {}      # worker id -> the first of its refs found
         looked = 0
         for part in parts:
             end = min(len(part), searched)
@@ -236,16 +236,16 @@ class Router:
             for match in pattern.finditer(part, 0, end):
                 looked += 1         # (each is checked in Python: a few, however many the bytes hold)
                 if looked > REF_SEARCH_MATCHES:
-                    return list(found)
+                    return list(found.values())
                 at, stop = match.start(), match.end()
                 tail = stop
                 while tail < end and part[tail] in _TOKEN:
                     tail += 1
                 if part[at + 1] == tail - at - 2:       # the length covers the worker id, the dot, the token
-                    found[part[at + 2:stop - 1].decode()] = None
+                    found.setdefault(part[at + 2:stop - 1].decode(), part[at + 2:tail].decode())
             if searched <= 0 or len(found) == len(ids):
                 break
-        return list(found)
+        return list(found.values())
 
     def ref_backend(self, refs: tuple[str, ...], listed: tuple[str, ...] = ()) -> Backend:
         """The one worker holding every ref the call uses. `listed`: those the caller named in
