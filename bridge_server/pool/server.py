@@ -18,7 +18,6 @@ import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2
-from grpc_reflection.v1alpha import reflection
 
 from bridge_server.pool.backlog import Backlog
 from bridge_server.pool.config import ServerConfig
@@ -28,7 +27,8 @@ from bridge_server.pool.router import Router
 from bridge_server.pool.supervisor import Supervisor
 from bridge_server.wire import eventloop
 from bridge_server.wire.errors import quote
-from bridge_server.wire.protocol import HealthWatches, connection_limit, health_and_status, public_server_options
+from bridge_server.wire.open_services import HealthWatches, health_and_status, reflection_service
+from bridge_server.wire.protocol import connection_limit, public_server_options
 from bridge_server.wire.security import ServerSecurity, check_exposure
 from vllm_bridge.v1 import pool_pb2 as ppb
 
@@ -97,9 +97,8 @@ class PoolServer:
                                                         config.max_request_bytes, self.backlog).handler()])
         self.watches = HealthWatches()
         self.server.add_generic_rpc_handlers(health_and_status(self.health, _StatusService(self).Status, self.watches))
-        reflection.enable_server_reflection(
-            (SERVICE, POOL_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), self.server)
+        self.server.add_generic_rpc_handlers([reflection_service(
+            (SERVICE, POOL_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))])
         self.port = security.add_port(self.server, config.listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {config.listen}")

@@ -10,8 +10,8 @@ import asyncio
 import functools
 import ipaddress
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -324,91 +324,6 @@ def parsed_service(service: str, methods: Mapping[str, UnaryMethod]) -> grpc.Gen
 
 def _serialize(message: Message) -> bytes:
     return message.SerializeToString()
-
-
-# The health service answers without a token (unless `--auth-health`), so what a request may make it
-# keep is bounded: a service name (ours are "" and "pool/<name>"), and the Watch streams one host holds
-# open at once. grpcio-health-checking's servicer keeps a watched name, the request and its bytes for
-# as long as the stream lasts: 6 watches of 60 MB names held 1.7 GB of the pool server, and 90,000 small
-# ones from one host 600 MB.
-MAX_HEALTH_SERVICE_CHARS = 256
-MAX_WATCHES_PER_HOST = 1024
-
-
-def _health_service_name(request: Any, rpc: str) -> None:
-    if len(request.service) > MAX_HEALTH_SERVICE_CHARS:
-        raise BridgeError.validation(f"{rpc}: service: a name of {len(request.service):,} characters is over the "
-                                     f"limit of {MAX_HEALTH_SERVICE_CHARS}", parameter="service")
-
-
-@dataclass
-class HealthWatches:
-    """The health service's Watch streams in progress. grpcio-health-checking's servicer holds each
-    open for as long as its client does, and a stopping server waits for every RPC until its grace
-    period ends: one idle watcher kept it 30 s. At shutdown each says NOT_SERVING, then ends (OK).
-    One host holds at most MAX_WATCHES_PER_HOST open at once."""
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    ending: bool = False
-    by_host: dict[str, int] = field(default_factory=dict)
-
-    async def watch(self, health: Any, request: Any, context: grpc.aio.ServicerContext) -> None:
-        rpc = "grpc.health.v1.Health/Watch"
-        try:
-            _health_service_name(request, rpc)
-        except BridgeError as exc:
-            await context.abort_with_status(exc.to_status())
-        host = host_of(context.peer() or "")
-        if self.by_host.get(host, 0) >= MAX_WATCHES_PER_HOST:
-            await context.abort_with_status(BridgeError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
-                f"{rpc}: this host holds {MAX_WATCHES_PER_HOST:,} watches open, the most one host may: end some "
-                f"first", reason="too many watches").to_status())
-        self.by_host[host] = self.by_host.get(host, 0) + 1
-        task: asyncio.Task[None] = asyncio.ensure_future(health.Watch(request, context))
-        self.tasks.add(task)
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if not (self.ending and task.cancelled()):
-                task.cancel()          # the caller went: its watch goes with it
-                raise
-        finally:
-            self.tasks.discard(task)
-            left = self.by_host[host] - 1
-            if left:
-                self.by_host[host] = left
-            else:
-                del self.by_host[host]
-
-    async def check(self, health: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            _health_service_name(request, "grpc.health.v1.Health/Check")
-        except BridgeError as exc:
-            await context.abort_with_status(exc.to_status())
-        return await health.Check(request, context)
-
-    async def end(self, said_s: float = 0.1) -> None:
-        """Ends them, once they had `said_s` to send the status the shutdown set."""
-        self.ending = True
-        if self.tasks:
-            await asyncio.sleep(said_s)
-        for task in list(self.tasks):
-            task.cancel()
-
-
-def health_and_status(health: Any, status: Callable[..., Awaitable[object]],
-                      watches: HealthWatches) -> list[grpc.GenericRpcHandler]:
-    """The standard health service (`health`: grpcio-health-checking's aio servicer; its Watch
-    streams kept in `watches`) and our `Pool/Status`, as both servers register them."""
-    from grpc_health.v1 import health_pb2
-
-    from vllm_bridge.v1 import pool_pb2
-    request = health_pb2.HealthCheckRequest
-    return [parsed_service(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                           {"Check": (functools.partial(watches.check, health), request, False),
-                            "Watch": (functools.partial(watches.watch, health), request, True)}),
-            parsed_service(pool_pb2.DESCRIPTOR.services_by_name["Pool"].full_name,
-                           {"Status": (status, pool_pb2.StatusRequest, False)})]
 
 
 def large_batch_within_limit(data: bytes) -> None:

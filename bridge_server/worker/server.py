@@ -26,20 +26,18 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2
-from grpc_reflection.v1alpha import reflection
 
 from adapters.spec import Policy
 from bridge_server.wire import eventloop
 from bridge_server.wire.errors import BridgeError, caller_gone, server_error, target_label
 from bridge_server.wire.jsonvalue import from_json
+from bridge_server.wire.open_services import HealthWatches, health_and_status, reflection_service
 from bridge_server.wire.options import MD_WORKER_REFS, RuntimeOptions, connection_of, parse_metadata
 from bridge_server.wire.protocol import (
     MIN_PING_INTERVAL_S,
     LargeRequest,
     M,
-    HealthWatches,
     collective_calls,
-    health_and_status,
     parse_request,
     read_call,
     read_release,
@@ -398,9 +396,8 @@ def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
     trusted = config.lane is not None and security.tokens is None
     server.add_generic_rpc_handlers([BridgeService(invoker, security, trusted, config.max_request_bytes).handler()])
     health_servicer = health.aio.HealthServicer()
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, POOL_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+    server.add_generic_rpc_handlers([reflection_service(
+        (SERVICE_NAME, POOL_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))])
     port = security.add_port(server, config.listen)
     if port == 0:
         raise OSError(f"cannot listen on {config.listen}")

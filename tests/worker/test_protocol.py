@@ -671,7 +671,7 @@ def test_the_open_health_service_keeps_little_for_a_stranger(worker: WorkerProce
     """Health answers without a token, and its servicer keeps a watched name, the request and its bytes
     for as long as the stream lasts: 6 watches of 60 MB names held 1.7 GB of the pool server, 90,000
     small ones from one host 600 MB. A name is at most 256 characters; a host holds 1,024 watches."""
-    from bridge_server.wire.protocol import MAX_WATCHES_PER_HOST
+    from bridge_server.wire.open_services import MAX_WATCHES_PER_HOST
     with grpc.insecure_channel(worker.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         long = health_pb2.HealthCheckRequest(service="s" * 300)
@@ -692,6 +692,44 @@ def test_the_open_health_service_keeps_little_for_a_stranger(worker: WorkerProce
         assert next(again).status == health_pb2.HealthCheckResponse.SERVING
         for w in [*watches, again]:
             w.cancel()
+
+
+def test_the_open_reflection_service_keeps_little_for_a_stranger(worker: WorkerProcess) -> None:
+    """Reflection answers without a token, and copies each request into its reply, which stays in the
+    server while its caller reads nothing: 12 streams of one 60 MB request each held 3 GB of the pool
+    server. A request is at most 16 KiB; a host holds 64 reflection streams open."""
+    from bridge_server.wire.open_services import MAX_REFLECTION_REQUEST_BYTES, MAX_REFLECTION_STREAMS_PER_HOST
+
+    listing = reflection_pb2.ServerReflectionRequest(list_services="")
+    with grpc.insecure_channel(worker.address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        huge = reflection_pb2.ServerReflectionRequest(file_containing_symbol="x" * (60 << 20))
+        for request in (huge, reflection_pb2.ServerReflectionRequest(
+                file_by_filename="f" * (MAX_REFLECTION_REQUEST_BYTES + 1))):
+            with pytest.raises(grpc.RpcError) as err:
+                list(refl.ServerReflectionInfo(iter([listing, request]), timeout=30))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert f"over the limit of {MAX_REFLECTION_REQUEST_BYTES:,}" in err.value.details()
+        gates = [threading.Event() for _ in range(MAX_REFLECTION_STREAMS_PER_HOST + 1)]
+
+        def held(gate: threading.Event) -> Iterator[reflection_pb2.ServerReflectionRequest]:
+            yield listing
+            gate.wait(60)
+        streams = [refl.ServerReflectionInfo(held(g), timeout=60) for g in gates[:-1]]
+        assert all(next(s).list_services_response.service for s in streams)
+        with pytest.raises(grpc.RpcError) as err:
+            next(refl.ServerReflectionInfo(held(gates[-1]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+        assert f"{MAX_REFLECTION_STREAMS_PER_HOST} reflection streams" in err.value.details()
+        gates[0].set()
+        list(streams[0])
+        time.sleep(0.5)
+        again = list(refl.ServerReflectionInfo(iter([listing]), timeout=10))
+        assert {s.name for s in again[0].list_services_response.service} >= {"vllm_bridge.v1.Bridge"}
+        for g in gates:
+            g.set()
+        for s in streams[1:]:
+            list(s)
 
 
 def test_many_concurrent_calls_are_served_at_once(worker: WorkerProcess) -> None:
