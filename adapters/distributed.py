@@ -5,9 +5,11 @@ order on every rank, so everything that touches a group runs in the worker's exc
 arithmetic helpers are pure; the cheapest of them run inline on the event loop.
 """
 
+import gc
 import ipaddress
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -158,6 +160,8 @@ _TEARS_DOWN = frozenset({"destroy_model_parallel", "destroy_distributed_environm
 # pool's tensor-parallel group for groups of one rank each, and every other client's all_reduce
 # returned its tensor unreduced, silently. A change like setting up or tearing down.
 _SWAPS = frozenset({"patch_tensor_parallel_group"})
+# What changes how the groups set up next are made, for every client (a process-wide flag): a change too.
+_SETTINGS = frozenset({"set_custom_all_reduce"})
 
 
 @dataclass
@@ -177,7 +181,7 @@ def _groups_exist() -> bool:
 def _group_guard(name: str, then: Callable[[object, Mapping[str, object], CallContext], None] | None = None) -> Any:
     """The guard of an entry that sets up, tears down or uses the process groups (see _GroupHold),
     after the entry's own guard (`then`) if it has one."""
-    changes = name in _SETS_UP or name in _TEARS_DOWN or name in _SWAPS
+    changes = name in _SETS_UP or name in _TEARS_DOWN or name in _SWAPS or name in _SETTINGS
 
     def guard(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
         if then is not None:
@@ -428,6 +432,25 @@ def _a_cuda_device(receiver: object, args: Mapping[str, object], ctx: CallContex
                           parameter="device", reason="no CUDA device")
 
 
+def _cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
+    """vLLM's own, less what it does to the whole process beyond the groups: it unfreezes the heap
+    the worker froze at start (`wire/eventloop.py`) and collects all of it, ~0.3 s with the event loop
+    held, at every call (and turns off the cache of vLLM's environment variables). A stranger calling
+    it in a loop stalled every other client's streams (gaps of 0.4-0.7 s between tokens), and the heap
+    stayed unfrozen for the worker's life. Here the groups go as in vLLM's, and what they leave is
+    collected with the young generations only."""
+    from vllm.distributed import parallel_state
+    from vllm.platforms import current_platform
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()
+    ray = sys.modules.get("ray")
+    if shutdown_ray and ray is not None:      # (never imported: no Ray here to shut down)
+        ray.shutdown()
+    gc.collect(1)
+    if current_platform.empty_cache is not None:
+        current_platform.empty_cache()
+
+
 def _suppress_stdout() -> StdoutSuppression:
     return StdoutSuppression()
 
@@ -485,9 +508,10 @@ DISTRIBUTED = AdapterSpec(
     }),
     inline=frozenset({"divide", "ensure_divisibility", "get_pp_indices", "is_torch_equal_or_newer"}),
     # The inline helpers' guards are plain functions: they run where the call is read (`Invoker.immediate`).
-    guards={**_GUARDS, **{name: _group_guard(name, _GUARDS.get(name)) for name in _COLLECTIVES | _SWAPS}},
+    guards={**_GUARDS, **{name: _group_guard(name, _GUARDS.get(name)) for name in _COLLECTIVES | _SWAPS | _SETTINGS}},
     collectives=_COLLECTIVES,
-    overrides={"suppress_stdout": _suppress_stdout, **{name: _zeroed(name) for name in _FAKES}},
+    overrides={"suppress_stdout": _suppress_stdout, "cleanup_dist_env_and_memory": _cleanup_dist_env_and_memory,
+               **{name: _zeroed(name) for name in _FAKES}},
     finalizers=(Finalizer("adapters.distributed", "StdoutSuppression", _end_suppression),),
     frees=frozenset({
         "stateless_destroy_torch_distributed_process_group", "destroy_model_parallel",
