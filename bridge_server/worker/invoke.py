@@ -179,6 +179,22 @@ _EXIT_PARAMETERS = ("exc_type", "exc_value", "traceback")
 MAX_METHOD_SHAPES = 4096    # (class, method) pairs planned once; past it, planned per call
 
 
+# FUNCTION names any catalog entry (what the Python client sends for every name: a class is built, a
+# module attribute read, as Python would); the other kinds say which they mean, and a name of another
+# kind is refused rather than run: a MODULE_ATTR "read" of destroy_model_parallel destroyed the groups.
+_ENTRY_KINDS = {pb.Target.MODULE_ATTR: Kind.MODULE_ATTR, pb.Target.CONSTRUCTOR: Kind.CONSTRUCTOR}
+_WHAT = {Kind.FUNCTION: ("a function", "FUNCTION"), Kind.CLASSMETHOD: ("a classmethod", "FUNCTION"),
+         Kind.CONSTRUCTOR: ("a class", "CONSTRUCTOR (or FUNCTION)"),
+         Kind.MODULE_ATTR: ("a module attribute", "MODULE_ATTR (or FUNCTION)")}
+
+
+def _kind_misfit(kind: int, entry: Entry) -> BridgeError:
+    what, use = _WHAT.get(entry.kind, (entry.kind.name.lower(), "FUNCTION"))
+    asked = "reads a module attribute, and never calls" if kind == pb.Target.MODULE_ATTR else "builds a class"
+    return BridgeError.validation(f"{entry.name} is {what}, and target kind {pb.Target.Kind.Name(kind)} {asked}: "
+                                  f"use target kind {use}", target=entry.name, parameter="target.kind")
+
+
 @dataclass
 class Invoker:
     catalog: Catalog
@@ -278,6 +294,8 @@ class Invoker:
             plan = self._entry_plans.get(target.name)
             if plan is None:
                 plan = self._entry_plans[target.name] = self._plan_entry(self.catalog.lookup(target.name))
+            if kind != pb.Target.FUNCTION and plan.entry is not None and plan.entry.kind is not _ENTRY_KINDS[kind]:
+                raise _kind_misfit(kind, plan.entry)
             return plan
         if kind in (pb.Target.METHOD, pb.Target.GET_ATTR, pb.Target.SET_ATTR, pb.Target.ITERATE):
             obj, exclusive, published = self._receiver(target, caller)

@@ -582,6 +582,15 @@ BAD_CALLS = [
      "call it on a ref"),
     ("args to an attribute", lambda c: c.call(f"{FC}.track_batchsize", 1), grpc.StatusCode.INVALID_ARGUMENT,
      "takes no arguments"),
+    ("a function read as a module attribute", lambda c: c.call(Target(pb.Target(
+        kind=pb.Target.MODULE_ATTR, name=f"{D}.destroy_model_parallel"))), grpc.StatusCode.INVALID_ARGUMENT,
+     "is a function, and target kind MODULE_ATTR reads a module attribute, and never calls"),
+    ("a function built as a class", lambda c: c.call(Target(pb.Target(kind=pb.Target.CONSTRUCTOR, name=f"{D}.divide")),
+                                                     6, 3), grpc.StatusCode.INVALID_ARGUMENT,
+     "is a function, and target kind CONSTRUCTOR builds a class: use target kind FUNCTION"),
+    ("a module attribute built as a class", lambda c: c.call(Target(pb.Target(
+        kind=pb.Target.CONSTRUCTOR, name=f"{D}.logger"))), grpc.StatusCode.INVALID_ARGUMENT,
+     "is a module attribute, and target kind CONSTRUCTOR builds a class"),
     ("bad affinity", lambda c: c.call(f"{D}.divide", 6, 3, affinity="sometimes"), grpc.StatusCode.INVALID_ARGUMENT,
      "unknown affinity"),
     ("division by zero", lambda c: c.call(f"{D}.divide", 6, 0), grpc.StatusCode.INVALID_ARGUMENT,
