@@ -481,7 +481,15 @@ def check_record(label: str, where: str, cls: type, fields: dict[str, Any], buil
         if check is not None:
             fields[field] = check.member(item)
     if rule is not None and rule.check is not None:
-        rule.check(fields, building.policy)
+        try:
+            rule.check(fields, building.policy)
+        except BridgeError as err:
+            if err.target == label:
+                raise
+            # The rule speaks of the class's fields; here they are a parameter's, of this call.
+            said = err.message.removeprefix(f"{err.target}: ")
+            raise dataclasses.replace(err, message=f"{what}: {said}", target=label,
+                                      parameter=f"{where}.{err.parameter}" if err.parameter else where) from None
     return fields
 
 

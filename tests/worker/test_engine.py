@@ -799,7 +799,8 @@ BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words
     ("completions in the millions", "hi", {**greedy(2), "n": 1_000_000}, {}, grpc.StatusCode.RESOURCE_EXHAUSTED,
      "field n: 1000000 completions of one prompt is over this server's limit of 256"),
     ("an int past 64 bits", "hi", greedy(2, seed=2**70), {}, grpc.StatusCode.INVALID_ARGUMENT,
-     "field seed: 1180591620717411303424 does not fit in 64 bits"),
+     "parameter sampling_params: cannot build SamplingParams from the map given: field seed: "
+     "1180591620717411303424 does not fit in 64 bits"),
     ("a priority past 64 bits", "hi", greedy(2), {"priority": 2**100}, grpc.StatusCode.INVALID_ARGUMENT,
      "parameter priority"),
     ("a priority of the client's own on a shared engine", "hi", greedy(2), {"priority": -5},
@@ -904,6 +905,8 @@ def test_a_request_that_would_harm_the_engine_is_refused_by_name_and_the_engine_
     with pytest.raises(CallError) as err:
         list(bridge.stream(GENERATE, prompt, params, f"harm-{what}", kwargs=extra, timeout=60))
     assert err.value.code == code and needle in err.value.details, err.value.details
+    # named as the call made, whatever check refused it (a sampling field's rule named vllm.SamplingParams)
+    assert err.value.detail is not None and err.value.detail.target.endswith(".generate"), err.value.detail
     assert bridge.call(Target.method("engine", "check_health")) is None
     good = list(bridge.stream(GENERATE, {"prompt_token_ids": [1, 2, 1023]}, greedy(3), f"harm-after-{what}"))
     assert good[-1]["finished"] is True and len(good[-1]["outputs"][0]["token_ids"]) == 3
