@@ -33,7 +33,15 @@ from bridge_server.pool.metrics import Metrics
 from bridge_server.pool.multiplex import forward_multiplex
 from bridge_server.pool.poolstate import Backend, Flight, pool_error
 from bridge_server.pool.router import Router, client_of, read_route, routed_request, session_key, time_left
-from bridge_server.wire.errors import STATUS_DETAILS_KEY, BridgeError, caller_gone, mux_error_status, status_code
+from bridge_server.wire.errors import (
+    STATUS_DETAILS_KEY,
+    BridgeError,
+    abort,
+    caller_gone,
+    mux_error_status,
+    status_code,
+    status_of,
+)
 from bridge_server.wire.options import MD_CLIENT, MD_IDENTITY, MD_WORKER_REFS, ROUTER_ONLY_KEYS
 from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, parse_request, read_release
 from bridge_server.wire.security import MD_AUTHORIZATION, ServerSecurity
@@ -151,7 +159,7 @@ class Forwarder:
                               reason="router failure")
         out.code = err.code.name
         try:
-            await context.abort_with_status(err.to_status())
+            await abort(context, err.to_status())
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc2:
@@ -177,7 +185,7 @@ class Forwarder:
     async def _lane_error(err: pb.MuxError, context: grpc.aio.ServicerContext, out: _Outcome) -> None:
         """The worker's error, as its own Call or Stream RPC would have ended."""
         out.code = status_code(err.code).name
-        await context.abort_with_status(mux_error_status(err))
+        await abort(context, mux_error_status(err))
 
     # ------------------------------------------------------------------------------------ Call
     async def call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -419,7 +427,7 @@ class Forwarder:
             counts = await asyncio.gather(*(one(b) for b in targets.values()))
         except grpc.aio.AioRpcError as err:
             out.code = err.code().name
-            await context.abort(err.code(), err.details() or "", tuple(err.trailing_metadata() or ()))
+            await abort(context, status_of(err.code(), err.details() or "", tuple(err.trailing_metadata() or ())))
             raise
         out.code = "OK"
         reply: bytes = pb.ReleaseReply(released=sum(counts)).SerializeToString()
@@ -441,7 +449,7 @@ class Forwarder:
                                                              timeout=time_left(route))
             except grpc.aio.AioRpcError as err:
                 out.code = err.code().name
-                await context.abort(err.code(), err.details() or "", tuple(err.trailing_metadata() or ()))
+                await abort(context, status_of(err.code(), err.details() or "", tuple(err.trailing_metadata() or ())))
                 raise
             if len(reply) >= COUNTED_UNARY_BYTES:      # gRPC holds it until the caller reads it
                 refused = self._hold(context, client_of(identity, context), "Describe", len(reply))

@@ -26,7 +26,7 @@ from bridge_server.pool.metrics import Metrics, PoolSnapshot
 from bridge_server.pool.router import Router
 from bridge_server.pool.supervisor import Supervisor
 from bridge_server.wire import eventloop
-from bridge_server.wire.errors import quote
+from bridge_server.wire.errors import abort, quote, status_of
 from bridge_server.wire.open_services import HealthWatches, health_and_status, reflection_service
 from bridge_server.wire.protocol import connection_limit, public_server_options
 from bridge_server.wire.security import ServerSecurity, check_exposure
@@ -64,8 +64,9 @@ class _StatusService:
 
     async def Status(self, request: ppb.StatusRequest, context: grpc.aio.ServicerContext) -> ppb.StatusReply:  # noqa: N802
         if request.pool and request.pool not in self._server.router.pools:
-            await context.abort(grpc.StatusCode.NOT_FOUND,      # the name as far as it helps: a status fits a header
-                                f"no pool {quote(request.pool)}; pools: {', '.join(self._server.router.pools)}")
+            # the name as far as it helps: a status fits a header
+            pools = ", ".join(self._server.router.pools)
+            await abort(context, status_of(grpc.StatusCode.NOT_FOUND, f"no pool {quote(request.pool)}; pools: {pools}"))
         return self._server.status(request.pool)
 
 

@@ -16,8 +16,8 @@ import grpc
 from google.protobuf.message import Message
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from bridge_server.wire.errors import BridgeError
-from bridge_server.wire.protocol import host_of, parse_request, parsed_service
+from bridge_server.wire.errors import BridgeError, abort
+from bridge_server.wire.protocol import host_of, parse_request, parsed_service, stop_reading
 
 __all__ = ["MAX_REFLECTION_REQUEST_BYTES", "MAX_REFLECTION_STREAMS_PER_HOST", "MAX_WATCHES_PER_HOST", "HealthWatches",
            "PerHost", "health_and_status", "reflection_service"]
@@ -80,10 +80,10 @@ class HealthWatches:
         try:
             _health_service_name(request, rpc)
         except BridgeError as exc:
-            await context.abort_with_status(exc.to_status())
+            await abort(context, exc.to_status())
         host = host_of(context.peer() or "")
         if not self.hosts.take(host):
-            await context.abort_with_status(self.hosts.refusal(rpc, "watches", "too many watches").to_status())
+            await abort(context, self.hosts.refusal(rpc, "watches", "too many watches").to_status())
         task: asyncio.Task[None] = asyncio.ensure_future(health.Watch(request, context))
         self.tasks.add(task)
         try:
@@ -100,7 +100,7 @@ class HealthWatches:
         try:
             _health_service_name(request, "grpc.health.v1.Health/Check")
         except BridgeError as exc:
-            await context.abort_with_status(exc.to_status())
+            await abort(context, exc.to_status())
         return await health.Check(request, context)
 
     async def end(self, said_s: float = 0.1) -> None:
@@ -144,10 +144,15 @@ def reflection_service(service_names: Sequence[str], streams: PerHost | None = N
     rpc = f"{reflection.SERVICE_NAME}/ServerReflectionInfo"
 
     async def requests(raw: AsyncIterator[bytes]) -> AsyncIterator[Message]:
-        async for data in raw:
-            if len(data) > MAX_REFLECTION_REQUEST_BYTES:
+        received = raw.__aiter__()
+        async for data in received:
+            size = len(data)
+            if size > MAX_REFLECTION_REQUEST_BYTES:
+                # nothing of the refused request stays: not with the error, nor in gRPC's reader
+                del data
+                await stop_reading(received)
                 raise BridgeError(grpc.StatusCode.INVALID_ARGUMENT, "validation",
-                                  f"{rpc}: a request of {len(data):,} bytes is over the limit of "
+                                  f"{rpc}: a request of {size:,} bytes is over the limit of "
                                   f"{MAX_REFLECTION_REQUEST_BYTES:,} (a reflection request names a file, a symbol "
                                   f"or a type)", parameter="request", reason="request too large")
             yield parse_request(reflection_pb2.ServerReflectionRequest, data, rpc)
@@ -155,14 +160,17 @@ def reflection_service(service_names: Sequence[str], streams: PerHost | None = N
     async def info(raw: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
         host = host_of(context.peer() or "")
         if not hosts.take(host):
-            await context.abort_with_status(hosts.refusal(rpc, "reflection streams", "too many streams").to_status())
+            await abort(context, hosts.refusal(rpc, "reflection streams", "too many streams").to_status())
+        refused = None
         try:
             async for reply in servicer.ServerReflectionInfo(requests(raw), context):
                 yield reply
         except BridgeError as exc:
-            await context.abort_with_status(exc.to_status())
+            refused = exc.to_status()
         finally:
             hosts.give(host)
+        if refused is not None:     # (outside the handler: the abort carries no chain of frames)
+            await abort(context, refused)
 
     return grpc.method_handlers_generic_handler(reflection.SERVICE_NAME, {
         "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(info, response_serializer=_serialize)})

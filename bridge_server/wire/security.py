@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from bridge_server.wire.errors import BridgeError
+from bridge_server.wire.errors import BridgeError, abort, status_of
 from bridge_server.wire.options import MD_IDENTITY
 
 log = logging.getLogger("vllm_bridge.security")
@@ -172,8 +172,8 @@ class ServerSecurity:
 def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that refuses the call: UNAUTHENTICATED."""
     async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                            "missing or unknown bearer token: send `authorization: Bearer <token>`")
+        await abort(context, status_of(grpc.StatusCode.UNAUTHENTICATED,
+                                       "missing or unknown bearer token: send `authorization: Bearer <token>`"))
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(refuse)
     if handler.request_streaming:

@@ -42,6 +42,7 @@ from bridge_server.wire.protocol import (
     mux_refusal,
     parse_request,
     start_options_within_limit,
+    stop_reading,
     too_large,
 )
 from bridge_server.worker.deadlines import resolve_deadlines, with_deadline
@@ -506,7 +507,9 @@ async def multiplex(invoker: Invoker, requests: AsyncIterator[bytes],
                     await written.wait()
                 try:
                     await session.feed(raw)
-                except BridgeError as exc:   # ends the stream, without the frames that hold what was read
+                except BridgeError as exc:   # ends the stream, without the frames that hold what was read,
+                    del raw                  # nor gRPC's reader's last message
+                    await stop_reading(requests)
                     raise exc.with_traceback(None) from None
         finally:
             out.ready.set()

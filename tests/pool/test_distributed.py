@@ -246,7 +246,7 @@ SWEEP: list[tuple[str, tuple[object, ...]]] = [
     ("get_pp_indices", (32, 0, 2)), ("divide", (6, 3)), ("ensure_divisibility", (6, 3)),
     ("is_torch_equal_or_newer", ("2.0",)), ("split_tensor_along_last_dim", (torch.ones(2, 4), 2)),
     ("sched_yield", ()), ("resolve_obj_by_qualname", ("vllm.distributed.divide",)),
-    ("init_logger", ("bridge.test",)), ("logger", ()), ("use_sched_yield", ()), ("set_custom_all_reduce", (True,)),
+    ("init_logger", ("bridge.test",)), ("logger", ()), ("use_sched_yield", ()),
     ("all_reduce", (torch.ones(3), "tp:0")), ("all_gather", (torch.ones(3), 0, 2, "tp:0")),
     ("reduce_scatter", (torch.ones(4), 0, 2, "tp:0")), ("all_reduce_fake", (torch.ones(3), "tp:0")),
     ("all_gather_fake", (torch.ones(3), 0, 2, "tp:0")), ("reduce_scatter_fake", (torch.ones(4), 0, 2, "tp:0")),
@@ -265,6 +265,10 @@ def test_documented_distributed_functions_reach_vllm_on_a_group(tp: BridgeClient
                 problems.append(f"{name}: {err.code.name} {err.category}: {err.details}")
     assert not problems, "\n".join(problems)
     assert tp.collective(f"{D}.all_reduce", torch.ones(3), "tp:0")[0].tolist() == [2.0, 2.0, 2.0]
+    # how the next groups are made is a change of the groups: the pool's own are the server's
+    with pytest.raises(CallError) as err:
+        tp.collective(f"{D}.set_custom_all_reduce", True)
+    assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and err.value.reason == "groups held", err.value
     # graph capture needs a CUDA device (vLLM said so only once its manager was entered, and without
     # CUDA torch's own error was UNKNOWN): refused by the parameter, for what the worker lacks
     for device, code in (("cpu", grpc.StatusCode.INVALID_ARGUMENT), ("cuda", grpc.StatusCode.FAILED_PRECONDITION)):
