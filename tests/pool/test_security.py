@@ -699,7 +699,9 @@ def test_a_client_makes_at_most_its_share_of_engines(secured: PoolServer, pki: d
                 alice.call(f"{E}.from_engine_args", {**args, **size}, pool="g", timeout=30)
             assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
             assert refused.value.reason == "over the client limit" and "engine_args_allowed" in refused.value.details
-            assert refused.value.detail is not None and refused.value.detail.parameter in size
+            # named as the call's parameter's field
+            assert refused.value.detail is not None and refused.value.detail.parameter.removeprefix(
+                "engine_args.") in size and refused.value.detail.parameter.startswith("engine_args."), refused.value
             assert time.monotonic() - t0 < 5     # refused before it starts
         with pytest.raises(CallError) as refused:     # past it the engine core fails to start
             alice.call(f"{E}.from_engine_args", {**args, "seed": 2**32}, pool="g", timeout=10)
