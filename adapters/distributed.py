@@ -447,7 +447,8 @@ def _cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
     if shutdown_ray and ray is not None:      # (never imported: no Ray here to shut down)
         ray.shutdown()
     gc.collect(1)
-    if current_platform.empty_cache is not None:
+    # (asked of the class: the platform object logs a warning for each attribute it lacks, at every call)
+    if getattr(type(current_platform), "empty_cache", None) is not None:
         current_platform.empty_cache()
 
 

@@ -22,6 +22,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from bridge_server.client import commands as client_commands  # noqa: E402
 from bridge_server.pool.config import add_serve_arguments  # noqa: E402
+from bridge_server.wire.logbudget import budget_logs  # noqa: E402
 from bridge_server.worker import main as worker_main  # noqa: E402
 
 # vLLM must never try to reach a model hub or send usage data from our processes.
@@ -126,6 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("grpc._cython.cygrpc").addFilter(_caller_gone_mid_write)
+    budget_logs([logging.getLogger()])
     return int(args.func(args))
 
 

@@ -38,6 +38,7 @@ from bridge_server.wire.errors import (
     BridgeError,
     abort,
     caller_gone,
+    forget_frames,
     mux_error_status,
     status_code,
     status_of,
@@ -143,13 +144,15 @@ class Forwarder:
     # ------------------------------------------------------------------------------------ helpers
     @staticmethod
     async def _abort(context: grpc.aio.ServicerContext, out: _Outcome, exc: BaseException) -> None:
-        """Every failure of the router itself leaves as a rich status."""
+        """Every failure of the router itself leaves as a rich status (and the exception lets go of
+        its frames: `wire/errors.py` `abort`)."""
         if isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit)):
             return      # GeneratorExit: gRPC closed a Multiplex whose RPC ended (its deadline, say)
         if context.cancelled() or caller_gone(exc):
             # The caller went away (a stream its consumer stopped early): a write that fails now is
             # the cancellation, not a router failure, and there is nobody left to tell.
             out.code = "CANCELLED"
+            forget_frames(exc)
             return
         if isinstance(exc, BridgeError):
             err = exc
@@ -159,7 +162,7 @@ class Forwarder:
                               reason="router failure")
         out.code = err.code.name
         try:
-            await abort(context, err.to_status())
+            await abort(context, err.to_status(), exc)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc2:
@@ -427,7 +430,7 @@ class Forwarder:
             counts = await asyncio.gather(*(one(b) for b in targets.values()))
         except grpc.aio.AioRpcError as err:
             out.code = err.code().name
-            await abort(context, status_of(err.code(), err.details() or "", tuple(err.trailing_metadata() or ())))
+            await abort(context, status_of(err.code(), err.details() or "", tuple(err.trailing_metadata() or ())), err)
             raise
         out.code = "OK"
         reply: bytes = pb.ReleaseReply(released=sum(counts)).SerializeToString()
@@ -449,7 +452,7 @@ class Forwarder:
                                                              timeout=time_left(route))
             except grpc.aio.AioRpcError as err:
                 out.code = err.code().name
-                await abort(context, status_of(err.code(), err.details() or "", tuple(err.trailing_metadata() or ())))
+                await abort(context, status_of(err.code(), err.details() or "", tuple(err.trailing_metadata() or ())), err)
                 raise
             if len(reply) >= COUNTED_UNARY_BYTES:      # gRPC holds it until the caller reads it
                 refused = self._hold(context, client_of(identity, context), "Describe", len(reply))

@@ -149,7 +149,6 @@ def read_route(metadata: Iterable[tuple[str, str | bytes]] | None, grpc_remainin
 _CONTAINERS = ("list", "tuple", "set", "frozenset")
 REF_SEARCH_BYTES = 8 << 20    # of a large request's unread arguments, searched for refs by their bytes
 REF_SEARCH_MATCHES = 64       # ... and the places there that look like one, checked at most
-_TOKEN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 PAYLOAD_REF_SCAN = 1000       # values looked at per request; refs deeper than that need x-bridge-refs
 
 
@@ -227,7 +226,10 @@ class Router:
         ids = sorted(self.backends, key=len, reverse=True)
         if not ids:
             return []
-        pattern = re.compile(rb"\x0a[\x01-\x7f](?:" + b"|".join(re.escape(i.encode()) for i in ids) + rb")\.")
+        # The token is matched here too, at most as long as the length byte allows, and must end
+        # there: walking a run of token characters in Python took 0.5 s of the loop for 8 MiB of them.
+        pattern = re.compile(rb"\x0a([\x01-\x7f])((" + b"|".join(re.escape(i.encode()) for i in ids) +
+                             rb")\.[A-Za-z0-9_-]{1,126}+)(?![A-Za-z0-9_-])")
         found: dict[str, str] = {}      # worker id -> the first of its refs found
         looked = 0
         for part in parts:
@@ -237,12 +239,9 @@ class Router:
                 looked += 1         # (each is checked in Python: a few, however many the bytes hold)
                 if looked > REF_SEARCH_MATCHES:
                     return list(found.values())
-                at, stop = match.start(), match.end()
-                tail = stop
-                while tail < end and part[tail] in _TOKEN:
-                    tail += 1
-                if part[at + 1] == tail - at - 2:       # the length covers the worker id, the dot, the token
-                    found.setdefault(part[at + 2:stop - 1].decode(), part[at + 2:tail].decode())
+                length, ref, worker = match.groups()
+                if length[0] == len(ref):       # the length covers the worker id, the dot, the token
+                    found.setdefault(worker.decode(), ref.decode())
             if searched <= 0 or len(found) == len(ids):
                 break
         return list(found.values())

@@ -19,8 +19,13 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from bridge_server.wire.errors import BridgeError, abort
 from bridge_server.wire.protocol import host_of, parse_request, parsed_service, stop_reading
 
-__all__ = ["MAX_REFLECTION_REQUEST_BYTES", "MAX_REFLECTION_STREAMS_PER_HOST", "MAX_WATCHES_PER_HOST", "HealthWatches",
+__all__ = ["MAX_OPEN_REQUEST_BYTES", "MAX_REFLECTION_STREAMS_PER_HOST", "MAX_WATCHES_PER_HOST", "HealthWatches",
            "PerHost", "health_and_status", "reflection_service"]
+
+# What a request to these services names (a service, a pool, a file, a symbol, a type) needs far less
+# than this; the request is refused by its size before it is parsed. The check of a health service
+# name's length alone let 50 MB of unknown fields through, kept for as long as the watch lasted.
+MAX_OPEN_REQUEST_BYTES = 16 << 10
 
 
 @dataclass
@@ -80,7 +85,7 @@ class HealthWatches:
         try:
             _health_service_name(request, rpc)
         except BridgeError as exc:
-            await abort(context, exc.to_status())
+            await abort(context, exc.to_status(), exc)
         host = host_of(context.peer() or "")
         if not self.hosts.take(host):
             await abort(context, self.hosts.refusal(rpc, "watches", "too many watches").to_status())
@@ -100,7 +105,7 @@ class HealthWatches:
         try:
             _health_service_name(request, "grpc.health.v1.Health/Check")
         except BridgeError as exc:
-            await abort(context, exc.to_status())
+            await abort(context, exc.to_status(), exc)
         return await health.Check(request, context)
 
     async def end(self, said_s: float = 0.1) -> None:
@@ -122,18 +127,18 @@ def health_and_status(health: Any, status: Callable[..., Awaitable[object]],
     request = health_pb2.HealthCheckRequest
     return [parsed_service(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                            {"Check": (functools.partial(watches.check, health), request, False),
-                            "Watch": (functools.partial(watches.watch, health), request, True)}),
+                            "Watch": (functools.partial(watches.watch, health), request, True)},
+                           MAX_OPEN_REQUEST_BYTES, "a health request names a service"),
             parsed_service(pool_pb2.DESCRIPTOR.services_by_name["Pool"].full_name,
-                           {"Status": (status, pool_pb2.StatusRequest, False)})]
+                           {"Status": (status, pool_pb2.StatusRequest, False)},
+                           MAX_OPEN_REQUEST_BYTES, "a status request names a pool")]
 
 
 # Server reflection copies each request into its reply (`original_request`), and a reply the caller
 # does not read stays in the server: 12 streams that each sent one 60 MB request and read nothing
-# held 3 GB of the pool server (and 0.8 GB after they closed). A reflection request names a file, a
-# symbol or a type: MAX_REFLECTION_REQUEST_BYTES is far more than any needs. A stream answers one
-# request at a time (the next waits for the reply before it to be written), so a host's streams hold
-# at most MAX_REFLECTION_STREAMS_PER_HOST requests and replies.
-MAX_REFLECTION_REQUEST_BYTES = 16 << 10
+# held 3 GB of the pool server (and 0.8 GB after they closed). A stream answers one request at a
+# time (the next waits for the reply before it to be written), so a host's streams hold at most
+# MAX_REFLECTION_STREAMS_PER_HOST requests (of MAX_OPEN_REQUEST_BYTES) and their replies.
 MAX_REFLECTION_STREAMS_PER_HOST = 64
 
 
@@ -147,13 +152,13 @@ def reflection_service(service_names: Sequence[str], streams: PerHost | None = N
         received = raw.__aiter__()
         async for data in received:
             size = len(data)
-            if size > MAX_REFLECTION_REQUEST_BYTES:
+            if size > MAX_OPEN_REQUEST_BYTES:
                 # nothing of the refused request stays: not with the error, nor in gRPC's reader
                 del data
                 await stop_reading(received)
                 raise BridgeError(grpc.StatusCode.INVALID_ARGUMENT, "validation",
                                   f"{rpc}: a request of {size:,} bytes is over the limit of "
-                                  f"{MAX_REFLECTION_REQUEST_BYTES:,} (a reflection request names a file, a symbol "
+                                  f"{MAX_OPEN_REQUEST_BYTES:,} (a reflection request names a file, a symbol "
                                   f"or a type)", parameter="request", reason="request too large")
             yield parse_request(reflection_pb2.ServerReflectionRequest, data, rpc)
 

@@ -299,18 +299,24 @@ def read_release(data: bytes, limit: int | None = None) -> pb.ReleaseRequest:
 UnaryMethod = tuple[Callable[..., Awaitable[object]], type[Message], bool]
 
 
-def parsed_service(service: str, methods: Mapping[str, UnaryMethod]) -> grpc.GenericRpcHandler:
+def parsed_service(service: str, methods: Mapping[str, UnaryMethod], max_bytes: int | None = None,
+                   what: str = "") -> grpc.GenericRpcHandler:
     """A service whose requests are read as bytes and parsed by `parse_request`, for servicers that
     would otherwise be registered with protobuf's own deserializer (the standard health service, our
     Pool service). Bytes that are not the request then get INVALID_ARGUMENT naming the RPC, as on
-    every other RPC of ours, instead of gRPC's UNKNOWN "Unexpected DecodeError"."""
+    every other RPC of ours, instead of gRPC's UNKNOWN "Unexpected DecodeError"; more than `max_bytes`
+    (of requests that are `what`), INVALID_ARGUMENT before any parse."""
     def serve(behavior: Callable[..., Awaitable[object]], request_cls: type[Message],
               rpc: str) -> Callable[..., Awaitable[object]]:
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> object:
             try:
+                if max_bytes is not None and len(raw) > max_bytes:
+                    raise BridgeError.validation(f"{rpc}: a request of {len(raw):,} bytes is over the limit of "
+                                                 f"{max_bytes:,} ({what})", parameter="request")
                 request = parse_request(request_cls, raw, rpc)
             except BridgeError as exc:
-                await abort(context, exc.to_status())
+                await abort(context, exc.to_status(), exc)
+            del raw     # (a watch lasts)
             return await behavior(request, context)
         return handle
 

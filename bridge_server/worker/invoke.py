@@ -317,8 +317,10 @@ class Invoker:
             fn = e.override or e.resolve()
             return Plan(fn=fn, signature=e.signature, checks=Checks(namespace_of(fn), documented),
                         **common)  # type: ignore[arg-type]
-        raise BridgeError.validation(f"{e.name} is a {e.kind.name.lower()} of {e.class_name}: call it on a ref "
-                                     f"(target kind METHOD or GET_ATTR with name {e.attr!r})", target=e.name)
+        what, kind = ("an attribute", "GET_ATTR") if e.kind is Kind.ATTRIBUTE else ("a method", "METHOD")
+        raise BridgeError.validation(f"{e.name} is {what} of {e.class_name}: call it on a ref or a published object "
+                                     f"(target kind {kind} with name {e.attr!r})", target=e.name,
+                                     parameter="target.kind")
 
     def _denied(self, obj: object, name: str, why: str, allowed: Iterable[str] = ()) -> BridgeError:
         """PERMISSION_DENIED, the same for a member that exists and one that does not: a client

@@ -15,6 +15,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from bridge_server.wire import eventloop
+from bridge_server.wire.logbudget import budget_logs
 from bridge_server.wire.protocol import MIN_PING_INTERVAL_S
 from bridge_server.wire.security import SecurityError
 from bridge_server.wire.security import add_arguments as add_security_arguments
@@ -182,6 +183,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"vllm-bridge worker: {exc}", file=sys.stderr)
         return 2
     meet_at_loopback(config.policy.rendezvous_hosts)
+    import vllm.logger  # noqa: F401  (its own handlers, which its loggers write to instead of the root's)
+    budget_logs([logging.getLogger(), logging.getLogger("vllm")])
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":   # engines compute in this process
         import adapters.engine_core
         adapters.engine_core.install()

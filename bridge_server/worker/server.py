@@ -169,7 +169,7 @@ class BridgeService:
             self._refs_trailer(context)
             return reply
         except Exception as exc:
-            await abort(context, server_error(exc, label).to_status())
+            await abort(context, server_error(exc, label).to_status(), exc)
             raise  # unreachable: abort raises
 
     async def Stream(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
@@ -197,7 +197,7 @@ class BridgeService:
             # A send gRPC refuses has ended the call already: the caller went away, or the item was
             # over the message limit (gRPC itself then ends the call with RESOURCE_EXHAUSTED).
             if not caller_gone(exc):
-                await abort(context, server_error(exc, label).to_status())
+                await abort(context, server_error(exc, label).to_status(), exc)
 
     async def Multiplex(self, requests: AsyncIterator[bytes],  # noqa: N802
                         context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
@@ -210,7 +210,7 @@ class BridgeService:
             self._refs_trailer(context)
         except Exception as exc:
             if not caller_gone(exc):
-                await abort(context, server_error(exc, "Multiplex").to_status())
+                await abort(context, server_error(exc, "Multiplex").to_status(), exc)
 
     async def Collective(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.CollectiveReply:  # noqa: N802
         """A worker on its own is a group of one rank: the call runs once. Pools fan out in the router."""
@@ -228,7 +228,7 @@ class BridgeService:
             self._refs_trailer(context)
             return reply
         except Exception as exc:
-            await abort(context, server_error(exc, label).to_status())
+            await abort(context, server_error(exc, label).to_status(), exc)
             raise  # unreachable: abort raises
 
     async def Release(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ReleaseReply:  # noqa: N802
@@ -244,14 +244,14 @@ class BridgeService:
             self._refs_trailer(context)
             return pb.ReleaseReply(released=released)
         except Exception as exc:
-            await abort(context, server_error(exc, "Release").to_status())
+            await abort(context, server_error(exc, "Release").to_status(), exc)
             raise  # unreachable: abort raises
 
     async def Describe(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.Catalog:  # noqa: N802
         try:
             request = self._read(pb.DescribeRequest, raw, "Describe")
         except Exception as exc:
-            await abort(context, server_error(exc, "Describe").to_status())
+            await abort(context, server_error(exc, "Describe").to_status(), exc)
             raise  # unreachable: abort raises
         if not request.prefix:
             return self._catalog

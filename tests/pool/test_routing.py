@@ -75,14 +75,19 @@ def test_calls_are_routed_by_pool_name_and_an_unknown_pool_lists_the_pools(serve
         assert "no pool 'nope'; pools: a, b" in err.value.details
         assert err.value.category == "pool" and err.value.reason == "unknown pool"
         # the pool status service answers NOT_FOUND too, whatever the name's length (echoed whole, a
-        # 20,000-character name's status passed gRPC's header limit: RESOURCE_EXHAUSTED instead)
+        # 10,000-character name's status passed gRPC's header limit: RESOURCE_EXHAUSTED instead)
         from vllm_bridge.v1 import pool_pb2 as ppb
         from vllm_bridge.v1 import pool_pb2_grpc as ppb_grpc
-        for name in ("nope", "n" * 20_000):
+        for name in ("nope", "n" * 10_000):
             with pytest.raises(grpc.RpcError) as rpc_err:
                 ppb_grpc.PoolStub(c.channel).Status(ppb.StatusRequest(pool=name), timeout=10)
             assert rpc_err.value.code() == grpc.StatusCode.NOT_FOUND, rpc_err.value   # type: ignore[attr-defined]
             assert "pools: a, b" in rpc_err.value.details()   # type: ignore[attr-defined]
+        # (a request of the open services is at most 16 KiB: it names a pool)
+        with pytest.raises(grpc.RpcError) as rpc_err:
+            ppb_grpc.PoolStub(c.channel).Status(ppb.StatusRequest(pool="n" * 20_000), timeout=10)
+        assert rpc_err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, rpc_err.value   # type: ignore[attr-defined]
+        assert "over the limit of 16,384" in rpc_err.value.details()   # type: ignore[attr-defined]
         # x-bridge-rank picks the worker of that slot.
         assert [holder(c.call(PC, pool="a", rank=r)) for r in (1, 0, 1)] == ["a-1-g1", "a-0-g1", "a-1-g1"]
         # A session first seen in a call to a rank is pinned there (its refs are there): its next
@@ -537,6 +542,26 @@ def test_multiplex_through_the_pool_a_worker_crash_fails_only_its_calls(server: 
     wait_until(lambda: sum(w.state == "ready" for w in server.pool("b").workers) == 2, timeout=120,
                what="pool b back to two workers")
     idle(server, "b")
+
+
+def test_refs_in_a_large_requests_bytes_are_found_by_their_whole_id_past_near_misses() -> None:
+    """The search of a large request's bytes takes an id only where its length byte covers exactly
+    the worker's id, a dot and a token that ends there; runs of token characters too long to be one
+    are passed over in the regular expression, not walked in Python (8 MiB after a worker's id and a
+    dot held the pool server's loop 0.5 s)."""
+    from bridge_server.pool.router import Router
+    router = Router([], "a")
+    router.backends = dict.fromkeys(("a-0-g1", "a-1-g1"))     # type: ignore[arg-type]  # (only their ids count)
+    real = pb.Ref(id="a-1-g1.tok_EN-42").SerializeToString()
+    assert real.startswith(b"\x0a\x10")
+    near = [b"\x0a\x10a-0-g1." + b"A" * 200,                  # a token longer than any id allows
+            b"\x0a\x07a-0-g1.\x12",                            # no token
+            pb.Ref(id="a-0-g1x.tok").SerializeToString()]       # no such worker
+    assert router.named_in([b"".join(near * 1000) + real]) == ["a-1-g1.tok_EN-42"]
+    wrong_length = b"\x0a\x08a-0-g1.abc"                       # a length that says less than is there
+    assert router.named_in([wrong_length * 10 + real]) == ["a-1-g1.tok_EN-42"]
+    assert router.named_in([b"\x0a\x10a-0-g1." + b"A" * (8 << 20)]) == []
+    assert router.named_in([real + pb.Ref(id="a-0-g1.x").SerializeToString()]) == ["a-1-g1.tok_EN-42", "a-0-g1.x"]
 
 
 def test_the_refs_a_request_carries_are_looked_for_within_the_budget_only() -> None:

@@ -296,7 +296,7 @@ def test_an_empty_bad_word_is_named(catalog: Catalog, words: list[str], said: st
     empty word, or one of whitespace only, failed as a bare IndexError."""
     with pytest.raises(BridgeError) as err:
         bind(catalog, "vllm.AsyncLLMEngine.generate", "Hi", {"bad_words": words}, "r")
-    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.parameter == "bad_words[1]", err.value
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.parameter == "sampling_params.bad_words[1]", err.value
     assert f"expected a word, got {said}" in err.value.message
 
 

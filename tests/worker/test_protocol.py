@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from bridge_server.client.client import BridgeClient, CallError, Target
 from bridge_server.wire.errors import BridgeError
 from bridge_server.wire.options import MD_TIMEOUT_PROFILE, parse_metadata
-from tests.conftest import WorkerProcess, free_port, large_requests, multiplex_batches, start_worker
+from tests.conftest import WorkerProcess, _varint, free_port, large_requests, multiplex_batches, start_worker
 from vllm_bridge.v1 import bridge_pb2 as pb
 from vllm_bridge.v1 import bridge_pb2_grpc as pb_grpc
 
@@ -689,6 +689,17 @@ def test_the_open_health_service_keeps_little_for_a_stranger(worker: WorkerProce
                 call()
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
             assert "service: a name of 300 characters is over the limit of 256" in err.value.details()
+        # nor anything past the name: a request is bounded by its bytes, unknown fields and all
+        from bridge_server.wire.open_services import MAX_OPEN_REQUEST_BYTES
+        padded = health_pb2.HealthCheckRequest(service="").SerializeToString() + b"\xfa\x3f" + \
+            _varint(MAX_OPEN_REQUEST_BYTES) + b"u" * MAX_OPEN_REQUEST_BYTES     # field 1023, bytes: unknown
+        for method in ("Check", "Watch"):
+            with pytest.raises(grpc.RpcError) as err:
+                rpc = channel.unary_stream if method == "Watch" else channel.unary_unary
+                got = rpc(f"/grpc.health.v1.Health/{method}")(padded, timeout=10)
+                next(got) if method == "Watch" else got
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert f"over the limit of {MAX_OPEN_REQUEST_BYTES:,}" in err.value.details(), err.value
         watches = [health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
                    for _ in range(MAX_WATCHES_PER_HOST)]
         assert all(next(w).status == health_pb2.HealthCheckResponse.SERVING for w in watches)
@@ -707,18 +718,18 @@ def test_the_open_reflection_service_keeps_little_for_a_stranger(worker: WorkerP
     """Reflection answers without a token, and copies each request into its reply, which stays in the
     server while its caller reads nothing: 12 streams of one 60 MB request each held 3 GB of the pool
     server. A request is at most 16 KiB; a host holds 64 reflection streams open."""
-    from bridge_server.wire.open_services import MAX_REFLECTION_REQUEST_BYTES, MAX_REFLECTION_STREAMS_PER_HOST
+    from bridge_server.wire.open_services import MAX_OPEN_REQUEST_BYTES, MAX_REFLECTION_STREAMS_PER_HOST
 
     listing = reflection_pb2.ServerReflectionRequest(list_services="")
     with grpc.insecure_channel(worker.address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
         refl = reflection_pb2_grpc.ServerReflectionStub(channel)
         huge = reflection_pb2.ServerReflectionRequest(file_containing_symbol="x" * (60 << 20))
         for request in (huge, reflection_pb2.ServerReflectionRequest(
-                file_by_filename="f" * (MAX_REFLECTION_REQUEST_BYTES + 1))):
+                file_by_filename="f" * (MAX_OPEN_REQUEST_BYTES + 1))):
             with pytest.raises(grpc.RpcError) as err:
                 list(refl.ServerReflectionInfo(iter([listing, request]), timeout=30))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
-            assert f"over the limit of {MAX_REFLECTION_REQUEST_BYTES:,}" in err.value.details()
+            assert f"over the limit of {MAX_OPEN_REQUEST_BYTES:,}" in err.value.details()
         gates = [threading.Event() for _ in range(MAX_REFLECTION_STREAMS_PER_HOST + 1)]
 
         def held(gate: threading.Event) -> Iterator[reflection_pb2.ServerReflectionRequest]:
