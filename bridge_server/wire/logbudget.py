@@ -1,11 +1,13 @@
-"""How often one line of code may write to a server's log: a few times a minute, then a count.
+"""How often one line of code may warn in a server's log: a few times a minute, then a count.
 
-Why: a client decides how often much of the code it reaches runs, and some of that code logs at
+Why: a client decides how often much of the code it reaches runs, and some of that code warns at
 every call (vLLM's platform object warns of each attribute it lacks; a teardown warned each time): a
 stranger calling one such function from 8 connections wrote 1.8 MB of log in 10 s, ~15 GB a day, on
 the disk every process of the machine shares, and buried the lines an operator looks for. So each
-place that logs (its file and line) has a budget: LOG_BURST records per LOG_WINDOW_S, then none until
-the window ends; the first record after that says how many were left out.
+place that warns (its file and line) has a budget: LOG_BURST records of WARNING or above per
+LOG_WINDOW_S, then none until the window ends; the first record after that says how many were left
+out. INFO lines are the server's account of what it did for each request (vLLM's "Aborted request",
+which operators and our tests read), one per request at most: they are not budgeted.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ LOG_WINDOW_S = 60.0
 
 
 class LogBudget(logging.Filter):
-    """A handler's filter: at most `burst` records from one place in the code per `window_s`."""
+    """A handler's filter: at most `burst` warnings (or worse) from one place in the code per `window_s`."""
 
     def __init__(self, burst: int = LOG_BURST, window_s: float = LOG_WINDOW_S) -> None:
         super().__init__()
@@ -30,6 +32,8 @@ class LogBudget(logging.Filter):
         self._spent: dict[tuple[str, int], list[float]] = {}     # place -> [window start, records, left out]
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
         place = (record.pathname, record.lineno)
         with self._lock:
             spent = self._spent.get(place)

@@ -1,5 +1,5 @@
-"""A place in the code writes to a server's log at most a few times a minute: a stranger calling a
-function that logs at every call (from 8 connections: 1.8 MB of log in 10 s) must not fill the disk
+"""A place in the code warns in a server's log at most a few times a minute: a stranger calling a
+function that warns at every call (from 8 connections: 1.8 MB of log in 10 s) must not fill the disk
 or bury what an operator looks for."""
 
 from __future__ import annotations
@@ -36,5 +36,10 @@ def test_one_place_logs_a_burst_per_window_then_says_how_many_it_left_out() -> N
         last = out.getvalue().splitlines()[-1]
         assert last.startswith("platform has no empty_cache (995 more like this were left out"), last
         assert len(out.getvalue()) < 1000
+        for i in range(20):             # an account of each request, at INFO, is not budgeted
+            info = _record(logger, 30, 200.0 + i * 0.01, "Aborted request %s.")
+            info.levelno, info.levelname = logging.INFO, "INFO"
+            handler.handle(info)
+        assert out.getvalue().count("Aborted request empty_cache.") == 20
     finally:
         logger.removeHandler(handler)
