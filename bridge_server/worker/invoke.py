@@ -398,10 +398,14 @@ class Invoker:
             raise BridgeError.not_found(f"{label}: {type(obj).__qualname__} has no attribute {clip(name, 80)!r}",
                                         target=label) from None
         if kind == pb.Target.GET_ATTR:
+            if entry is not None and entry.kind is Kind.METHOD:    # (a bound method is never sent as a value)
+                raise BridgeError.validation(f"{label} is a method, not an attribute: use METHOD", target=label,
+                                             parameter="target.kind")
             return Plan(label=label, fn=None, read=lambda: member, exclusive=exclusive, entry=entry, receiver=obj,
                         published=published)
         if not callable(member):
-            raise BridgeError.validation(f"{label} is an attribute, not a method: use GET_ATTR", target=label)
+            raise BridgeError.validation(f"{label} is an attribute, not a method: use GET_ATTR", target=label,
+                                         parameter="target.kind")
         if not inspect.isroutine(member) or entry is not None and entry.kind is Kind.ATTRIBUTE:
             # A callable object in an attribute (the engine's tokenizer) is not a method of its owner:
             # calling it ran its `__call__`, which nothing declares, with any options (padding to 10**7).

@@ -912,6 +912,20 @@ def test_a_request_that_would_harm_the_engine_is_refused_by_name_and_the_engine_
     assert good[-1]["finished"] is True and len(good[-1]["outputs"][0]["token_ids"]) == 3
 
 
+def test_a_member_asked_for_with_the_wrong_kind_is_told_the_kind_to_use(bridge: BridgeClient) -> None:
+    """GET_ATTR of a method was refused as "the result holds a method" (PERMISSION_DENIED, no target),
+    or by the method's own guard (a read of `shutdown`: "only engines a client made itself can be shut
+    down"); METHOD of an attribute named no parameter."""
+    for target, said in ((Target.get("engine", "generate"), "generate is a method, not an attribute: use METHOD"),
+                         (Target.get("engine", "shutdown"), "shutdown is a method, not an attribute: use METHOD"),
+                         (Target.method("engine", "errored"), "errored is an attribute, not a method: use GET_ATTR")):
+        with pytest.raises(CallError) as err:
+            bridge.call(target)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and said in err.value.details, err.value
+        assert err.value.detail is not None and err.value.detail.parameter == "target.kind", err.value.detail
+    assert bridge.call(Target.method("engine", "check_health")) is None
+
+
 def test_a_ref_in_the_plug_in_options_is_refused_and_leaves_no_request_behind(bridge: BridgeClient) -> None:
     """vLLM registers a request in the worker before it sends it to its engine core as msgpack: an
     object there that msgpack cannot carry failed it only then, and the request's state stayed."""
