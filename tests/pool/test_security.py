@@ -95,9 +95,11 @@ def test_code_the_catalog_names_can_be_named_never_passed(client: BridgeClient) 
     denied(lambda: client.call(Target.method(divide, "__call__"), 6, 3, timeout=10))
     assert client.release(divide) == 1
     # A documented method can be called, not taken: reading it would hand out a bound method (and
-    # from there its function's globals).
-    err = denied(lambda: client.call(Target.get("engine", "_add_request"), timeout=10))
-    assert err.reason == "code" and "no ref to it leaves the worker" in err.details
+    # from there its function's globals). The read is refused for its kind, before anything runs.
+    with pytest.raises(CallError) as read:
+        client.call(Target.get("engine", "_add_request"), timeout=10)
+    assert read.value.code == grpc.StatusCode.INVALID_ARGUMENT, read.value
+    assert "_add_request is a method, not an attribute: use METHOD" in read.value.details, read.value
 
 
 def test_a_published_engine_cannot_be_shut_down_by_a_client(client: BridgeClient) -> None:
