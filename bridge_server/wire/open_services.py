@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from bridge_server.wire.errors import BridgeError, abort
-from bridge_server.wire.protocol import host_of, parse_request, parsed_service, stop_reading
+from bridge_server.wire.protocol import host_of, parse_request, parsed_service, serialize, small_request, stop_reading
 
 __all__ = ["MAX_OPEN_REQUEST_BYTES", "MAX_REFLECTION_STREAMS_PER_HOST", "MAX_WATCHES_PER_HOST", "HealthWatches",
            "PerHost", "health_and_status", "reflection_service"]
@@ -156,10 +156,8 @@ def reflection_service(service_names: Sequence[str], streams: PerHost | None = N
                 # nothing of the refused request stays: not with the error, nor in gRPC's reader
                 del data
                 await stop_reading(received)
-                raise BridgeError(grpc.StatusCode.INVALID_ARGUMENT, "validation",
-                                  f"{rpc}: a request of {size:,} bytes is over the limit of "
-                                  f"{MAX_OPEN_REQUEST_BYTES:,} (a reflection request names a file, a symbol "
-                                  f"or a type)", parameter="request", reason="request too large")
+                small_request(size, MAX_OPEN_REQUEST_BYTES, rpc,
+                              "a reflection request names a file, a symbol or a type", "request too large")
             yield parse_request(reflection_pb2.ServerReflectionRequest, data, rpc)
 
     async def info(raw: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
@@ -178,8 +176,4 @@ def reflection_service(service_names: Sequence[str], streams: PerHost | None = N
             await abort(context, refused)
 
     return grpc.method_handlers_generic_handler(reflection.SERVICE_NAME, {
-        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(info, response_serializer=_serialize)})
-
-
-def _serialize(message: Message) -> bytes:
-    return message.SerializeToString()
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(info, response_serializer=serialize)})

@@ -310,9 +310,8 @@ def parsed_service(service: str, methods: Mapping[str, UnaryMethod], max_bytes: 
               rpc: str) -> Callable[..., Awaitable[object]]:
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> object:
             try:
-                if max_bytes is not None and len(raw) > max_bytes:
-                    raise BridgeError.validation(f"{rpc}: a request of {len(raw):,} bytes is over the limit of "
-                                                 f"{max_bytes:,} ({what})", parameter="request")
+                if max_bytes is not None:
+                    small_request(len(raw), max_bytes, rpc, what)
                 request = parse_request(request_cls, raw, rpc)
             except BridgeError as exc:
                 await abort(context, exc.to_status(), exc)
@@ -324,11 +323,19 @@ def parsed_service(service: str, methods: Mapping[str, UnaryMethod], max_bytes: 
     for name, (behavior, request_cls, streams) in methods.items():
         make = grpc.unary_stream_rpc_method_handler if streams else grpc.unary_unary_rpc_method_handler
         handlers[name] = make(serve(behavior, request_cls, f"{service}/{name}"),
-                              response_serializer=_serialize)
+                              response_serializer=serialize)
     return grpc.method_handlers_generic_handler(service, handlers)
 
 
-def _serialize(message: Message) -> bytes:
+def small_request(size: int, max_bytes: int, rpc: str, what: str, reason: str = "") -> None:
+    """INVALID_ARGUMENT for a request of a service whose requests only name something (`what`) and
+    are over `max_bytes`, before any parse."""
+    if size > max_bytes:
+        raise BridgeError(grpc.StatusCode.INVALID_ARGUMENT, "validation", f"{rpc}: a request of {size:,} bytes is "
+                          f"over the limit of {max_bytes:,} ({what})", parameter="request", reason=reason)
+
+
+def serialize(message: Message) -> bytes:
     return message.SerializeToString()
 
 
