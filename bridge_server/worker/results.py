@@ -39,7 +39,8 @@ from bridge_server.worker.streams import PutItem, item_writer
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 if TYPE_CHECKING:
-    from bridge_server.worker.invoke import Caller, Plan
+    from bridge_server.worker.invoke import Caller
+    from bridge_server.worker.planner import Plan
 
 __all__ = ["CODE_TYPES", "Results", "take_turn"]
 
