@@ -542,10 +542,9 @@ def _lora_rule(fields: Mapping[str, Any], policy: Policy) -> None:
                           f"{label}: field tensorizer_config_dict: not settable by a client (it deserializes what "
                           f"it loads)", target=label, parameter="tensorizer_config_dict", reason="not allowed")
     lora_id = fields.get("lora_int_id")
-    if isinstance(lora_id, int) and not isinstance(lora_id, bool) and lora_id < 1:   # vLLM's ValueError names no field
-        raise BridgeError.validation(f"{label}: field lora_int_id: expected an int of 1 or more (an adapter's id; "
-                                     f"0 means no adapter), got {clip(repr(lora_id), 40)}", target=label,
-                                     parameter="lora_int_id")
+    if type(lora_id) is int and not 1 <= lora_id <= I64_MAX:    # vLLM's own ValueError names no field
+        raise BridgeError.validation(f"{label}: field lora_int_id: expected an adapter's id, an integer from 1 to "
+                                     f"2**63 - 1, got {clip_int(lora_id)}", target=label, parameter="lora_int_id")
     if "lora_path" in fields:
         _path_rule(label, "lora_path", policy.lora_dirs + policy.model_dirs, "lora_dirs", fields["lora_path"])
 

@@ -159,7 +159,7 @@ REFUSED = [
     # vLLM's own refusal of an id below 1 ("id must be > 0") names no field
     ("vllm.AsyncLLMEngine.generate", ("Hi", {}, "r"), {"lora_request": {"lora_name": "a", "lora_int_id": 0,
                                                                        "lora_path": "/x"}},
-     "lora_request.lora_int_id", "expected an int of 1 or more (an adapter's id; 0 means no adapter), got 0"),
+     "lora_request.lora_int_id", "expected an adapter's id, an integer from 1 to 2**63 - 1, got 0"),
     ("vllm.AsyncLLMEngine.encode", ("Hi", {"task": "no-such-task"}, "r"), {}, "pooling_params.task",
      "got str 'no-such-task'"),
     ("vllm.AsyncLLMEngine.abort", ("r", 1), {}, "internal", "expected bool, got int 1"),
