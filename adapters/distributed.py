@@ -303,6 +303,13 @@ def _rendezvous(receiver: object, args: Mapping[str, object], ctx: CallContext) 
                           f"pool has {ctx.world_size} and lets {ctx.policy.outside_ranks} join from elsewhere (pool "
                           f"config key outside_ranks; a distributed pool has as many ranks as its workers)",
                           parameter="world_size", reason="no such ranks")
+    rank = args.get("rank")
+    if type(size) is int and size > 0 and type(rank) is int and rank != -1 and not 0 <= rank < size:
+        # A rank the group does not have waits for its store at the port as a peer would, until
+        # torch's timeout (30 minutes), in a thread no deadline takes back. (-1: vLLM's "not given",
+        # which torch refuses at once.)
+        raise BridgeError.validation(f"parameter rank: expected a rank of the group's {size:,} (0 to {size - 1:,}), "
+                                     f"got {_short(rank)}", parameter="rank")
 
 
 def _split_evenly(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:

@@ -8,7 +8,10 @@ Where work runs is decided here, once, for every kind of target:
   one at a time and in arrival order.
 Deadlines are enforced here, not by the client: async work is cancelled for real (AsyncLLM aborts
 the request); a blocking call that has not started is dropped from its queue; one that is already
-running inside C code cannot be pre-empted, so it is abandoned and counted in `abandoned`.
+running inside C code cannot be pre-empted, so it is abandoned and counted in `abandoned`, and
+against its client: one whose abandoned calls still hold MAX_ABANDONED_PER_CLIENT threads is refused
+more work in threads until they end, and a worker whose threads all run abandoned calls says so in
+health (`blocked`), as one whose exclusive lane does.
 
 The surface is closed by construction: a client reaches only what `planner.py` plans; no ref to a
 module, class, function or builtin that is not itself a catalog entry leaves the worker, at any
@@ -35,7 +38,7 @@ from adapters.spec import CallContext, Policy
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import BridgeError, clip, quote
 from bridge_server.wire.options import DEFAULT_SESSION, STREAM_PATCHES, connection_of
-from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, LargeRequest
+from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, LargeRequest, host_of
 from bridge_server.wire.stall import READER_STALL_S, StallGuard
 from bridge_server.wire.turns import Turns
 from bridge_server.worker.binding import Building, bind_checked, check_record
@@ -48,6 +51,11 @@ from bridge_server.worker.refs import RefRegistry, payer_of
 from bridge_server.worker.results import CODE_TYPES, Results, take_turn
 from bridge_server.worker.streams import Pace, PutItem, Tee, iterate
 from vllm_bridge.v1 import bridge_pb2 as pb
+
+# Blocking calls a client (its identity, else its host) may leave running in the worker's threads
+# after it gave up on them: a group set up to wait for a peer that never came held a thread for 30
+# minutes, and twenty such calls, each given up at its deadline, took every thread of the shared lane.
+MAX_ABANDONED_PER_CLIENT = 4
 
 # What must wait for the end of the blocking work a call starts, when its caller gives up first: a
 # call abandoned at its deadline runs on in its thread, and whatever it holds (an engine being
@@ -110,6 +118,8 @@ class Invoker:
     limits: Limits = field(default_factory=Limits)
     abandoned: int = 0      # blocking calls still running after their caller gave up
     wedged: str = ""        # a call abandoned in the exclusive lane, still running: it blocks the lane
+    _abandoned_by: dict[str, int] = field(default_factory=dict)   # the same, by client (`_payer`)
+    _abandoned_shared: int = 0                                      # the same, in the shared lane
     # Called with what a result_ref entry (an engine's constructor) made, before the caller gets it.
     adopt: Callable[[object], Awaitable[None]] | None = None
     _activity: dict[int, float] = field(default_factory=dict)   # id(receiver) -> when it last yielded an item
@@ -223,8 +233,10 @@ class Invoker:
         return list(bound.args), dict(bound.kwargs), bound
 
     # ------------------------------------------------------------------------------------ execution
-    async def run(self, plan: Plan, args: list[Any], kwargs: dict[str, Any], deadline: float | None) -> Any:
-        """Runs the plan once and returns the raw Python result (coroutines awaited)."""
+    async def run(self, plan: Plan, args: list[Any], kwargs: dict[str, Any], deadline: float | None,
+                  client: str = "") -> Any:
+        """Runs the plan once and returns the raw Python result (coroutines awaited); `client`: whom
+        a blocking call abandoned in its thread counts against ("": the worker's own work)."""
         if plan.fn is None:
             assert plan.read is not None
             thunk: Callable[[], Any] = plan.read
@@ -233,23 +245,31 @@ class Invoker:
         if plan.exclusive:
             await with_deadline(self._exclusive_lock.acquire(), deadline, plan.label, "waiting for the exclusive lane")
             try:
-                return await self._run_unlocked(plan, thunk, deadline, self._exclusive_lane)
+                return await self._run_unlocked(plan, thunk, deadline, self._exclusive_lane, client)
             finally:
                 self._exclusive_lock.release()
-        return await self._run_unlocked(plan, thunk, deadline, self._shared_lane)
+        return await self._run_unlocked(plan, thunk, deadline, self._shared_lane, client)
 
     async def _run_unlocked(self, plan: Plan, thunk: Callable[[], Any], deadline: float | None,
-                            lane: ThreadPoolExecutor) -> Any:
+                            lane: ThreadPoolExecutor, client: str) -> Any:
         if plan.is_async or plan.inline:
             result = thunk()
         else:
-            result = await self._in_thread(lane, thunk, deadline, plan.label)
+            result = await self._in_thread(lane, thunk, deadline, plan.label, client)
         if inspect.isawaitable(result):
             result = await with_deadline(result, deadline, plan.label)
         return result
 
     async def _in_thread(self, lane: ThreadPoolExecutor, thunk: Callable[[], Any], deadline: float | None,
-                         label: str) -> Any:
+                         label: str, client: str = "") -> Any:
+        held = self._abandoned_by.get(client, 0) if client else 0
+        if held >= MAX_ABANDONED_PER_CLIENT:
+            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                              f"{label}: {held} of this client's calls were given up (at their deadline, or "
+                              f"cancelled) while they ran in the worker's threads, and still run there, which no "
+                              f"deadline can stop; a client (its identity, else its host) may leave at most "
+                              f"{MAX_ABANDONED_PER_CLIENT}: wait for them to end", target=label,
+                              reason="abandoned calls")
         job = lane.submit(thunk)
         try:
             return await with_deadline(asyncio.wrap_future(job), deadline, label)
@@ -257,20 +277,37 @@ class Invoker:
             if not job.done() and not job.cancel():   # already running: cannot be pre-empted
                 loop = asyncio.get_running_loop()
                 self.abandoned += 1
+                self._abandoned_by[client] = self._abandoned_by.get(client, 0) + 1
                 exclusive = lane is self._exclusive_lane
                 if exclusive:   # everything that touches process-wide state now waits behind it
                     self.wedged = f"{label} was abandoned at its deadline and still runs in the exclusive lane"
-                job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._settle_abandoned, exclusive))
+                else:
+                    self._abandoned_shared += 1
+                job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._settle_abandoned, exclusive, client))
                 if (on_end := _ON_END.get()) is not None:     # taken over: they run when the work ends
                     hooks = list(on_end)
                     on_end.clear()
                     job.add_done_callback(lambda _: loop.call_soon_threadsafe(lambda: [h() for h in hooks]))
             raise
 
-    def _settle_abandoned(self, exclusive: bool) -> None:
+    def _settle_abandoned(self, exclusive: bool, client: str) -> None:
         self.abandoned -= 1
+        left = self._abandoned_by.pop(client) - 1
+        if left:
+            self._abandoned_by[client] = left
         if exclusive:
             self.wedged = ""
+        else:
+            self._abandoned_shared -= 1
+
+    def blocked(self) -> str:
+        """Why calls that need a thread cannot run now ("" when they can): the exclusive lane runs a
+        call abandoned at its deadline, or every thread of the shared lane does."""
+        reasons = [self.wedged] if self.wedged else []
+        if self._abandoned_shared >= self.shared_threads:
+            reasons.append(f"all {self.shared_threads} threads of the shared lane run calls abandoned at their "
+                           f"deadline")
+        return "; ".join(reasons)
 
     def _context(self, plan: Plan, caller: Caller) -> CallContext:
         return CallContext(self.policy, caller.identity, plan.published, self.catalog.names, self.world_size,
@@ -300,7 +337,7 @@ class Invoker:
         if managed:
             self._contexts.check(plan.label, plan.protocol, plan.receiver, caller.client or caller.identity)
         try:
-            return await self.run(plan, args, kwargs, deadline)
+            return await self.run(plan, args, kwargs, deadline, _payer(caller))
         except BridgeError:
             raise
         except Exception as exc:
@@ -466,8 +503,8 @@ class Invoker:
         source = await self.run_checked(plan, args, kwargs, deadlines.call, caller)
         pace = Pace()
         put = pace.timed(self.results.item_writer(caller, plan.exclusive, encoding))
-        lane = self._exclusive_lane if plan.exclusive else self._shared_lane
-        items = iterate(source, plan.label, deadlines, lambda step: self._in_thread(lane, step, None, plan.label),
+        lane, payer = (self._exclusive_lane if plan.exclusive else self._shared_lane), _payer(caller)
+        items = iterate(source, plan.label, deadlines, lambda step: self._in_thread(lane, step, None, plan.label, payer),
                         interval_s, pace)
         activity, receiver = self._activity, id(plan.receiver)
         async with contextlib.aclosing(items):
@@ -492,6 +529,12 @@ def _named_first(said: str, signature: inspect.Signature | None, kwargs: Mapping
         return ""
     names = set(kwargs) | (set(signature.parameters) if signature is not None else set())
     return head if head in names else ""
+
+
+def _payer(caller: Caller) -> str:
+    """Whom a call's abandoned thread counts against: its identity, else its host (a stranger's many
+    connections are one client)."""
+    return caller.identity or host_of(connection_of(caller.client))
 
 
 def _not_operator(plan: Plan) -> BridgeError:

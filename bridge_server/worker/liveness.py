@@ -9,8 +9,9 @@ again from its config and warmed up, while the worker reports NOT_SERVING with t
 object a client created stays dead until its refs are released (the client creates another).
 
 A call abandoned at its deadline while it runs in the exclusive lane (C code waiting for a peer that
-never comes) blocks every later call that touches process-wide state; the worker reports NOT_SERVING
-while it runs, so that a supervisor can replace the worker (or restart a distributed pool's group).
+never comes) blocks every later call that touches process-wide state, and calls abandoned in every
+thread of the shared lane block every blocking call; the worker reports NOT_SERVING while they run,
+so that a supervisor can replace the worker (or restart a distributed pool's group).
 
 A probe that goes unanswered is not proof: a busy or starved engine answers late. An engine counts
 as dead when vLLM says so (its core exited), or when two probes in a row go unanswered while it makes
@@ -210,8 +211,8 @@ class Liveness:
                     why = None
                 if why is not None:
                     reasons.append(f"published {name!r} cannot answer: {why}")
-        if self.invoker.wedged:
-            reasons.append(self.invoker.wedged)
+        if blocked := self.invoker.blocked():
+            reasons.append(blocked)
         return clip("; ".join(reasons), 500)
 
     async def _set_detail(self, detail: str) -> None:

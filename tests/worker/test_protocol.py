@@ -134,6 +134,19 @@ def test_a_process_group_has_no_more_ranks_than_the_pool_lets_it(client: BridgeC
             call()
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and err.value.reason == "no such ranks", err.value
         assert "outside_ranks" in err.value.details
+    # A rank the group does not have would wait as a peer for the store at its port, as long (rank 1 of
+    # 1 wedged the exclusive lane, and twenty in the shared lane took every thread): refused by name.
+    for rank in (1, -5):
+        for call in (lambda: client.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1",
+                                         free_port(), rank, 1, "gloo", timeout=10),
+                     lambda: client.call(f"{D}.init_distributed_environment", kwargs=dict(
+                         world_size=1, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+                         backend="gloo"), timeout=10)):
+            with pytest.raises(CallError) as err:
+                call()
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.detail.parameter == "rank", \
+                err.value
+            assert f"expected a rank of the group's 1 (0 to 0), got {rank}" in err.value.details, err.value.details
     group = client.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1", free_port(), 0, 1, "gloo",
                         timeout=30)
     assert group is not None
@@ -525,6 +538,66 @@ def test_the_worker_enforces_a_deadline_during_a_slow_call_and_keeps_serving(slo
     peer = threading.Thread(target=_rendezvous_peer, args=(port,), daemon=True)
     peer.start()
     peer.join(30)
+
+
+def test_calls_given_up_in_the_workers_threads_are_bounded_per_client_and_said_in_health(tmp_path: Path) -> None:
+    """A blocking call given up at its deadline runs on in its thread (C code cannot be pre-empted):
+    twenty groups waiting for a peer that never came took every thread of the shared lane, every
+    blocking call then timed out, and health said SERVING. A client (its identity, else its host) may
+    leave four such calls running; a worker whose threads all run them says so in health; both end
+    when the calls do."""
+    names = [f"c{i}" for i in range(4)]
+    tokens = tmp_path / "tokens"
+    tokens.write_text("".join(f"{n}:{n}-token-0123456789abcdef\n" for n in names))
+    tokens.chmod(0o600)
+    w = start_worker(tmp_path, "--outside-ranks", "1", "--token-file", str(tokens), name="abandon")
+    ports: list[int] = []
+    try:
+        clients = [BridgeClient(w.address, token=f"{n}-token-0123456789abcdef") for n in names]
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(w.address))
+
+        def status() -> int:
+            return health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+        def give_up(c: BridgeClient) -> None:
+            ports.append(port := free_port())
+            with pytest.raises(CallError) as err:      # rank 0 of 2 waits for rank 1 in a shared thread
+                c.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1", port, 0, 2, "gloo",
+                       timeout_s=0.5)
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+
+        first = clients[0]
+        for _ in range(4):
+            give_up(first)
+        with pytest.raises(CallError) as err:          # a fifth blocking call of the same client
+            first.call("vllm.config.ParallelConfig", timeout=10)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "abandoned calls", \
+            err.value
+        assert "4 of this client's calls" in err.value.details and "at most 4" in err.value.details, err.value
+        assert first.call(f"{D}.divide", 8, 2) == 4     # an inline helper needs no thread
+        assert clients[1].call(Target.get(clients[1].call("vllm.config.ParallelConfig"), "world_size")) == 1
+        assert status() == health_pb2.HealthCheckResponse.SERVING
+        for c in clients[1:]:
+            for _ in range(4):
+                give_up(c)
+        deadline = time.monotonic() + 10     # health is recomputed within a second
+        while status() != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
+        peers = [threading.Thread(target=_rendezvous_peer, args=(port,), daemon=True) for port in ports]
+        for peer in peers:
+            peer.start()
+        for peer in peers:
+            peer.join(60)
+        deadline = time.monotonic() + 20
+        while status() != health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert status() == health_pb2.HealthCheckResponse.SERVING
+        assert first.call(Target.get(first.call("vllm.config.ParallelConfig"), "world_size")) == 1
+        for c in clients:
+            c.close()
+    finally:
+        w.stop()
 
 
 def test_state_changing_calls_run_one_at_a_time_while_other_calls_flow(slow_worker: WorkerProcess) -> None:
