@@ -64,10 +64,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bridge_server.pool.backlog import DEFAULT_MAX_UNREAD_BYTES
 from bridge_server.wire.eventloop import DEFAULT_LOOP, LOOPS
 from bridge_server.wire.protocol import MIN_PING_INTERVAL_S
 from bridge_server.wire.security import add_arguments as add_security_arguments
-from bridge_server.pool.backlog import DEFAULT_MAX_UNREAD_BYTES
 from bridge_server.wire.stall import CONTENDED_STALL_S, READER_STALL_S
 
 AFFINITY_MODES = ("hint", "strict_queue", "strict_fail_fast")

@@ -408,8 +408,9 @@ class Forwarder:
         targets: dict[str, Backend] = {b_id: b for b_id in by_worker if (b := self.router.backends.get(b_id))}
         session_backends: set[Backend] = set()
         if req.session_id:
+            caller = client_of(identity, context)
             for p in pools:
-                p.unpin(session_key(identity, req.session_id))
+                p.unpin_for(session_key(identity, req.session_id), caller)
                 session_backends.update(p.backends)
             targets.update((b.id, b) for b in session_backends)
         # the client's connection too: without authentication a session's release ends only its refs

@@ -262,6 +262,20 @@ class PoolRouter:
             return next(iter(of_connection if len(of_connection) > len(of_host) // 2 else of_host))
         return next(iter(self.sessions))
 
+    def unpin_for(self, session: str, client: str) -> bool:
+        """`client`'s release of `session` unpins it where the client's host pinned it (or the server
+        did); says whether it did. Without authentication every client names sessions alike, and a
+        stranger's release of another host's session dropped its pin: the owner's next `strict_queue`
+        call ran on another worker, away from its state. (With an identity a session is its own.)"""
+        keys = self._pinner.get(session)
+        if keys is None:
+            return False
+        pinner = keys[0][1]
+        if pinner and pinner != host_of(client):
+            return False
+        self.unpin(session)
+        return True
+
     def unpin(self, session: str) -> None:
         old = self.sessions.pop(session, None)
         if old is None:

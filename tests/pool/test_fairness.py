@@ -192,3 +192,21 @@ def test_a_flood_of_new_sessions_evicts_its_own_pins_and_not_the_others() -> Non
     for session in list(pool.sessions):
         pool.unpin(session)
     assert first.sessions == second.sessions == 0 and not pool._pins_of
+
+
+def test_a_session_is_unpinned_only_by_a_release_from_the_host_that_pinned_it() -> None:
+    """Without authentication every client names sessions alike: a stranger's `Release` of a
+    bystander's session name dropped its pin, and the bystander's next `strict_queue` call ran on
+    another worker, away from the state it had set up. The pinner's host (the machine's own users are
+    one host) unpins it; another host's release leaves it; with an identity the name is the client's own."""
+    pool, first = _pool(slots=4, queue_size=8)
+    pool.pin("bob", first, "ipv4:10.0.0.2:5000")
+    assert not pool.unpin_for("bob", "ipv4:10.0.0.9:7000") and pool.pinned("bob") is first
+    assert not pool.unpin_for("nobody", "ipv4:10.0.0.2:5000")
+    assert pool.unpin_for("bob", "ipv4:10.0.0.2:6001") and pool.pinned("bob") is None   # another connection of it
+    pool.pin("alice/s", first, "alice")               # (router.session_key: an identity's session)
+    assert not pool.unpin_for("alice/s", "mallory") and pool.unpin_for("alice/s", "alice")
+    pool.pin("server's", first)
+    assert pool.unpin_for("server's", "ipv4:10.0.0.9:7000")
+    assert first.sessions == 0 and not pool._pins_of
+
