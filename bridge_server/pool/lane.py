@@ -7,6 +7,13 @@ turns that into "worker crashed" when the worker died).
 Each windowed stream's items are counted against the credit the router gave back, so the pool can
 tell which streams wait on their caller (`Lane.stalled`): a worker holding a whole window of items
 that nobody credited is idle for the caller's sake, and its slot is what a queued call waits for.
+
+The connection is one ordered stream of bytes, so whatever is written ahead of a call delays it: 30
+calls of 60 MiB written at once put 1.8 GB in the pool server's write buffer, and a 6/3 sent after
+them by another client waited 17-29 s. A call of LARGE_REQUEST_BYTES or more is written only when
+what was written before it has gone to the worker (the transport has drained); until then it waits
+in the lane, its senders' hosts taking turns, its time left counted from when it is written. A small
+call is written at once, behind one large call at most.
 """
 
 from __future__ import annotations
@@ -19,9 +26,12 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import grpc
+
 from bridge_server.wire.errors import BridgeError
 from bridge_server.wire.framing import Framed, LaneClosed
 from bridge_server.wire.options import CACHED_METADATA_BYTES, MD_CLIENT, MD_IDENTITY, ROUTER_ONLY_KEYS, metadata_bytes
+from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, host_of
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["ITEMS", "Lane", "LaneCall", "LaneClosed", "STREAM_WINDOW", "open_lane"]
@@ -60,7 +70,7 @@ class LaneCall:
     `on_event` as they arrive (and the connection's end to `on_lost`)."""
 
     __slots__ = ("id", "stream", "window", "unacked", "blocked_at", "_lane", "_events", "_waiter", "_ended",
-                 "_cancelled", "_lost", "on_event", "on_lost", "on_stalled")
+                 "_cancelled", "_lost", "on_event", "on_lost", "on_stalled", "unsent")
 
     def __init__(self, lane: Lane, call_id: int, stream: bool, window: int = 0) -> None:
         self.id = call_id
@@ -77,6 +87,7 @@ class LaneCall:
         self.on_event: Callable[[Any], None] | None = None
         self.on_lost: Callable[[str], None] | None = None
         self.on_stalled: Callable[[BridgeError], None] | None = None   # how its forwarder ends it (`stall`)
+        self.unsent: _Unsent | None = None      # its start, while it waits in the lane to be written
 
     def _push(self, event: Any) -> None:
         if self.on_event is not None:
@@ -138,14 +149,31 @@ class LaneCall:
 
     def ask_to_cancel(self) -> None:
         """Asks the worker to cancel the call, and goes on listening: its last event (normally a
-        CANCELLED error) still arrives."""
-        if not self._ended:
-            self._send_cancel()
+        CANCELLED error) still arrives (from the lane, for one the worker has not been sent)."""
+        if self._ended:
+            return
+        if self.unsent is not None:
+            self._lane.forget(self)
+            self._ended = True
+            self._push(pb.MuxEventView(id=self.id, error=BridgeError(
+                grpc.StatusCode.CANCELLED, "cancelled", "cancelled by the client before it began",
+                reason="cancelled").to_mux_error()))
+            return
+        self._send_cancel()
 
     def _send_cancel(self) -> None:
-        if not self._lost:
+        if not self._lost and self.unsent is None:    # (one never sent is not the worker's to cancel)
             with contextlib.suppress(LaneClosed):
                 self._lane.send(pb.MuxRequestView(cancel=self.id))
+
+
+class _Unsent:
+    """A large call's start, waiting in the lane until what was written before it has gone."""
+
+    __slots__ = ("lc", "call", "options", "deadline", "host")
+
+    def __init__(self, lc: LaneCall, call: bytes, options: bytes, deadline: float | None, host: str) -> None:
+        self.lc, self.call, self.options, self.deadline, self.host = lc, call, options, deadline, host
 
 
 class Lane:
@@ -154,10 +182,13 @@ class Lane:
     def __init__(self, path: str) -> None:
         self.path = path
         self.framed = Framed(self._on_frame, self._on_lost)
+        self.framed.on_resume = self._write_waiting
         self.calls: dict[int, LaneCall] = {}
         self.refs = -1            # the worker's live refs, as its last reply said
         self._next_id = 0
         self.on_closed: Callable[[str], None] | None = None   # after its calls have been failed
+        # large starts not yet written, by their sender's host; dict order is the order of the round
+        self._unsent: dict[str, deque[_Unsent]] = {}
 
     @property
     def closed(self) -> str:
@@ -168,16 +199,39 @@ class Lane:
               on_lost: Callable[[str], None] | None = None, identity: str = "", client: str = "") -> LaneCall:
         """Starts a call (a serialized CallRequest) with Call's or Stream's semantics. `metadata` is
         the caller's (only its x-bridge-* options go on); `timeout_s` the time the call has left."""
+        if self.framed.lost:
+            raise LaneClosed(self.framed.lost)
         self._next_id += 1
         lc = LaneCall(self, self._next_id, stream, window)
         lc.on_event, lc.on_lost = on_event, on_lost
-        head = pb.MuxRequestView(start=pb.MuxStartView(id=lc.id, call=call, stream=stream, window=window,
-                                                       time_left_ms=0 if timeout_s is None else timeout_s * 1000))
-        self.framed.send(head.SerializeToString(),
-                         _options_part(metadata if isinstance(metadata, tuple) else tuple(metadata or ()), identity,
-                                       client))
+        options = _options_part(metadata if isinstance(metadata, tuple) else tuple(metadata or ()), identity, client)
+        if len(call) >= LARGE_REQUEST_BYTES and (self._unsent or self.framed.paused):
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            lc.unsent = _Unsent(lc, call, options, deadline, host_of(client or identity))
+            self._unsent.setdefault(lc.unsent.host, deque()).append(lc.unsent)
+        else:
+            self._write_start(lc, call, options, timeout_s)
         self.calls[lc.id] = lc
         return lc
+
+    def _write_start(self, lc: LaneCall, call: bytes, options: bytes, timeout_s: float | None) -> None:
+        head = pb.MuxRequestView(start=pb.MuxStartView(id=lc.id, call=call, stream=lc.stream, window=lc.window,
+                                                       time_left_ms=0 if timeout_s is None else timeout_s * 1000))
+        self.framed.send(head.SerializeToString(), options)
+
+    def _write_waiting(self) -> None:
+        """Writes the large starts that wait, one host's at a time in turn, while the transport
+        takes them (called when it has drained)."""
+        while self._unsent and not self.framed.paused and not self.framed.lost:
+            host = next(iter(self._unsent))
+            queue = self._unsent.pop(host)
+            unsent = queue.popleft()
+            if queue:
+                self._unsent[host] = queue          # to the round's end
+            unsent.lc.unsent = None
+            # the time it has left now (0 on the wire means none: one that ran out gets a sliver)
+            left = None if unsent.deadline is None else max(unsent.deadline - time.monotonic(), 1e-6)
+            self._write_start(unsent.lc, unsent.call, unsent.options, left)
 
     def send(self, request: Any) -> None:
         self.framed.send(request.SerializeToString())
@@ -192,6 +246,13 @@ class Lane:
     def forget(self, lc: LaneCall) -> None:
         if self.calls.get(lc.id) is lc:
             del self.calls[lc.id]
+        unsent = lc.unsent
+        if unsent is not None:          # never written: it leaves the lane's queue
+            queue = self._unsent.get(unsent.host)
+            if queue is not None and unsent in queue:
+                queue.remove(unsent)
+                if not queue:
+                    del self._unsent[unsent.host]
 
     def _on_frame(self, frame: bytes) -> None:
         try:
@@ -215,6 +276,7 @@ class Lane:
             lc._push(event)
 
     def _on_lost(self, reason: str) -> None:
+        self._unsent.clear()
         calls, self.calls = self.calls, {}
         for lc in calls.values():
             lc._close(reason)

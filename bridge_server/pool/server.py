@@ -106,6 +106,7 @@ class PoolServer:
         self.metrics_port = 0
         self.state = "starting"
         self.started = time.monotonic()
+        self._trimming: asyncio.Task[None] | None = None     # `eventloop.trim_heap`, once serving
         self._health_task: asyncio.Task[None] | None = None
         self._health_dirty = False
 
@@ -140,6 +141,7 @@ class PoolServer:
         await self.supervisor.start()
         eventloop.freeze_heap()
         eventloop.return_large_buffers()    # not in workers: their engines' tensors would pay for it
+        self._trimming = asyncio.get_running_loop().create_task(eventloop.trim_heap())
         self.state = "serving"
         self._changed()
         log.info("serving: %s", ", ".join(f"{n} ({p.state})" for n, p in self.supervisor.pools.items()))
@@ -148,6 +150,8 @@ class PoolServer:
         """Stop taking calls, let in-flight ones finish within the grace period, stop every worker."""
         log.info("shutting down: in-flight calls get %.1f s", self.config.grace_s)
         self.state = "stopping"
+        if self._trimming is not None:
+            self._trimming.cancel()
         await self.health.enter_graceful_shutdown()
         await self.watches.end()
         self.router.accepting = False

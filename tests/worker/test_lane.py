@@ -229,3 +229,62 @@ def test_a_start_is_sent_in_parts_that_read_as_one_request() -> None:
     assert [s.time_left_ms for s in (first, second, third)] == [1500.0, 250.0, 0.0]
     for start in (first, second, third):
         assert dict(start.metadata) == {"x-bridge-session": "s1", "x-bridge-timeout-ms": "60000"}
+
+
+def test_a_large_call_waits_in_the_lane_until_what_went_before_it_has_gone() -> None:
+    """The lane is one ordered byte stream: thirty 60 MiB calls written at once put 1.8 GB in the pool
+    server's write buffer, and another client's 6/3 behind them waited 17-29 s. A large call is
+    written once what went before it has gone (the hosts of its senders taking turns, its time left
+    counted from then); a small one goes at once, behind one large call at most; one cancelled
+    before it was written never is, and its caller hears CANCELLED from the lane."""
+    from bridge_server.pool.lane import Lane
+    from bridge_server.wire.protocol import LARGE_REQUEST_BYTES
+
+    big = [request(f"{D}.divide", bytes([i]) * (2 * LARGE_REQUEST_BYTES), 1) for i in range(6)]
+    small = request(f"{D}.divide", 6, 3)
+    first_host, second_host = "ipv4:10.0.0.1:5000", "ipv4:10.0.0.2:5000"
+
+    def read_frames(sock: socket.socket, count: int) -> list[pb.MuxRequest]:
+        def exactly(n: int) -> bytes:
+            data = bytearray()
+            while len(data) < n:
+                chunk = sock.recv(n - len(data))
+                assert chunk, "the lane closed"
+                data += chunk
+            return bytes(data)
+        return [pb.MuxRequest.FromString(exactly(struct.unpack("<I", exactly(4))[0])) for _ in range(count)]
+
+    async def main() -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        lane = Lane("socketpair")
+        await asyncio.get_running_loop().create_unix_connection(lambda: lane.framed, sock=ours)
+        try:
+            calls = [lane.start(big[i], (), timeout_s=30, client=host)
+                     for i, host in enumerate([first_host] * 3 + [second_host] * 3)]
+            assert lane.framed.paused            # the first went out, and the peer has not read it
+            assert [lc.unsent is None for lc in calls] == [True] + [False] * 5
+            assert lane.framed.transport is not None
+            assert lane.framed.transport.get_write_buffer_size() <= len(big[0]) + 1024
+            quick = lane.start(small, (), timeout_s=30, client=second_host)
+            assert quick.unsent is None          # written at once, behind the one large call
+            calls[5].cancel()                    # never written
+            calls[4].ask_to_cancel()             # never written: the lane says CANCELLED
+            event = await asyncio.wait_for(calls[4].next(), 5)
+            assert event.WhichOneof("kind") == "error" and event.error.code == grpc.StatusCode.CANCELLED.value[0]
+            await asyncio.sleep(0.5)             # time the waiting calls spend in the lane
+            theirs.setblocking(True)
+            frames = await asyncio.to_thread(read_frames, theirs, 5)
+        finally:
+            lane.close()
+            theirs.close()
+        starts = [f.start for f in frames]
+        by_payload = {b: i for i, b in enumerate(big)}
+        order = [by_payload.get(s.call.SerializeToString(), "small") for s in starts]
+        # the first large call, the small one, then the hosts that waited in turn (10.0.0.1 waited
+        # first), less the two cancelled calls: 10.0.0.2's one goes between 10.0.0.1's two
+        assert order == [0, "small", 1, 3, 2], order
+        assert [s.id for s in starts] == [calls[0].id, quick.id, calls[1].id, calls[3].id, calls[2].id]
+        # a call's time left is what it has when it is written
+        assert starts[0].time_left_ms == 30_000 and all(0 < s.time_left_ms < 29_500 for s in starts[2:])
+
+    asyncio.run(main())
