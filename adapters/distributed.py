@@ -310,6 +310,64 @@ def _rendezvous(receiver: object, args: Mapping[str, object], ctx: CallContext) 
         # which torch refuses at once.)
         raise BridgeError.validation(f"parameter rank: expected a rank of the group's {size:,} (0 to {size - 1:,}), "
                                      f"got {_short(rank)}", parameter="rank")
+    _a_backend(receiver, args, ctx)
+
+
+def _backends() -> list[str]:
+    import torch
+    import torch.distributed as dist
+    have = ["gloo"] if dist.is_gloo_available() else []
+    if dist.is_nccl_available() and torch.cuda.is_available():
+        have.append("nccl")
+    return have
+
+
+def _a_backend(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+    """A group's backend is one this machine has: given another ("xyz", "mpi", "nccl" without a GPU)
+    a stateless group quietly came back as gloo, and `init_distributed_environment` set up the world
+    with it. None (where a call takes it) means the world's."""
+    if "backend" not in args or args["backend"] is None:
+        return
+    backend, have = args["backend"], _backends()
+    if backend not in have:
+        raise BridgeError.validation(f"parameter backend: expected one of {', '.join(map(repr, have)) or 'none'} (the "
+                                     f"process-group backends this worker has), got {quote(str(backend), 40)}",
+                                     parameter="backend")
+
+
+_PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "prefill_context_model_parallel_size")
+
+
+def _model_parallel_sizes(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+    """The model-parallel sizes lay the world's ranks out as a grid (vLLM reshapes them): a size below
+    1, or sizes whose product does not divide the world, failed as torch's "shape '[-1, 1, 0, 1, 0]' is
+    invalid for input of size 1", naming nothing; with no world set up, as a bare assertion."""
+    import torch.distributed as dist
+    _a_backend(receiver, args, ctx)
+    product = 1
+    for name in (*_PARALLEL_SIZES, "decode_context_model_parallel_size"):
+        value = args.get(name)
+        if value is None and name == "decode_context_model_parallel_size":
+            continue
+        if type(value) is not int or not 1 <= value <= MAX_PP_SIZE:
+            raise BridgeError.validation(f"parameter {name}: expected a number of ranks from 1 to {MAX_PP_SIZE:,}, got "
+                                         f"{_short(value)}", parameter=name)
+        if name in _PARALLEL_SIZES:
+            product *= value
+    dcp, tp = args.get("decode_context_model_parallel_size"), args.get("tensor_model_parallel_size", 1)
+    if type(dcp) is int and type(tp) is int and tp % dcp:
+        raise BridgeError.validation(f"parameter decode_context_model_parallel_size: expected a divisor of "
+                                     f"tensor_model_parallel_size ({tp}), got {dcp}",
+                                     parameter="decode_context_model_parallel_size")
+    if not dist.is_initialized():
+        raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
+                          "no process group is set up in this worker to lay out: call init_distributed_environment "
+                          "first", reason="no process group")
+    world = dist.get_world_size()
+    if world % product:
+        name = next((n for n in _PARALLEL_SIZES if args.get(n, 1) != 1), _PARALLEL_SIZES[0])
+        raise BridgeError.validation(f"parameter {name}: the tensor, pipeline and prefill-context sizes multiply to "
+                                     f"{product:,} ranks, which do not divide the world's {world}", parameter=name)
 
 
 def _split_evenly(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
@@ -484,6 +542,8 @@ _GUARDS: dict[str, Callable[[object, Mapping[str, object], CallContext], None]] 
     "is_torch_equal_or_newer": _short_version, "get_tcp_uri": _a_port,
     "get_distributed_init_method": _a_port, "split_tensor_along_last_dim": _split_evenly,
     "init_distributed_environment": _rendezvous, "stateless_init_torch_distributed_process_group": _rendezvous,
+    "initialize_model_parallel": _model_parallel_sizes, "ensure_model_parallel_initialized": _model_parallel_sizes,
+    "init_world_group": _a_backend, "init_model_parallel_group": _a_backend,
     "all_gather_fake": _fake_shape(gathers=True), "reduce_scatter_fake": _fake_shape(gathers=False),
     "all_reduce_fake": _fake_shape(gathers=False), "graph_capture": _a_cuda_device,
 }

@@ -173,6 +173,21 @@ def test_distributed_environment_with_gloo_and_collectives_on_tensors_by_value(w
     client.call(f"{D}.init_distributed_environment", kwargs=dict(
         world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}", local_rank=0,
         backend="gloo"))
+    # the sizes lay the world's ranks out as a grid: ones that cannot were torch's "shape '[-1, 1, 0, 1,
+    # 0]' is invalid", naming nothing; and a backend this machine lacks came back as gloo
+    for args, kwargs, parameter in (((0, 1), {}, "tensor_model_parallel_size"),
+                                    ((2, 1), {}, "tensor_model_parallel_size"),
+                                    ((1, 3), {}, "pipeline_model_parallel_size"),
+                                    ((2, 1), {"decode_context_model_parallel_size": 3},
+                                     "decode_context_model_parallel_size"),
+                                    ((1, 1), {"backend": "xyz"}, "backend")):
+        with pytest.raises(CallError) as err:
+            client.call(f"{D}.initialize_model_parallel", *args, kwargs=kwargs)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.detail.parameter == parameter, \
+            (args, kwargs, err.value)
+    with pytest.raises(CallError) as err:
+        client.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1", free_port(), 0, 1, "mpi")
+    assert err.value.detail.parameter == "backend" and "expected one of 'gloo'" in err.value.details, err.value
     client.call(f"{D}.initialize_model_parallel", 1, 1)
     assert client.call(f"{D}.model_parallel_is_initialized") is True
     assert client.call(f"{D}.get_tensor_model_parallel_rank") == 0
@@ -217,6 +232,9 @@ def test_distributed_environment_with_gloo_and_collectives_on_tensors_by_value(w
     client.call(f"{D}.set_custom_all_reduce", True)
     assert client.call(f"{D}.cleanup_dist_env_and_memory") is None
     assert client.call(f"{D}.model_parallel_is_initialized") is False
+    with pytest.raises(CallError) as err:      # no world to lay out: vLLM's bare assertion, said
+        client.call(f"{D}.initialize_model_parallel", 1, 1)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and err.value.reason == "no process group", err.value
 
 
 def test_cleaning_up_the_distributed_environment_leaves_the_rest_of_the_process_alone() -> None:
