@@ -15,8 +15,9 @@ health (`blocked`), as one whose exclusive lane does.
 
 The surface is closed by construction: a client reaches only what `planner.py` plans; no ref to a
 module, class, function or builtin that is not itself a catalog entry leaves the worker, at any
-depth of a result (`results.py`), and no such ref is taken as an argument. Each call is made for a `Caller`: the identity that owns the refs it
-creates (and may use only its own), its session, and whether it is a rank's share of a Collective.
+depth of a result (`results.py`), and no such ref is taken as an argument. Each call is made for a
+`Caller`: the identity that owns the refs it creates (and may use only its own), its session, and
+whether it is a rank's share of a Collective.
 """
 
 from __future__ import annotations
@@ -504,8 +505,8 @@ class Invoker:
         pace = Pace()
         put = pace.timed(self.results.item_writer(caller, plan.exclusive, encoding))
         lane, payer = (self._exclusive_lane if plan.exclusive else self._shared_lane), _payer(caller)
-        items = iterate(source, plan.label, deadlines, lambda step: self._in_thread(lane, step, None, plan.label, payer),
-                        interval_s, pace)
+        items = iterate(source, plan.label, deadlines,
+                        lambda step: self._in_thread(lane, step, None, plan.label, payer), interval_s, pace)
         activity, receiver = self._activity, id(plan.receiver)
         async with contextlib.aclosing(items):
             if tee and encoding in STREAM_PATCHES:
