@@ -335,6 +335,44 @@ def _a_backend(receiver: object, args: Mapping[str, object], ctx: CallContext) -
                                      parameter="backend")
 
 
+def _world_size(label: str) -> int:
+    """The size of the world the worker's groups are set up in; FAILED_PRECONDITION without one."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
+                          f"no process group is set up in this worker {label}: call init_distributed_environment "
+                          f"first", reason="no process group")
+    return int(dist.get_world_size())
+
+
+def _group_ranks(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+    """Each list of ranks becomes two torch groups (~4 files and ~3 threads each), which stay
+    registered in torch whatever becomes of the coordinator: one call naming [[0]] a thousand times
+    took 8,000 files and 6,000 threads for good, and every client's constructors were refused. A
+    coordinator's groups split the world: disjoint lists of distinct ranks of it, at most as many
+    lists as it has ranks."""
+    _a_backend(receiver, args, ctx)
+    key = "group_ranks" if "group_ranks" in args else "ranks"
+    lists = args.get(key)
+    lists = lists if key == "group_ranks" else [lists]
+    if not isinstance(lists, list):
+        return              # the binding said so
+    world = _world_size("to make groups of")
+    seen: set[int] = set()
+    for i, ranks in enumerate(lists):
+        where = f"{key}[{i}]" if key == "group_ranks" else key
+        if not isinstance(ranks, list) or not ranks:
+            raise BridgeError.validation(f"parameter {where}: expected a non-empty list of ranks", parameter=key)
+        for rank in ranks:
+            if type(rank) is not int or not 0 <= rank < world:
+                raise BridgeError.validation(f"parameter {where}: expected ranks of the world's {world} (0 to "
+                                             f"{world - 1}), got {_short(rank)}", parameter=key)
+            if rank in seen:
+                raise BridgeError.validation(f"parameter {where}: rank {rank} is in more than one group (the groups "
+                                             f"of one coordinator split the world's {world} ranks)", parameter=key)
+            seen.add(rank)
+
+
 _PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "prefill_context_model_parallel_size")
 
 
@@ -342,7 +380,6 @@ def _model_parallel_sizes(receiver: object, args: Mapping[str, object], ctx: Cal
     """The model-parallel sizes lay the world's ranks out as a grid (vLLM reshapes them): a size below
     1, or sizes whose product does not divide the world, failed as torch's "shape '[-1, 1, 0, 1, 0]' is
     invalid for input of size 1", naming nothing; with no world set up, as a bare assertion."""
-    import torch.distributed as dist
     _a_backend(receiver, args, ctx)
     product = 1
     for name in (*_PARALLEL_SIZES, "decode_context_model_parallel_size"):
@@ -359,11 +396,7 @@ def _model_parallel_sizes(receiver: object, args: Mapping[str, object], ctx: Cal
         raise BridgeError.validation(f"parameter decode_context_model_parallel_size: expected a divisor of "
                                      f"tensor_model_parallel_size ({tp}), got {dcp}",
                                      parameter="decode_context_model_parallel_size")
-    if not dist.is_initialized():
-        raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
-                          "no process group is set up in this worker to lay out: call init_distributed_environment "
-                          "first", reason="no process group")
-    world = dist.get_world_size()
+    world = _world_size("to lay out")
     if world % product:
         name = next((n for n in _PARALLEL_SIZES if args.get(n, 1) != 1), _PARALLEL_SIZES[0])
         raise BridgeError.validation(f"parameter {name}: the tensor, pipeline and prefill-context sizes multiply to "
@@ -543,7 +576,7 @@ _GUARDS: dict[str, Callable[[object, Mapping[str, object], CallContext], None]] 
     "get_distributed_init_method": _a_port, "split_tensor_along_last_dim": _split_evenly,
     "init_distributed_environment": _rendezvous, "stateless_init_torch_distributed_process_group": _rendezvous,
     "initialize_model_parallel": _model_parallel_sizes, "ensure_model_parallel_initialized": _model_parallel_sizes,
-    "init_world_group": _a_backend, "init_model_parallel_group": _a_backend,
+    "init_world_group": _group_ranks, "init_model_parallel_group": _group_ranks,
     "all_gather_fake": _fake_shape(gathers=True), "reduce_scatter_fake": _fake_shape(gathers=False),
     "all_reduce_fake": _fake_shape(gathers=False), "graph_capture": _a_cuda_device,
 }

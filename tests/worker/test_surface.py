@@ -185,6 +185,16 @@ def test_distributed_environment_with_gloo_and_collectives_on_tensors_by_value(w
             client.call(f"{D}.initialize_model_parallel", *args, kwargs=kwargs)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.detail.parameter == parameter, \
             (args, kwargs, err.value)
+    # each list of ranks is two torch groups that outlive the coordinator: [[0]] a thousand times kept
+    # 8,000 files and 6,000 threads; a coordinator's lists split the world
+    for name, args, said in (("init_model_parallel_group", ([[0]] * 3, 0, "gloo"), "rank 0 is in more than one"),
+                             ("init_model_parallel_group", ([[1]], 0, "gloo"), "expected ranks of the world's 1"),
+                             ("init_model_parallel_group", ([[]], 0, "gloo"), "expected a non-empty list"),
+                             ("init_world_group", ([0, 0], 0, "gloo"), "rank 0 is in more than one")):
+        with pytest.raises(CallError) as err:
+            client.call(f"{D}.{name}", *args)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and said in err.value.details, err.value
+        assert err.value.detail.parameter in ("group_ranks", "ranks"), err.value
     with pytest.raises(CallError) as err:
         client.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1", free_port(), 0, 1, "mpi")
     assert err.value.detail.parameter == "backend" and "expected one of 'gloo'" in err.value.details, err.value
