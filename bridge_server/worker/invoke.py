@@ -8,10 +8,11 @@ Where work runs is decided here, once, for every kind of target:
   one at a time and in arrival order.
 Deadlines are enforced here, not by the client: async work is cancelled for real (AsyncLLM aborts
 the request); a blocking call that has not started is dropped from its queue; one that is already
-running inside C code cannot be pre-empted, so it is abandoned and counted in `abandoned`, and
-against its client: one whose abandoned calls still hold MAX_ABANDONED_PER_CLIENT threads is refused
-more work in threads until they end, and a worker whose threads all run abandoned calls says so in
-health (`blocked`), as one whose exclusive lane does.
+running inside C code cannot be pre-empted, so it is abandoned and counted in `abandoned`. A client
+holds at most its share of the shared lane's threads, running or abandoned (`threadshares.py`); one
+whose abandoned calls hold its whole share is refused more work in threads until they end, and a
+worker whose threads all run abandoned calls says so in health (`blocked`), as one whose exclusive
+lane does.
 
 The surface is closed by construction: a client reaches only what `planner.py` plans; no ref to a
 module, class, function or builtin that is not itself a catalog entry leaves the worker, at any
@@ -51,12 +52,13 @@ from bridge_server.worker.planner import Plan, Planner
 from bridge_server.worker.refs import RefRegistry, payer_of
 from bridge_server.worker.results import CODE_TYPES, Results, take_turn
 from bridge_server.worker.streams import Pace, PutItem, Tee, iterate
+from bridge_server.worker.threadshares import ThreadShares
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-# Blocking calls a client (its identity, else its host) may leave running in the worker's threads
-# after it gave up on them: a group set up to wait for a peer that never came held a thread for 30
-# minutes, and twenty such calls, each given up at its deadline, took every thread of the shared lane.
-MAX_ABANDONED_PER_CLIENT = 4
+# The shared lane's threads one client (its identity, else its host) may hold, running or given up
+# (`threadshares.py`): a group set up to wait for a peer that never came held a thread for 30 minutes,
+# and twenty such calls, each given up at its deadline, took every thread of the shared lane.
+THREADS_PER_CLIENT = 4
 
 # What must wait for the end of the blocking work a call starts, when its caller gives up first: a
 # call abandoned at its deadline runs on in its thread, and whatever it holds (an engine being
@@ -132,6 +134,7 @@ class Invoker:
         self._shared_lane = ThreadPoolExecutor(self.shared_threads, thread_name_prefix="bridge-shared")
         self._exclusive_lock = asyncio.Lock()
         self.planner = Planner(self.catalog, self.refs, self.objects)
+        self.shares = ThreadShares(min(THREADS_PER_CLIENT, self.shared_threads))
         self._decoders: dict[str, Decoder] = {}   # by identity
         self._building = Building(self.catalog.short_types, self.catalog.rule, self.policy)
         self.stall = StallGuard(self.limits.reader_stall_s)   # bounds every wait on a stream's caller
@@ -264,14 +267,25 @@ class Invoker:
     async def _in_thread(self, lane: ThreadPoolExecutor, thunk: Callable[[], Any], deadline: float | None,
                          label: str, client: str = "") -> Any:
         held = self._abandoned_by.get(client, 0) if client else 0
-        if held >= MAX_ABANDONED_PER_CLIENT:
+        if held >= self.shares.per_client:
             raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
                               f"{label}: {held} of this client's calls were given up (at their deadline, or "
                               f"cancelled) while they ran in the worker's threads, and still run there, which no "
                               f"deadline can stop; a client (its identity, else its host) may leave at most "
-                              f"{MAX_ABANDONED_PER_CLIENT}: wait for them to end", target=label,
+                              f"{self.shares.per_client}: wait for them to end", target=label,
                               reason="abandoned calls")
-        job = lane.submit(thunk)
+        shared = lane is self._shared_lane and client != ""
+        if shared:
+            await self.shares.take(client, deadline, label)
+        try:
+            job = lane.submit(thunk)
+        except BaseException:
+            if shared:
+                self.shares.give_back(client)
+            raise
+        if shared:
+            loop = asyncio.get_running_loop()
+            job.add_done_callback(lambda _: loop.call_soon_threadsafe(self.shares.give_back, client))
         try:
             return await with_deadline(asyncio.wrap_future(job), deadline, label)
         except BaseException:

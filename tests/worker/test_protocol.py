@@ -543,15 +543,18 @@ def test_the_worker_enforces_a_deadline_during_a_slow_call_and_keeps_serving(slo
 def test_calls_given_up_in_the_workers_threads_are_bounded_per_client_and_said_in_health(tmp_path: Path) -> None:
     """A blocking call given up at its deadline runs on in its thread (C code cannot be pre-empted):
     twenty groups waiting for a peer that never came took every thread of the shared lane, every
-    blocking call then timed out, and health said SERVING. A client (its identity, else its host) may
-    leave four such calls running; a worker whose threads all run them says so in health; both end
-    when the calls do."""
+    blocking call then timed out, and health said SERVING; twenty sent at once from one connection
+    all passed a check of calls already given up. A client (its identity, else its host) holds at
+    most four threads, running or given up, its other calls waiting for one of its own; with four
+    given up it is refused; a worker whose threads all run such calls says so in health; all of it
+    ends when the calls do."""
+    import psutil
     names = [f"c{i}" for i in range(4)]
     tokens = tmp_path / "tokens"
     tokens.write_text("".join(f"{n}:{n}-token-0123456789abcdef\n" for n in names))
     tokens.chmod(0o600)
     w = start_worker(tmp_path, "--outside-ranks", "1", "--token-file", str(tokens), name="abandon")
-    ports: list[int] = []
+    listening: list[int] = []
     try:
         clients = [BridgeClient(w.address, token=f"{n}-token-0123456789abcdef") for n in names]
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(w.address))
@@ -559,17 +562,34 @@ def test_calls_given_up_in_the_workers_threads_are_bounded_per_client_and_said_i
         def status() -> int:
             return health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
-        def give_up(c: BridgeClient) -> None:
-            ports.append(port := free_port())
-            with pytest.raises(CallError) as err:      # rank 0 of 2 waits for rank 1 in a shared thread
-                c.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1", port, 0, 2, "gloo",
-                       timeout_s=0.5)
-            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+        def give_up(c: BridgeClient, calls: int) -> list[CallError]:
+            """`calls` groups at once, each rank 0 of 2 waiting for rank 1 in a shared thread, given up."""
+            ports = [free_port() for _ in range(calls)]
+            errors: list[CallError] = []
+
+            def one(port: int) -> None:
+                try:
+                    c.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1", port, 0, 2, "gloo",
+                           timeout_s=1.0)
+                except CallError as err:
+                    errors.append(err)
+            threads = [threading.Thread(target=one, args=(port,)) for port in ports]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            time.sleep(0.5)
+            open_ports = {c.laddr.port for c in psutil.Process(w.proc.pid).net_connections(kind="tcp")
+                          if c.status == psutil.CONN_LISTEN}
+            listening.extend(p for p in ports if p in open_ports)      # those that ran: their peers are owed
+            return errors
 
         first = clients[0]
-        for _ in range(4):
-            give_up(first)
-        with pytest.raises(CallError) as err:          # a fifth blocking call of the same client
+        errors = give_up(first, 8)
+        assert len(errors) == 8 and {e.code for e in errors} == {grpc.StatusCode.DEADLINE_EXCEEDED}, errors
+        waited = [e for e in errors if "waiting for a thread: this client's calls hold 4" in e.details]
+        assert len(waited) == 4 and len(listening) == 4, (errors, listening)
+        with pytest.raises(CallError) as err:          # its four threads all run calls it gave up
             first.call("vllm.config.ParallelConfig", timeout=10)
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "abandoned calls", \
             err.value
@@ -578,13 +598,13 @@ def test_calls_given_up_in_the_workers_threads_are_bounded_per_client_and_said_i
         assert clients[1].call(Target.get(clients[1].call("vllm.config.ParallelConfig"), "world_size")) == 1
         assert status() == health_pb2.HealthCheckResponse.SERVING
         for c in clients[1:]:
-            for _ in range(4):
-                give_up(c)
+            assert len(give_up(c, 4)) == 4
+        assert len(listening) == 16
         deadline = time.monotonic() + 10     # health is recomputed within a second
         while status() != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
             time.sleep(0.2)
         assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
-        peers = [threading.Thread(target=_rendezvous_peer, args=(port,), daemon=True) for port in ports]
+        peers = [threading.Thread(target=_rendezvous_peer, args=(port,), daemon=True) for port in listening]
         for peer in peers:
             peer.start()
         for peer in peers:
