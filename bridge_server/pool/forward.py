@@ -172,6 +172,18 @@ class Forwarder:
                 raise asyncio.CancelledError from None     # gRPC ends the handler quietly
             raise
 
+    def _hold_request(self, context: grpc.aio.ServicerContext, caller: str, label: str,
+                      size: int) -> BridgeError | None:
+        """A large request counts in the backlog until its RPC ends (its bytes live as long as the
+        handler), if it fits; else the RESOURCE_EXHAUSTED to end the call with."""
+        h = self.backlog.open(caller, label)
+        refused = self.backlog.take_request(h, size, label)
+        if refused is not None:
+            self.backlog.close(h)
+            return refused
+        context.add_done_callback(lambda _: self.backlog.close(h))
+        return None
+
     def _hold(self, context: grpc.aio.ServicerContext, caller: str, label: str, size: int) -> BridgeError | None:
         """A unary reply counts in the backlog until its RPC ends (the caller read it, or went), if
         it fits; else the RESOURCE_EXHAUSTED to end the call with."""
@@ -201,10 +213,15 @@ class Forwarder:
             identity = self.security.identity(context)
             if self.backlog.over():
                 self.backlog.admit(client_of(identity, context), "Call")
-            head = routed_request(request, "Call", self.limit, self.router) if len(request) < LARGE_REQUEST_BYTES \
-                else await read_in_turn(self.turns, client_of(identity, context), len(request),
-                                        lambda: routed_request(request, "Call", self.limit, self.router), "Call",
-                                        context.time_remaining())
+            if len(request) < LARGE_REQUEST_BYTES:
+                head = routed_request(request, "Call", self.limit, self.router)
+            else:
+                refused = self._hold_request(context, client_of(identity, context), "Call", len(request))
+                if refused is not None:
+                    raise refused
+                head = await read_in_turn(self.turns, client_of(identity, context), len(request),
+                                          lambda: routed_request(request, "Call", self.limit, self.router), "Call",
+                                          context.time_remaining())
             route = read_route(md, context.time_remaining(), head, identity)
             plan = self.router.plan(route)
             pool = plan.pool
@@ -289,6 +306,9 @@ class Forwarder:
         identity = self.security.identity(context)
         caller = client_of(identity, context)
         self.backlog.admit(caller, "Stream")
+        if len(request) >= LARGE_REQUEST_BYTES and (refused := self._hold_request(context, caller, "Stream",
+                                                                                   len(request))) is not None:
+            raise refused
         head = await read_in_turn(self.turns, caller, len(request),
                                   lambda: routed_request(request, "Stream", self.limit, self.router), "Stream",
                                   context.time_remaining())

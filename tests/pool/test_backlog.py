@@ -177,3 +177,34 @@ def test_a_connection_beside_one_that_hoards_on_the_same_host_gets_its_own_share
     with pytest.raises(BridgeError):
         reply(backlog, "ipv4:10.0.0.5:4001", 7 * MB)
     assert backlog.by_host == {"ipv4:10.0.0.5": 63 * MB}    # within 1.5 host shares (72 MB)
+
+
+def test_large_requests_count_with_replies_and_are_refused_past_their_caller_s_share() -> None:
+    """gRPC reads a request whole before the router sees it, and the router holds it until its call
+    ends (waiting for a slot, then for its turn in the worker's lane): ninety-six 60 MiB calls took
+    the pool server to 8.4 GB. They count with replies, under the same bound and shares."""
+    backlog = Backlog(limit=48 * MB)
+
+    def request(caller: str, size: int) -> Holding:
+        h = backlog.open(caller, "Call")
+        refused = backlog.take_request(h, size, "Call")
+        if refused is not None:
+            backlog.close(h)
+            raise refused
+        return h
+
+    held = [request(f"ipv4:10.0.0.1:{5000 + i}", 7 * MB) for i in range(6)]      # 42 MB: within the limit
+    refused: list[BridgeError] = []
+    for i in range(40):                      # the same host's other connections: its share, then refused
+        try:
+            held.append(request(f"ipv4:10.0.0.1:{6000 + i}", 7 * MB))
+        except BridgeError as err:
+            refused.append(err)
+    assert len(refused) > 30 and backlog.total <= 2 * backlog.limit
+    err = refused[0]
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.reason == "large requests", err
+    assert "its request of 7,340,032 bytes does not fit" in err.message and "max_unread_bytes" in err.message
+    reader = reply(backlog, "ipv4:10.0.0.2:5000", 7 * MB)       # another host still gets its share
+    for h in [*held, reader]:
+        backlog.close(h)
+    assert backlog.total == 0 and not backlog.by_host
