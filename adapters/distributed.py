@@ -7,6 +7,7 @@ arithmetic helpers are pure; the cheapest of them run inline on the event loop.
 
 import gc
 import ipaddress
+import logging
 import os
 import socket
 import sys
@@ -550,6 +551,21 @@ def _cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
         current_platform.empty_cache()
 
 
+def _end_coordinator(coordinator: Any) -> None:
+    """A GroupCoordinator holds two torch groups (~8 files and ~6 threads on gloo) that torch keeps
+    registered whatever becomes of the coordinator: each one a client made (`init_model_parallel_group`,
+    `init_world_group`) and released left them for good, until every client's constructors were
+    refused "too many open files". With its last ref its groups go, unless vLLM uses it (one that
+    `initialize_model_parallel` set up, or one `patch_tensor_parallel_group` has in force)."""
+    from vllm.distributed import parallel_state
+    if any(coordinator is value for value in vars(parallel_state).values()):
+        return
+    try:
+        coordinator.destroy()
+    except Exception as exc:    # noqa: BLE001 - the world it was made in may be gone already
+        logging.getLogger("vllm_bridge.worker").warning("a released process group could not be destroyed: %s", exc)
+
+
 def _suppress_stdout() -> StdoutSuppression:
     return StdoutSuppression()
 
@@ -613,7 +629,8 @@ DISTRIBUTED = AdapterSpec(
     collectives=_COLLECTIVES,
     overrides={"suppress_stdout": _suppress_stdout, "cleanup_dist_env_and_memory": _cleanup_dist_env_and_memory,
                **{name: _zeroed(name) for name in _FAKES}},
-    finalizers=(Finalizer("adapters.distributed", "StdoutSuppression", _end_suppression),),
+    finalizers=(Finalizer("adapters.distributed", "StdoutSuppression", _end_suppression),
+                Finalizer("vllm.distributed.parallel_state", "GroupCoordinator", _end_coordinator)),
     frees=frozenset({
         "stateless_destroy_torch_distributed_process_group", "destroy_model_parallel",
         "destroy_distributed_environment", "cleanup_dist_env_and_memory",

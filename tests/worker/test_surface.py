@@ -195,11 +195,23 @@ def test_distributed_environment_with_gloo_and_collectives_on_tensors_by_value(w
             client.call(f"{D}.{name}", *args)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and said in err.value.details, err.value
         assert err.value.detail.parameter in ("group_ranks", "ranks"), err.value
+    # and a coordinator a client made and released takes its torch groups with it (8 files and 6 threads
+    # each had stayed for good); one vLLM uses stays, whoever released a ref to it
+    import psutil
+    process = psutil.Process(worker.proc.pid)
+    made = client.call(f"{D}.init_model_parallel_group", [[0]], 0, "gloo")
+    client.release(made)
+    files, threads = process.num_fds(), process.num_threads()
+    for _ in range(10):
+        client.release(client.call(f"{D}.init_world_group", [0], 0, "gloo"))
+    assert process.num_fds() <= files + 2 and process.num_threads() <= threads + 2, \
+        (files, process.num_fds(), threads, process.num_threads())
     with pytest.raises(CallError) as err:
         client.call(f"{D}.stateless_init_torch_distributed_process_group", "127.0.0.1", free_port(), 0, 1, "mpi")
     assert err.value.detail.parameter == "backend" and "expected one of 'gloo'" in err.value.details, err.value
     client.call(f"{D}.initialize_model_parallel", 1, 1)
     assert client.call(f"{D}.model_parallel_is_initialized") is True
+    client.release(client.call(f"{D}.get_tp_group"))       # vLLM's own: released, it stays
     assert client.call(f"{D}.get_tensor_model_parallel_rank") == 0
     assert client.call(f"{D}.get_tensor_model_parallel_world_size") == 1
     group = client.call(f"{D}.get_tp_group")
