@@ -372,6 +372,10 @@ def _group_ranks(receiver: object, args: Mapping[str, object], ctx: CallContext)
                 raise BridgeError.validation(f"parameter {where}: rank {rank} is in more than one group (the groups "
                                              f"of one coordinator split the world's {world} ranks)", parameter=key)
             seen.add(rank)
+    local = args.get("local_rank")
+    if type(local) is int and not 0 <= local < world:     # the process's index on its machine: a device's
+        raise BridgeError.validation(f"parameter local_rank: expected a rank on this machine, 0 to {world - 1} (the "
+                                     f"world has {world}), got {_short(local)}", parameter="local_rank")
 
 
 _PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "prefill_context_model_parallel_size")
