@@ -372,6 +372,12 @@ def _group_ranks(receiver: object, args: Mapping[str, object], ctx: CallContext)
                 raise BridgeError.validation(f"parameter {where}: rank {rank} is in more than one group (the groups "
                                              f"of one coordinator split the world's {world} ranks)", parameter=key)
             seen.add(rank)
+    import torch.distributed as dist
+    own = dist.get_rank()
+    if own not in seen:          # a coordinator is this process's: vLLM's bare assertion came after its groups
+        raise BridgeError.validation(f"parameter {key}: expected a list holding this worker's rank {own} (a "
+                                     f"coordinator's groups are made for the process that makes it), got none",
+                                     parameter=key)
     local = args.get("local_rank")
     if type(local) is int and not 0 <= local < world:     # the process's index on its machine: a device's
         raise BridgeError.validation(f"parameter local_rank: expected a rank on this machine, 0 to {world - 1} (the "

@@ -190,6 +190,7 @@ def test_distributed_environment_with_gloo_and_collectives_on_tensors_by_value(w
     for name, args, said in (("init_model_parallel_group", ([[0]] * 3, 0, "gloo"), "rank 0 is in more than one"),
                              ("init_model_parallel_group", ([[1]], 0, "gloo"), "expected ranks of the world's 1"),
                              ("init_model_parallel_group", ([[]], 0, "gloo"), "expected a non-empty list"),
+                             ("init_model_parallel_group", ([], 0, "gloo"), "holding this worker's rank 0"),
                              ("init_world_group", ([0, 0], 0, "gloo"), "rank 0 is in more than one"),
                              ("init_world_group", ([0], 7, "gloo"), "parameter local_rank: expected a rank on")):
         with pytest.raises(CallError) as err:
