@@ -55,11 +55,6 @@ from bridge_server.worker.streams import Pace, PutItem, Tee, iterate
 from bridge_server.worker.threadshares import ThreadShares
 from vllm_bridge.v1 import bridge_pb2 as pb
 
-# The shared lane's threads one client (its identity, else its host) may hold, running or given up
-# (`threadshares.py`): a group set up to wait for a peer that never came held a thread for 30 minutes,
-# and twenty such calls, each given up at its deadline, took every thread of the shared lane.
-THREADS_PER_CLIENT = 4
-
 # What must wait for the end of the blocking work a call starts, when its caller gives up first: a
 # call abandoned at its deadline runs on in its thread, and whatever it holds (an engine being
 # made counts against its client's limit) is held until then.
@@ -134,7 +129,7 @@ class Invoker:
         self._shared_lane = ThreadPoolExecutor(self.shared_threads, thread_name_prefix="bridge-shared")
         self._exclusive_lock = asyncio.Lock()
         self.planner = Planner(self.catalog, self.refs, self.objects)
-        self.shares = ThreadShares(min(THREADS_PER_CLIENT, self.shared_threads))
+        self.shares = ThreadShares(self.shared_threads)     # each client's share of the shared lane
         self._decoders: dict[str, Decoder] = {}   # by identity
         self._building = Building(self.catalog.short_types, self.catalog.rule, self.policy)
         self.stall = StallGuard(self.limits.reader_stall_s)   # bounds every wait on a stream's caller
@@ -267,13 +262,13 @@ class Invoker:
     async def _in_thread(self, lane: ThreadPoolExecutor, thunk: Callable[[], Any], deadline: float | None,
                          label: str, client: str = "") -> Any:
         held = self._abandoned_by.get(client, 0) if client else 0
-        if held >= self.shares.per_client:
+        if held and held >= (share := self.shares.share(client)):
             raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
                               f"{label}: {held} of this client's calls were given up (at their deadline, or "
                               f"cancelled) while they ran in the worker's threads, and still run there, which no "
-                              f"deadline can stop; a client (its identity, else its host) may leave at most "
-                              f"{self.shares.per_client}: wait for them to end", target=label,
-                              reason="abandoned calls")
+                              f"deadline can stop; they fill its share of the worker's {self.shares.threads} threads "
+                              f"({share}: three quarters of what other clients leave; a client is its identity, "
+                              f"else its host): wait for them to end", target=label, reason="abandoned calls")
         shared = lane is self._shared_lane and client != ""
         if shared:
             await self.shares.take(client, deadline, label)

@@ -3,10 +3,14 @@
 A blocking call holds its thread until it ends, and one given up (its deadline passed, or its caller
 cancelled) while it runs inside C code still holds it: nothing can stop it. Twenty tokenizer calls of
 a million characters sent at once from one connection, each given up after 0.3 s, took all sixteen
-threads: every other client's blocking call waited, and the worker had to say it could not serve. So
-each client (its identity, else its host: a stranger's many connections are one client) holds at most
-`per_client` threads, running or given up; its further calls wait for one of its own, within their
-deadlines, in the order they came. Calls of the worker's own (client "") are not counted.
+threads: every other client's blocking call waited, and the worker had to say it could not serve.
+
+So a client (its identity, else its host: a stranger's many connections are one client) holds at
+most its share of the threads, running or given up: three quarters of what the other clients leave,
+rounded up, as elsewhere in the server (README, "Fair share on a shared engine"). Alone it may use twelve of sixteen; one
+host can never hold them all, and four are left to the others whatever it sends. Its further calls
+wait, within their deadlines, in the order they came, and take a thread as one of its own ends or the
+others' use of the lane lets its share grow. Calls of the worker's own (client "") are not counted.
 """
 
 from __future__ import annotations
@@ -20,27 +24,34 @@ from bridge_server.worker.deadlines import with_deadline
 
 @dataclass
 class ThreadShares:
-    per_client: int
+    threads: int
     held: dict[str, int] = field(default_factory=dict)          # threads a client's calls hold
+    total: int = 0
+    # calls waiting for a thread, by client; dict order is the order clients began to wait
     _waiting: dict[str, collections.deque[asyncio.Future[None]]] = field(default_factory=dict)
 
+    def share(self, client: str) -> int:
+        """Three quarters of the threads the other clients leave, rounded up; at least one."""
+        left = self.threads - (self.total - self.held.get(client, 0))
+        return max(1, -(-3 * left // 4))
+
     async def take(self, client: str, deadline: float | None, label: str) -> None:
-        """Waits until `client` may use one more thread, and counts it as held (`give_back` ends it)."""
+        """Waits until `client` may hold one more thread, and counts it (`give_back` ends it)."""
         if not client:
             return
-        held = self.held.get(client, 0)
-        if held < self.per_client and client not in self._waiting:
-            self.held[client] = held + 1
+        if client not in self._waiting and self.held.get(client, 0) < self.share(client):
+            self._count(client, 1)
             return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         queue = self._waiting.setdefault(client, collections.deque())
         queue.append(waiter)
         try:
-            await with_deadline(waiter, deadline, label,
-                                f"waiting for a thread: this client's calls hold {self.per_client}, its share")
+            await with_deadline(waiter, deadline, label, f"waiting for a thread: this client's calls hold "
+                                                         f"{self.held.get(client, 0)}, its share of the worker's "
+                                                         f"{self.threads}")
         except BaseException:
             if waiter.done() and not waiter.cancelled():
-                self.give_back(client)          # handed over, then given up: pass it on
+                self.give_back(client)          # counted for it, then given up: pass it on
             elif waiter in queue:
                 queue.remove(waiter)
                 if not queue and self._waiting.get(client) is queue:
@@ -48,19 +59,24 @@ class ThreadShares:
             raise
 
     def give_back(self, client: str) -> None:
-        """A thread `client` held is free: the next of its waiting calls takes it over."""
+        """A thread `client` held is free: waiting calls that their shares now allow take threads."""
         if not client:
             return
-        queue = self._waiting.get(client)
-        while queue:
-            waiter = queue.popleft()
+        self._count(client, -1)
+        for waiting in list(self._waiting):
+            queue = self._waiting[waiting]
+            while queue and self.held.get(waiting, 0) < self.share(waiting):
+                waiter = queue.popleft()
+                if not waiter.done():
+                    self._count(waiting, 1)
+                    waiter.set_result(None)
             if not queue:
-                del self._waiting[client]
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-        left = self.held.get(client, 0) - 1
-        if left > 0:
-            self.held[client] = left
+                del self._waiting[waiting]
+
+    def _count(self, client: str, n: int) -> None:
+        held = self.held.get(client, 0) + n
+        self.total += n
+        if held > 0:
+            self.held[client] = held
         else:
             self.held.pop(client, None)
