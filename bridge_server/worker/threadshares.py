@@ -7,10 +7,11 @@ threads: every other client's blocking call waited, and the worker had to say it
 
 So a client (its identity, else its host: a stranger's many connections are one client) holds at
 most its share of the threads, running or given up: three quarters of what the other clients leave,
-rounded up, as elsewhere in the server (README, "Fair share on a shared engine"). Alone it may use twelve of sixteen; one
-host can never hold them all, and four are left to the others whatever it sends. Its further calls
-wait, within their deadlines, in the order they came, and take a thread as one of its own ends or the
-others' use of the lane lets its share grow. Calls of the worker's own (client "") are not counted.
+rounded up, as elsewhere in the server (README, "Fair share on a shared engine"). Alone it may use
+twelve of sixteen; one host can never hold them all, and four are left to the others whatever it
+sends. Its further calls wait, within their deadlines, in the order they came, and take a thread as
+one of its own ends or the others' use of the lane lets its share grow. Calls of the worker's own
+(client "") are not counted.
 """
 
 from __future__ import annotations
