@@ -1,5 +1,5 @@
 """What the pool server holds for callers that have not read it, and one bound on all of it (large
-requests it holds until their calls end count in it too: `take_request`).
+requests it holds until their calls end count in it too: `take(..., request=True)`).
 
 Why: a reply waits in the pool server until its caller reads it. gRPC keeps a reply whose caller
 does not read (a unary one, or a stream's message in a write that flow control holds back) until the
@@ -101,36 +101,29 @@ class Backlog:
                 f"over its max_unread_bytes ({self.limit:,}), and {held:,} of them are this caller's: it gets "
                 f"no new call until it reads them", reason="unread replies")
 
-    def take(self, h: Holding, n: int, label: str) -> BridgeError | None:
+    def take(self, h: Holding, n: int, label: str, request: bool = False) -> BridgeError | None:
         """Counts a result of n bytes that has arrived for the caller (queued until written); or,
         if it does not fit (see the module's doc), counts nothing and returns the RESOURCE_EXHAUSTED
         that ends its call. Returned, not raised: the caller drops the result before raising, so no
-        traceback keeps megabytes alive until the cycle collector comes."""
+        traceback keeps megabytes alive until the cycle collector comes. `request`: n bytes of a large
+        request the pool server holds until its call ends (gRPC has read it whole; it waits for a
+        slot, and for its turn in the worker's lane), under the same bound as the same memory:
+        ninety-six 60 MiB calls at once took the pool server to 8.4 GB."""
         if 0 < self.limit < self.total + n and not self._fits(h.caller, n):
             self.refused += 1
             held = self.by_caller.get(h.caller, 0)
+            if request:
+                return BridgeError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, "pool",
+                    f"{label}: its request of {n:,} bytes does not fit: the pool server holds {self.total:,} bytes "
+                    f"for callers (large requests on their way to a worker, replies not yet read; max_unread_bytes "
+                    f"{self.limit:,}), {held:,} of them this caller's: send fewer large calls at once",
+                    reason="large requests")
             return BridgeError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, "pool",
                 f"{label}: its result of {n:,} bytes does not fit: the pool server holds {self.total:,} bytes of "
                 f"replies that their callers have not read (max_unread_bytes {self.limit:,}), {held:,} of them "
                 f"this caller's; read them, or start fewer calls at once", reason="unread replies")
-        self.add(h, n)
-        return None
-
-    def take_request(self, h: Holding, n: int, label: str) -> BridgeError | None:
-        """Counts a large request of n bytes the pool server holds until its call ends (gRPC has read
-        it whole; it waits for a slot, and for its turn in the worker's lane): the same bound as
-        replies', as the same memory. Ninety-six 60 MiB calls at once took the pool server to 8.4 GB.
-        Returned, not raised, as `take`'s."""
-        if 0 < self.limit < self.total + n and not self._fits(h.caller, n):
-            self.refused += 1
-            held = self.by_caller.get(h.caller, 0)
-            return BridgeError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, "pool",
-                f"{label}: its request of {n:,} bytes does not fit: the pool server holds {self.total:,} bytes for "
-                f"callers (large requests on their way to a worker, replies not yet read; max_unread_bytes "
-                f"{self.limit:,}), {held:,} of them this caller's: send fewer large calls at once",
-                reason="large requests")
         self.add(h, n)
         return None
 

@@ -177,7 +177,7 @@ class Forwarder:
         """A large request counts in the backlog until its RPC ends (its bytes live as long as the
         handler), if it fits; else the RESOURCE_EXHAUSTED to end the call with."""
         h = self.backlog.open(caller, label)
-        refused = self.backlog.take_request(h, size, label)
+        refused = self.backlog.take(h, size, label, request=True)
         if refused is not None:
             self.backlog.close(h)
             return refused

@@ -187,7 +187,7 @@ def test_large_requests_count_with_replies_and_are_refused_past_their_caller_s_s
 
     def request(caller: str, size: int) -> Holding:
         h = backlog.open(caller, "Call")
-        refused = backlog.take_request(h, size, "Call")
+        refused = backlog.take(h, size, "Call", request=True)
         if refused is not None:
             backlog.close(h)
             raise refused
