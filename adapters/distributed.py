@@ -336,14 +336,15 @@ def _a_backend(receiver: object, args: Mapping[str, object], ctx: CallContext) -
                                      parameter="backend")
 
 
-def _world_size(label: str) -> int:
-    """The size of the world the worker's groups are set up in; FAILED_PRECONDITION without one."""
+def _world(label: str) -> tuple[int, int]:
+    """The size of the world the worker's groups are set up in, and the worker's rank in it;
+    FAILED_PRECONDITION without one."""
     import torch.distributed as dist
     if not dist.is_initialized():
         raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
                           f"no process group is set up in this worker {label}: call init_distributed_environment "
                           f"first", reason="no process group")
-    return int(dist.get_world_size())
+    return int(dist.get_world_size()), int(dist.get_rank())
 
 
 def _group_ranks(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
@@ -358,7 +359,7 @@ def _group_ranks(receiver: object, args: Mapping[str, object], ctx: CallContext)
     lists = lists if key == "group_ranks" else [lists]
     if not isinstance(lists, list):
         return              # the binding said so
-    world = _world_size("to make groups of")
+    world, own = _world("to make groups of")
     seen: set[int] = set()
     for i, ranks in enumerate(lists):
         where = f"{key}[{i}]" if key == "group_ranks" else key
@@ -372,8 +373,6 @@ def _group_ranks(receiver: object, args: Mapping[str, object], ctx: CallContext)
                 raise BridgeError.validation(f"parameter {where}: rank {rank} is in more than one group (the groups "
                                              f"of one coordinator split the world's {world} ranks)", parameter=key)
             seen.add(rank)
-    import torch.distributed as dist
-    own = dist.get_rank()
     if own not in seen:          # a coordinator is this process's: vLLM's bare assertion came after its groups
         raise BridgeError.validation(f"parameter {key}: expected a list holding this worker's rank {own} (a "
                                      f"coordinator's groups are made for the process that makes it), got none",
@@ -407,7 +406,7 @@ def _model_parallel_sizes(receiver: object, args: Mapping[str, object], ctx: Cal
         raise BridgeError.validation(f"parameter decode_context_model_parallel_size: expected a divisor of "
                                      f"tensor_model_parallel_size ({tp}), got {dcp}",
                                      parameter="decode_context_model_parallel_size")
-    world = _world_size("to lay out")
+    world, _ = _world("to lay out")
     if world % product:
         name = next((n for n in _PARALLEL_SIZES if args.get(n, 1) != 1), _PARALLEL_SIZES[0])
         raise BridgeError.validation(f"parameter {name}: the tensor, pipeline and prefill-context sizes multiply to "

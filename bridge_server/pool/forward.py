@@ -172,27 +172,18 @@ class Forwarder:
                 raise asyncio.CancelledError from None     # gRPC ends the handler quietly
             raise
 
-    def _hold_request(self, context: grpc.aio.ServicerContext, caller: str, label: str,
-                      size: int) -> BridgeError | None:
-        """A large request counts in the backlog until its RPC ends (its bytes live as long as the
-        handler), if it fits; else the RESOURCE_EXHAUSTED to end the call with."""
+    def _hold(self, context: grpc.aio.ServicerContext, caller: str, label: str, size: int,
+              request: bool = False) -> BridgeError | None:
+        """A unary reply (or, `request`, a large request) counts in the backlog until its RPC ends
+        (the caller read it, or went; a request's bytes live as long as its handler), if it fits;
+        else the RESOURCE_EXHAUSTED to end the call with."""
         h = self.backlog.open(caller, label)
-        refused = self.backlog.take(h, size, label, request=True)
+        refused = self.backlog.take(h, size, label, request)
         if refused is not None:
             self.backlog.close(h)
             return refused
-        context.add_done_callback(lambda _: self.backlog.close(h))
-        return None
-
-    def _hold(self, context: grpc.aio.ServicerContext, caller: str, label: str, size: int) -> BridgeError | None:
-        """A unary reply counts in the backlog until its RPC ends (the caller read it, or went), if
-        it fits; else the RESOURCE_EXHAUSTED to end the call with."""
-        h = self.backlog.open(caller, label)
-        refused = self.backlog.take(h, size, label)
-        if refused is not None:
-            self.backlog.close(h)
-            return refused
-        self.backlog.writing(h, size)
+        if not request:
+            self.backlog.writing(h, size)     # gRPC holds a reply until the caller reads it
         context.add_done_callback(lambda _: self.backlog.close(h))
         return None
 
@@ -216,7 +207,7 @@ class Forwarder:
             if len(request) < LARGE_REQUEST_BYTES:
                 head = routed_request(request, "Call", self.limit, self.router)
             else:
-                refused = self._hold_request(context, client_of(identity, context), "Call", len(request))
+                refused = self._hold(context, client_of(identity, context), "Call", len(request), request=True)
                 if refused is not None:
                     raise refused
                 head = await read_in_turn(self.turns, client_of(identity, context), len(request),
@@ -306,8 +297,8 @@ class Forwarder:
         identity = self.security.identity(context)
         caller = client_of(identity, context)
         self.backlog.admit(caller, "Stream")
-        if len(request) >= LARGE_REQUEST_BYTES and (refused := self._hold_request(context, caller, "Stream",
-                                                                                   len(request))) is not None:
+        if len(request) >= LARGE_REQUEST_BYTES and (refused := self._hold(context, caller, "Stream", len(request),
+                                                                           request=True)) is not None:
             raise refused
         head = await read_in_turn(self.turns, caller, len(request),
                                   lambda: routed_request(request, "Stream", self.limit, self.router), "Stream",

@@ -24,6 +24,7 @@ import functools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -167,13 +168,15 @@ class LaneCall:
                 self._lane.send(pb.MuxRequestView(cancel=self.id))
 
 
+@dataclass(slots=True, eq=False)
 class _Unsent:
     """A large call's start, waiting in the lane until what was written before it has gone."""
 
-    __slots__ = ("lc", "call", "options", "deadline", "host")
-
-    def __init__(self, lc: LaneCall, call: bytes, options: bytes, deadline: float | None, host: str) -> None:
-        self.lc, self.call, self.options, self.deadline, self.host = lc, call, options, deadline, host
+    lc: LaneCall
+    call: bytes
+    options: bytes
+    deadline: float | None      # time.monotonic(); its time left is counted from when it is written
+    host: str
 
 
 class Lane:

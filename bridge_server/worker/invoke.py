@@ -116,8 +116,6 @@ class Invoker:
     limits: Limits = field(default_factory=Limits)
     abandoned: int = 0      # blocking calls still running after their caller gave up
     wedged: str = ""        # a call abandoned in the exclusive lane, still running: it blocks the lane
-    _abandoned_by: dict[str, int] = field(default_factory=dict)   # the same, by client (`_payer`)
-    _abandoned_shared: int = 0                                      # the same, in the shared lane
     # Called with what a result_ref entry (an engine's constructor) made, before the caller gets it.
     adopt: Callable[[object], Awaitable[None]] | None = None
     _activity: dict[int, float] = field(default_factory=dict)   # id(receiver) -> when it last yielded an item
@@ -261,14 +259,8 @@ class Invoker:
 
     async def _in_thread(self, lane: ThreadPoolExecutor, thunk: Callable[[], Any], deadline: float | None,
                          label: str, client: str = "") -> Any:
-        held = self._abandoned_by.get(client, 0) if client else 0
-        if held and held >= (share := self.shares.share(client)):
-            raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
-                              f"{label}: {held} of this client's calls were given up (at their deadline, or "
-                              f"cancelled) while they ran in the worker's threads, and still run there, which no "
-                              f"deadline can stop; they fill its share of the worker's {self.shares.threads} threads "
-                              f"({share}: three quarters of what other clients leave; a client is its identity, "
-                              f"else its host): wait for them to end", target=label, reason="abandoned calls")
+        if (refused := self.shares.refusal(client, label)) is not None:
+            raise refused
         shared = lane is self._shared_lane and client != ""
         if shared:
             await self.shares.take(client, deadline, label)
@@ -287,12 +279,10 @@ class Invoker:
             if not job.done() and not job.cancel():   # already running: cannot be pre-empted
                 loop = asyncio.get_running_loop()
                 self.abandoned += 1
-                self._abandoned_by[client] = self._abandoned_by.get(client, 0) + 1
                 exclusive = lane is self._exclusive_lane
+                self.shares.give_up(client, not exclusive)
                 if exclusive:   # everything that touches process-wide state now waits behind it
                     self.wedged = f"{label} was abandoned at its deadline and still runs in the exclusive lane"
-                else:
-                    self._abandoned_shared += 1
                 job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._settle_abandoned, exclusive, client))
                 if (on_end := _ON_END.get()) is not None:     # taken over: they run when the work ends
                     hooks = list(on_end)
@@ -302,19 +292,15 @@ class Invoker:
 
     def _settle_abandoned(self, exclusive: bool, client: str) -> None:
         self.abandoned -= 1
-        left = self._abandoned_by.pop(client) - 1
-        if left:
-            self._abandoned_by[client] = left
+        self.shares.given_up_ended(client, not exclusive)
         if exclusive:
             self.wedged = ""
-        else:
-            self._abandoned_shared -= 1
 
     def blocked(self) -> str:
         """Why calls that need a thread cannot run now ("" when they can): the exclusive lane runs a
         call abandoned at its deadline, or every thread of the shared lane does."""
         reasons = [self.wedged] if self.wedged else []
-        if self._abandoned_shared >= self.shared_threads:
+        if self.shares.all_given_up():
             reasons.append(f"all {self.shared_threads} threads of the shared lane run calls abandoned at their "
                            f"deadline")
         return "; ".join(reasons)

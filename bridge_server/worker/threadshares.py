@@ -20,6 +20,9 @@ import asyncio
 import collections
 from dataclasses import dataclass, field
 
+import grpc
+
+from bridge_server.wire.errors import BridgeError
 from bridge_server.worker.deadlines import with_deadline
 
 
@@ -28,6 +31,8 @@ class ThreadShares:
     threads: int
     held: dict[str, int] = field(default_factory=dict)          # threads a client's calls hold
     total: int = 0
+    given_up: dict[str, int] = field(default_factory=dict)      # of a client's calls in threads (either
+    given_up_here: int = 0                                       # lane), those given up; of them, here
     # calls waiting for a thread, by client; dict order is the order clients began to wait
     _waiting: dict[str, collections.deque[asyncio.Future[None]]] = field(default_factory=dict)
 
@@ -35,6 +40,34 @@ class ThreadShares:
         """Three quarters of the threads the other clients leave, rounded up; at least one."""
         left = self.threads - (self.total - self.held.get(client, 0))
         return max(1, -(-3 * left // 4))
+
+    def refusal(self, client: str, label: str) -> BridgeError | None:
+        """RESOURCE_EXHAUSTED when `client`'s given-up calls fill its share: none of them can be
+        stopped, so a new call would only wait for them."""
+        given_up = self.given_up.get(client, 0) if client else 0
+        if not given_up or given_up < (share := self.share(client)):
+            return None
+        return BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                           f"{label}: {given_up} of this client's calls were given up (at their deadline, or "
+                           f"cancelled) while they ran in the worker's threads, and still run there, which no "
+                           f"deadline can stop; they fill its share of the worker's {self.threads} threads "
+                           f"({share}: three quarters of what other clients leave; a client is its identity, "
+                           f"else its host): wait for them to end", target=label, reason="abandoned calls")
+
+    def give_up(self, client: str, here: bool) -> None:
+        """One of `client`'s calls was given up while it runs in a thread (`here`: of this lane)."""
+        self.given_up[client] = self.given_up.get(client, 0) + 1
+        self.given_up_here += here
+
+    def given_up_ended(self, client: str, here: bool) -> None:
+        left = self.given_up.pop(client) - 1
+        if left:
+            self.given_up[client] = left
+        self.given_up_here -= here
+
+    def all_given_up(self) -> bool:
+        """Whether every thread runs a call given up: no blocking call can run until one ends."""
+        return self.given_up_here >= self.threads
 
     async def take(self, client: str, deadline: float | None, label: str) -> None:
         """Waits until `client` may hold one more thread, and counts it (`give_back` ends it)."""
