@@ -147,7 +147,7 @@ elif __name__ == "__mp_main__":
     # A process spawned from ours re-imports this module as its main: vLLM's engine core, which makes
     # a process group of its own. Its store then listens only at the host it names, as the worker's do,
     # and its CPU paths get the fixes of `adapters.engine_core`.
-    import adapters.distributed
     import adapters.engine_core
+    import adapters.process_groups  # noqa: F401 - its import makes stores listen at their own host
 
     adapters.engine_core.install()

@@ -175,7 +175,7 @@ def main(args: argparse.Namespace) -> int:
     """Runs a worker until SIGTERM/SIGINT (or SIGHUP: see above); never returns normally."""
     if os.getpgrp() == os.getpid():   # a group of its own (as the supervisor starts it): only ours to kill
         signal.signal(signal.SIGHUP, _take_the_group_down)
-    from adapters.distributed import meet_at_loopback
+    from adapters.process_groups import meet_at_loopback
     from bridge_server.worker.server import serve_worker
     try:
         config = config_from_args(args)
