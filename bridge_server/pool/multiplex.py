@@ -29,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from bridge_server.pool.backlog import Backlog
+from bridge_server.pool.backlog import Backlog, Holding
 from bridge_server.pool.lane import STREAM_WINDOW, LaneCall, LaneClosed
 from bridge_server.pool.poolstate import Backend, Flight, Plan, PoolRouter
 from bridge_server.pool.router import Route, Router, client_of, read_route, routed_request, time_left
@@ -79,6 +79,18 @@ class _Running:
     client: str = ""              # whose slot it holds (`PoolRouter.holding`)
     lc: LaneCall | None = None
     ended: bool = False
+    large: _Large | None = None   # the large request it came in, if it did
+
+
+@dataclass(eq=False)
+class _Large:
+    """A request of LARGE_REQUEST_BYTES or more (one large start, or a batch), counted in the pool
+    server's backlog for as long as a call it started lives: gRPC has read it whole, and each start
+    holds it (its call's bytes) while it waits for a slot and for its turn in the worker's lane, as a
+    large Call does (`forward.py`). Sixty-four 60 MiB starts on one stream had the pool server at 6 GB."""
+
+    holding: Holding
+    calls: int = 1                # the calls it started that live, and the reader while it reads them
 
 
 class _FlightHook:
@@ -160,6 +172,16 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     idle = asyncio.Event()
     idle.set()
     tasks: set[asyncio.Task[None]] = set()
+    larges: set[_Large] = set()                # large requests some call of which lives
+    in_hand: _Large | None = None              # the large request whose starts are being handled
+
+    def let_go(large: _Large | None) -> None:
+        """One call (or the reader) is done with a large request: with the last, it no longer counts."""
+        if large is not None:
+            large.calls -= 1
+            if not large.calls:
+                larges.discard(large)
+                backlog.close(large.holding)
 
     def flush() -> None:
         nonlocal batch, credit, flushing, unwritten, answers, counted
@@ -200,6 +222,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             del running[run.client_id]
         run.backend.flights.discard(run.flight)
         run.pool.release(run.backend, run.client)
+        let_go(run.large)
         if not running and not queued:
             idle.set()
 
@@ -259,10 +282,12 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             refuse(run.client_id, err)
             end(run)
 
-    def launch(client_id: int, start: Any, md: Metadata, route: Route, plan: Plan, backend: Backend) -> None:
+    def launch(client_id: int, start: Any, md: Metadata, route: Route, plan: Plan, backend: Backend,
+               large: _Large | None) -> None:
         router.placed(plan, backend, route.client)
         own_window = start.stream and not 0 < start.window <= STREAM_WINDOW
-        run = _Running(client_id, plan.pool, backend, Flight(), own_window=own_window, client=route.client)
+        run = _Running(client_id, plan.pool, backend, Flight(), own_window=own_window, client=route.client,
+                       large=large)
         running[client_id] = run
         run.flight.call = _FlightHook(functools.partial(on_lost, run, "the worker died"))
         backend.flights.add(run.flight)
@@ -279,9 +304,11 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         except LaneClosed as exc:
             on_lost(run, str(exc))
 
-    async def wait_and_launch(client_id: int, start: Any, md: Metadata, route: Route, plan: Plan) -> None:
+    async def wait_and_launch(client_id: int, start: Any, md: Metadata, route: Route, plan: Plan,
+                              large: _Large | None) -> None:
         def unqueue() -> None:
             queued.pop(client_id, None)
+            let_go(large)
             if not running and not queued:
                 idle.set()
 
@@ -297,7 +324,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             unqueue()
             raise
         queued.pop(client_id, None)
-        launch(client_id, start, md, route, plan, backend)     # it is in `running` before anyone looks
+        launch(client_id, start, md, route, plan, backend, large)     # in `running` before anyone looks
 
     def handle_start(start: Any) -> None:
         nonlocal outstanding
@@ -329,10 +356,12 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             unanswered.add(client_id)
             outstanding += 1
             check_room()
+        if in_hand is not None:
+            in_hand.calls += 1
         if backend is not None:
-            launch(client_id, start, md, route, plan, backend)
+            launch(client_id, start, md, route, plan, backend, in_hand)
         else:
-            queued[client_id] = loop.create_task(wait_and_launch(client_id, start, md, route, plan))
+            queued[client_id] = loop.create_task(wait_and_launch(client_id, start, md, route, plan, in_hand))
 
     def handle(request: Any, nested: bool = False) -> None:
         """One start, cancel or credit (a batch's requests come here one by one, `nested`)."""
@@ -346,8 +375,8 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             if run is not None and run.lc is not None:
                 run.lc.ask_to_cancel()      # the worker's CANCELLED event ends it
             elif (waiting := queued.get(request.cancel)) is not None:
-                if never_ran(waiting):       # its own refusal and unqueuing would never run
-                    queued.pop(request.cancel, None)
+                if never_ran(waiting):       # its own refusal and unqueuing would never run (its large
+                    queued.pop(request.cancel, None)     # request, if any, goes with the stream: `larges`)
                     refuse(request.cancel, BridgeError(grpc.StatusCode.CANCELLED, "cancelled",
                                                        "cancelled by the client", reason="cancelled"))
                     if not running and not queued:
@@ -360,7 +389,23 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         else:
             refuse(0, mux_refusal("kind"))
 
+    def take_large(size: int, request: Any) -> _Large | None:
+        """A large request counts in the backlog before any of its starts is handled; one that does
+        not fit fails each start it carries (RESOURCE_EXHAUSTED, reason "large requests"): None."""
+        large = _Large(backlog.open(caller, "Multiplex"))
+        refused = backlog.take(large.holding, size, "Multiplex: a request", request=True)
+        if refused is None:
+            larges.add(large)
+            return large
+        backlog.close(large.holding)
+        requests = request.batch.requests if request.WhichOneof("kind") == "batch" else [request]
+        for each in requests:
+            if each.WhichOneof("kind") == "start" and each.start.id not in running and each.start.id not in queued:
+                refuse(each.start.id, refused)
+        return None
+
     async def read() -> None:
+        nonlocal in_hand
         async for raw in requests:
             await room.wait()
             large = len(raw) >= LARGE_REQUEST_BYTES   # parsed in the connection's turn (`wire/turns.py`)
@@ -379,11 +424,17 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             finally:
                 if large:
                     turns.release()
-            if request.WhichOneof("kind") == "batch":
-                batch_within_limit(len(request.batch.requests))
-                await in_slices(request.batch.requests, functools.partial(handle, nested=True), room)
-            else:
-                handle(request)
+            if large and (in_hand := take_large(len(raw), request)) is None:
+                continue
+            try:
+                if request.WhichOneof("kind") == "batch":
+                    batch_within_limit(len(request.batch.requests))
+                    await in_slices(request.batch.requests, functools.partial(handle, nested=True), room)
+                else:
+                    handle(request)
+            finally:
+                let_go(in_hand)   # the reader is done with it: it counts on while a call it started lives
+                in_hand = None
         await idle.wait()         # half-closed: every call runs to its end
 
     failed: list[BaseException] = []
@@ -434,3 +485,5 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             if run.lc is not None:
                 run.lc.cancel()           # the client is gone: so are its calls
             end(run)
+        for large in list(larges):        # (starts cancelled before they ran never let theirs go)
+            backlog.close(large.holding)

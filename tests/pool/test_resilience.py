@@ -609,6 +609,53 @@ def test_callers_that_never_read_on_many_streams_cannot_grow_the_router(server: 
         assert_untouched(server, other)
 
 
+def test_large_multiplex_requests_count_in_the_bound_while_their_calls_wait(tmp_path: Path) -> None:
+    """A Multiplex start of 256 KiB or more is held by the pool server until its call ends (waiting
+    for a slot, then for its turn in the worker's lane), as a large Call is: its bytes count in
+    max_unread_bytes (32 MiB here), and past it and the caller's share, further large starts fail
+    at once (RESOURCE_EXHAUSTED, "large requests") rather than pile up (sixty-four 60 MiB starts on
+    one stream held 6 GB). Those that fit wait for the slot, run once it is free, and count no more."""
+    import queue
+    import threading
+    server = start_pool_server(tmp_path, 'max_unread_bytes = 33554432\n[[pools]]\nname = "q"\nworkers = 1\n'
+                                         'max_concurrent = 1\n', metrics=True)
+    gate = Gate()
+    try:
+        with BridgeClient(server.address) as client:
+            holder = in_thread(lambda: client.call(*gate.args(), pool="q", timeout=120))
+            wait_until(gate.running, timeout=60, what="the gate holding the pool's one slot")
+            request, _ = client.request(f"{D}.divide", (b"x" * (6 << 20), 3))      # 6 MiB each
+            outgoing: queue.Queue[Any] = queue.Queue()
+            for i in range(1, 13):
+                outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=i, call=request)))
+            events: list[Any] = []
+            with grpc.insecure_channel(server.address, [("grpc.max_send_message_length", 64 << 20)]) as ch:
+                replies = ch.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
+                                           pb.MuxReply.FromString)(iter(outgoing.get, None), timeout=120,
+                                                                   metadata=(("x-bridge-pool", "q"),))
+                reader = threading.Thread(target=lambda: [events.extend(r.events) for r in replies], daemon=True)
+                reader.start()
+                wait_until(lambda: len(events) >= 7, timeout=60, what="the starts that do not fit refused")
+                time.sleep(0.5)
+                refused = [e for e in events if e.WhichOneof("kind") == "error"]
+                assert len(events) == len(refused) == 7, events       # 5 x 6 MiB fit in 32 MiB, the rest not
+                for e in refused:
+                    assert e.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], e.error
+                    assert e.error.detail.reason == "large requests" and "does not fit" in e.error.message, e.error
+                assert 30 << 20 <= unread(server)[0] <= 64 << 20     # the five waiting, counted
+                open_gates([gate])
+                holder.done.wait(60)
+                outgoing.put(None)
+                reader.join(60)
+            answered = [e for e in events[7:] if e.WhichOneof("kind") == "error"]
+            assert len(answered) == 5 and all(e.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                                              for e in answered), answered   # run: divide takes numbers
+            wait_until(lambda: unread(server)[0] == 0, timeout=10, what="nothing held once their calls ended")
+            assert client.call(f"{D}.divide", 6, 3, pool="q", timeout=10) == 2
+    finally:
+        server.stop()
+
+
 def _h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
     return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
 
