@@ -87,7 +87,8 @@ class _Large:
     """A request of LARGE_REQUEST_BYTES or more (one large start, or a batch), counted in the pool
     server's backlog for as long as a call it started lives: gRPC has read it whole, and each start
     holds it (its call's bytes) while it waits for a slot and for its turn in the worker's lane, as a
-    large Call does (`forward.py`). Sixty-four 60 MiB starts on one stream had the pool server at 6 GB."""
+    large Call does (`forward.py`). Uncounted, one stream's large starts waiting for a slot held their
+    bytes in the pool server without bound."""
 
     holding: Holding
     calls: int = 1                # the calls it started that live, and the reader while it reads them

@@ -613,8 +613,8 @@ def test_large_multiplex_requests_count_in_the_bound_while_their_calls_wait(tmp_
     """A Multiplex start of 256 KiB or more is held by the pool server until its call ends (waiting
     for a slot, then for its turn in the worker's lane), as a large Call is: its bytes count in
     max_unread_bytes (32 MiB here), and past it and the caller's share, further large starts fail
-    at once (RESOURCE_EXHAUSTED, "large requests") rather than pile up (sixty-four 60 MiB starts on
-    one stream held 6 GB). Those that fit wait for the slot, run once it is free, and count no more."""
+    at once (RESOURCE_EXHAUSTED, "large requests") rather than pile up uncounted while they wait.
+    Those that fit wait for the slot, run once it is free, and count no more."""
     import queue
     import threading
     server = start_pool_server(tmp_path, 'max_unread_bytes = 33554432\n[[pools]]\nname = "q"\nworkers = 1\n'
