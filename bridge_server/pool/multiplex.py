@@ -175,6 +175,8 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     tasks: set[asyncio.Task[None]] = set()
     larges: set[_Large] = set()                # large requests some call of which lives
     in_hand: _Large | None = None              # the large request whose starts are being handled
+    too_large: BridgeError | None = None       # ... or why its starts fail: it does not fit
+    queued_large: dict[int, _Large] = {}       # the large requests of calls waiting for a slot
 
     def let_go(large: _Large | None) -> None:
         """One call (or the reader) is done with a large request: with the last, it no longer counts."""
@@ -305,11 +307,10 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         except LaneClosed as exc:
             on_lost(run, str(exc))
 
-    async def wait_and_launch(client_id: int, start: Any, md: Metadata, route: Route, plan: Plan,
-                              large: _Large | None) -> None:
+    async def wait_and_launch(client_id: int, start: Any, md: Metadata, route: Route, plan: Plan) -> None:
         def unqueue() -> None:
             queued.pop(client_id, None)
-            let_go(large)
+            let_go(queued_large.pop(client_id, None))
             if not running and not queued:
                 idle.set()
 
@@ -325,7 +326,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             unqueue()
             raise
         queued.pop(client_id, None)
-        launch(client_id, start, md, route, plan, backend, large)     # in `running` before anyone looks
+        launch(client_id, start, md, route, plan, backend, queued_large.pop(client_id, None))   # in `running` now
 
     def handle_start(start: Any) -> None:
         nonlocal outstanding
@@ -339,6 +340,9 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             refuse(0, BridgeError.validation(
                 f"Multiplex: call id {client_id} is still running; ids must be unique among running calls "
                 f"(this start was refused, the running call goes on)", parameter="start.id"))
+            return
+        if too_large is not None:
+            refuse(client_id, too_large)
             return
         try:
             start_options_within_limit(len(start.metadata), client_id)
@@ -362,7 +366,9 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         if backend is not None:
             launch(client_id, start, md, route, plan, backend, in_hand)
         else:
-            queued[client_id] = loop.create_task(wait_and_launch(client_id, start, md, route, plan, in_hand))
+            if in_hand is not None:
+                queued_large[client_id] = in_hand
+            queued[client_id] = loop.create_task(wait_and_launch(client_id, start, md, route, plan))
 
     def handle(request: Any, nested: bool = False) -> None:
         """One start, cancel or credit (a batch's requests come here one by one, `nested`)."""
@@ -376,8 +382,9 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             if run is not None and run.lc is not None:
                 run.lc.ask_to_cancel()      # the worker's CANCELLED event ends it
             elif (waiting := queued.get(request.cancel)) is not None:
-                if never_ran(waiting):       # its own refusal and unqueuing would never run (its large
-                    queued.pop(request.cancel, None)     # request, if any, goes with the stream: `larges`)
+                if never_ran(waiting):       # its own refusal and unqueuing would never run
+                    queued.pop(request.cancel, None)
+                    let_go(queued_large.pop(request.cancel, None))
                     refuse(request.cancel, BridgeError(grpc.StatusCode.CANCELLED, "cancelled",
                                                        "cancelled by the client", reason="cancelled"))
                     if not running and not queued:
@@ -390,23 +397,20 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         else:
             refuse(0, mux_refusal("kind"))
 
-    def take_large(size: int, request: Any) -> _Large | None:
-        """A large request counts in the backlog before any of its starts is handled; one that does
-        not fit fails each start it carries (RESOURCE_EXHAUSTED, reason "large requests"): None."""
+    def take_large(size: int) -> tuple[_Large | None, BridgeError | None]:
+        """A large request counts in the backlog before any of its starts is handled; or, if it does
+        not fit, the RESOURCE_EXHAUSTED (reason "large requests") each start it carries fails with
+        (its cancels and credits are taken as ever)."""
         large = _Large(backlog.open(caller, "Multiplex"))
         refused = backlog.take(large.holding, size, "Multiplex: a request", request=True)
         if refused is None:
             larges.add(large)
-            return large
+            return large, None
         backlog.close(large.holding)
-        requests = request.batch.requests if request.WhichOneof("kind") == "batch" else [request]
-        for each in requests:
-            if each.WhichOneof("kind") == "start" and each.start.id not in running and each.start.id not in queued:
-                refuse(each.start.id, refused)
-        return None
+        return None, refused
 
     async def read() -> None:
-        nonlocal in_hand
+        nonlocal in_hand, too_large
         async for raw in requests:
             await room.wait()
             large = len(raw) >= LARGE_REQUEST_BYTES   # parsed in the connection's turn (`wire/turns.py`)
@@ -425,8 +429,8 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             finally:
                 if large:
                     turns.release()
-            if large and (in_hand := take_large(len(raw), request)) is None:
-                continue
+            if large:
+                in_hand, too_large = take_large(len(raw))
             try:
                 if request.WhichOneof("kind") == "batch":
                     batch_within_limit(len(request.batch.requests))
@@ -435,7 +439,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                     handle(request)
             finally:
                 let_go(in_hand)   # the reader is done with it: it counts on while a call it started lives
-                in_hand = None
+                in_hand = too_large = None
         await idle.wait()         # half-closed: every call runs to its end
 
     failed: list[BaseException] = []
