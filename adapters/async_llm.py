@@ -49,10 +49,11 @@ from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Fina
                            RecordRule, RecordType)
 from bridge_server.wire.errors import BridgeError, clip, quote
 from bridge_server.wire.options import connection_of
+from bridge_server.wire.turns import Turns
 
 log = logging.getLogger("vllm_bridge.engine")
 # ------------------------------------------------------------------------------------------ prompts
-_tokenizing: weakref.WeakKeyDictionary[Any, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
+_tokenizing: weakref.WeakKeyDictionary[Any, tuple[ThreadPoolExecutor, Turns]] = weakref.WeakKeyDictionary()
 # Whose request the call is and how long a new grammar's trial may take, as the guard found them
 # (`grammar_check.py` takes hosts and clients in turn): the guard and the call run in one context.
 _asker: contextvars.ContextVar[tuple[str, float]] = contextvars.ContextVar(
@@ -81,9 +82,11 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
         where, label = f"{_PARAMS_NAME[method]}.truncate_prompt_tokens", f"{PREFIX}.{method}"
         raise BridgeError.validation(f"{label}: parameter {where}: vLLM refused it: {clip(str(exc), 400)}",
                                      target=label, parameter=where) from None
-    pool = _tokenizing.get(engine)
-    if pool is None:
-        pool = _tokenizing[engine] = ThreadPoolExecutor(1, thread_name_prefix="bridge-tokenize")
+    lane = _tokenizing.get(engine)
+    if lane is None:
+        lane = _tokenizing[engine] = (ThreadPoolExecutor(1, thread_name_prefix="bridge-tokenize"), Turns(0.0))
+    pool, turns = lane
+    client, compile_s = _asker.get()
 
     def build() -> Any:
         given = prompt
@@ -95,13 +98,17 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
         return engine.input_processor.process_inputs(
             request_id, given, params, kwargs.get("arrival_time"), kwargs.get("lora_request"), tokenization,
             kwargs.get("trace_headers"), kwargs.get("priority", 0), kwargs.get("data_parallel_rank"))
+    # The thread is the engine's, every client's: hosts (then their callers) take turns at it, or one
+    # stranger's queue of long requests held every other client's structured ones for a minute.
+    await turns.acquire(client)
     try:
         request = await asyncio.get_running_loop().run_in_executor(pool, build)
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         _refuse_unreadable(f"{PREFIX}.{method}", _PARAMS_NAME[method], exc)
         raise
+    finally:
+        turns.release()
     check_grammar_backend(f"{PREFIX}.{method}", request)
-    client, compile_s = _asker.get()
     key = await grammar_check.check(engine, f"{PREFIX}.{method}", request, client, compile_s)
     if key is not None:
         grammar_ends.watch(engine, key, client, request)

@@ -69,7 +69,9 @@ def check_prompt(engine: Any, label: str, prompt: Any, params: Any, tokenization
                           reason="max_prompt_chars")
     if len(text) <= LONG_PROMPT_CHARS // 8:
         return
-    truncating = getattr(params, "truncate_prompt_tokens", None) is not None or (tokenization or {}).get("truncation")
+    # (vLLM drops any truncation tokenization_kwargs ask for: a text that cannot fit was tokenized
+    # whole, 2-3 s for a million characters, and then refused by a bare ValueError naming nothing)
+    truncating = getattr(params, "truncate_prompt_tokens", None) is not None
     max_len = engine.model_config.max_model_len
     per_token = _max_token_chars(engine)
     if not truncating and per_token is not None and len(text) > max_len * per_token:

@@ -10,6 +10,7 @@ never needs to know which surface an entry came from.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,11 @@ class CallContext:
     # Who holds a module's state through context managers in force (`worker/contexts.py`), by the
     # module's file, as the given client asks: the `client` that entered them, "" when none is.
     holder: Callable[[str, str], str] = lambda module_file, who: ""
+
+
+# Whom the call running now is for (its CallContext.client), for what runs with no guard of its own
+# (an exposure's override): the worker sets it around every call it runs, in its thread too.
+calling_client: contextvars.ContextVar[str] = contextvars.ContextVar("calling_client", default="")
 
 
 # A guard runs before the call with the receiver, the bound arguments and the call's context, and

@@ -36,7 +36,7 @@ from typing import Any
 
 import grpc
 
-from adapters.spec import CallContext, Policy
+from adapters.spec import CallContext, Policy, calling_client
 from bridge_server.wire.decoder import Decoder
 from bridge_server.wire.errors import BridgeError, clip, quote
 from bridge_server.wire.options import DEFAULT_SESSION, STREAM_PATCHES, connection_of
@@ -265,7 +265,7 @@ class Invoker:
         if shared:
             await self.shares.take(client, deadline, label)
         try:
-            job = lane.submit(thunk)
+            job = lane.submit(contextvars.copy_context().run, thunk)    # what the call's guards set, with it
         except BaseException:
             if shared:
                 self.shares.give_back(client)
@@ -332,6 +332,7 @@ class Invoker:
         managed = plan.protocol and generator_manager(plan.receiver)
         if managed:
             self._contexts.check(plan.label, plan.protocol, plan.receiver, caller.client or caller.identity)
+        called_for = calling_client.set(caller.client or caller.identity)
         try:
             return await self.run(plan, args, kwargs, deadline, _payer(caller))
         except BridgeError:
@@ -342,6 +343,7 @@ class Invoker:
                 err.parameter = _named_first(str(exc), plan.signature, kwargs)
             raise err from exc
         finally:
+            calling_client.reset(called_for)
             if managed:
                 self._contexts.moved(plan.receiver)
 

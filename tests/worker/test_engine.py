@@ -811,6 +811,12 @@ BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words
     ("padding to a billion tokens", "hi", greedy(2),
      {"tokenization_kwargs": {"padding": "max_length", "max_length": 10**9}}, grpc.StatusCode.INVALID_ARGUMENT,
      "tokenization_kwargs['padding']: not a tokenizer option this server passes on"),
+    # vLLM makes no truncation tokenization_kwargs ask for: such a text was tokenized whole (2-3 s for
+    # a million characters, on the thread every client's long requests share), then refused by a bare
+    # ValueError naming nothing
+    ("a text that cannot fit, with a truncation vLLM does not make", "x y " * 10_000, greedy(2),
+     {"tokenization_kwargs": {"truncation": True, "max_length": 8}}, grpc.StatusCode.INVALID_ARGUMENT,
+     "parameter prompt: a prompt of 40,000 characters cannot fit this engine's max_model_len of 2,048"),
     ("a max_length past the model's", "hi", greedy(2), {"tokenization_kwargs": {"truncation": True,
                                                                                 "max_length": 10**9}},
      grpc.StatusCode.INVALID_ARGUMENT, "expected 1 to this engine's max_model_len (2,048), got 1000000000"),
