@@ -666,6 +666,11 @@ def test_each_limit_is_refused_with_its_name(secured: PoolServer, pki: dict[str,
         with pytest.raises(CallError) as err:
             bob.call("vllm.SamplingParams", kwargs={"allowed_token_ids": list(range(5000))}, session_id="bytes")
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_ref_bytes_per_client" in err.value.details
+        # However deep its text lies: five lists down, it went uncounted (a stranger's refs held 1.4 GB
+        # past a 1 GiB bound that way).
+        with pytest.raises(CallError) as err:
+            bob.call("vllm.SamplingParams", kwargs={"extra_args": {"a": [[[[["x" * 50_000]]]]]}}, session_id="bytes")
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_ref_bytes_per_client" in err.value.details
     # Sessions: 4 per worker, of which one client may hold 3 (the last quarter is kept for others).
     with client_as(secured, pki, "alice") as alice, client_as(secured, pki, "bob") as bob:
         kept = [alice.call("vllm.config.ParallelConfig", session_id=f"cap-{i}") for i in range(3)]
