@@ -21,7 +21,7 @@ import grpc
 
 from bridge_server.pool.poolstate import Backend, Flight, PoolRouter, pool_error
 from bridge_server.pool.router import Route, Router, read_route, routed_request
-from bridge_server.wire.errors import BridgeError, detail_from_rpc_error, target_label
+from bridge_server.wire.errors import STILL_RUNNING, BridgeError, detail_from_rpc_error, target_label
 from bridge_server.wire.options import MD_COLLECTIVE
 from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, collective_calls, count_fields, parse_request
 from bridge_server.wire.turns import Turns, read_in_turn
@@ -30,9 +30,14 @@ from vllm_bridge.v1 import bridge_pb2 as pb
 CALL = "/vllm_bridge.v1.Bridge/Call"
 # After a first rank fails, how long the others get to fail too before they count as stuck.
 SETTLE_S = 0.5
-# How long before the caller's deadline the router decides that ranks are stuck: its named error (and
-# the group's restart) must reach the caller before gRPC's bare DEADLINE_EXCEEDED does.
+# How long before the caller's deadline the router answers it, with ranks still running: its named
+# error must reach the caller before gRPC's bare DEADLINE_EXCEEDED does.
 MARGIN_S = 0.25
+# How long after that the ranks still running get to end (each answers at the caller's deadline, or
+# says it could not stop what it runs) before they count as stuck and the group restarts. A rank that
+# was merely still running is not stuck: restarting then, a 30-byte `Collective` of `divide` with a
+# 0.2 s deadline took a distributed pool down for 7-13 s, as often as a stranger sent it.
+STUCK_GRACE_S = 2.0
 
 
 class _RankFailed(Exception):
@@ -150,6 +155,7 @@ async def run_collective(router: Router, request: bytes, context: grpc.aio.Servi
     except TimeoutError:
         raise BridgeError.timeout(f"collective {label}: deadline exceeded waiting for pool {pool.name!r}'s "
                                   f"previous collective", target=label) from None
+    watched: list[asyncio.Task[None]] = []
     try:
         backends = pool.group()
         upstream_timeout = _remaining(route) if route.explicit_deadline else None
@@ -157,15 +163,20 @@ async def run_collective(router: Router, request: bytes, context: grpc.aio.Servi
         tasks = [asyncio.create_task(_on_rank(r, b, payloads[r], metadata, upstream_timeout))
                  for r, b in enumerate(backends)]
         try:
-            return pool.name, await _gather(tasks, route, label, pool)
+            return pool.name, await _gather(tasks, route, label, pool, watched)
         finally:
             for t in tasks:
-                t.cancel()
+                if not watched:
+                    t.cancel()
     finally:
-        pool.collective_lock.release()
+        if watched:         # the lock goes with the ranks still running: no collective overtakes them
+            watched[0].add_done_callback(lambda _: pool.collective_lock.release())
+        else:
+            pool.collective_lock.release()
 
 
-async def _gather(tasks: list[asyncio.Task[bytes]], route: Route, label: str, pool: PoolRouter) -> bytes:
+async def _gather(tasks: list[asyncio.Task[bytes]], route: Route, label: str, pool: PoolRouter,
+                  watched: list[asyncio.Task[None]]) -> bytes:
     # The router's own deadline comes first (the ranks' calls carry the caller's whole deadline): it
     # decides whether ranks are stuck, and its named error must reach the caller before gRPC's own.
     left = _remaining(route)
@@ -196,12 +207,31 @@ async def _gather(tasks: list[asyncio.Task[bytes]], route: Route, label: str, po
         error.target = error.target or label
         raise error
     if pending:
-        # The ranks still inside it cannot be pre-empted (they wait in C code for peers that may never
-        # come), and every later collective would queue behind them: the group starts again.
-        stuck = sorted(tasks.index(t) for t in pending)
-        ranks = ", ".join(map(str, stuck))
-        asyncio.get_running_loop().call_soon(   # after the caller is told, which is what its deadline waits for
-            pool.restart_group, f"collective {label} exceeded its deadline with rank(s) {ranks} still in it")
-        raise BridgeError.timeout(f"collective {label}: deadline exceeded with rank(s) {ranks} still running; "
-                                  f"the group is restarting", target=label)
+        ranks = ", ".join(str(tasks.index(t)) for t in sorted(pending, key=tasks.index))
+        watched.append(asyncio.get_running_loop().create_task(_restart_if_stuck(tasks, pending, label, pool)))
+        raise BridgeError.timeout(f"collective {label}: deadline exceeded with rank(s) {ranks} still running (the "
+                                  f"group restarts if they are stuck: still running {STUCK_GRACE_S:g} s later)",
+                                  target=label)
     return pb.CollectiveReplyView(results=[t.result() for t in tasks]).SerializeToString()
+
+
+async def _restart_if_stuck(tasks: list[asyncio.Task[bytes]], pending: set[asyncio.Task[bytes]], label: str,
+                            pool: PoolRouter) -> None:
+    """The ranks still running when the caller was answered. Those inside a collective whose peers
+    never come cannot be pre-empted (they wait in C code), and every later collective would queue
+    behind them: if one has not ended STUCK_GRACE_S later, or ended saying that what it ran goes on
+    (a worker gives up a call at its deadline, but not the thread that runs it), the group starts
+    again. Ranks that end by then were only slow, and the group goes on."""
+    done, still = await asyncio.wait(pending, timeout=STUCK_GRACE_S)
+    for t in still:
+        t.cancel()
+    stuck = sorted(tasks.index(t) for t in still)
+    for t in done:
+        exc = t.exception() if not t.cancelled() else None
+        err = exc.err if isinstance(exc, _RankFailed) else None
+        detail = detail_from_rpc_error(err) if err is not None else None
+        if isinstance(exc, _RankFailed) and (exc.died or (detail is not None and detail.reason == STILL_RUNNING)):
+            stuck.append(tasks.index(t))
+    if stuck:
+        pool.restart_group(f"collective {label} exceeded its deadline with rank(s) "
+                           f"{', '.join(map(str, sorted(stuck)))} still in it")

@@ -34,6 +34,9 @@ log = logging.getLogger("vllm_bridge.worker")
 
 # The trailer of the standard rich error model.
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
+# The reason of a call given up at its deadline whose work goes on in a thread of the worker, which
+# nothing can stop (a rank waiting in C code for peers): a pool restarts a group for it.
+STILL_RUNNING = "still running"
 
 # What an error may carry, in characters (an event of a Multiplex stream carries all of it).
 MAX_MESSAGE_CHARS = 1000

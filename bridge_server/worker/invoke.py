@@ -38,7 +38,7 @@ import grpc
 
 from adapters.spec import CallContext, Policy, calling_client
 from bridge_server.wire.decoder import Decoder
-from bridge_server.wire.errors import BridgeError, clip, quote
+from bridge_server.wire.errors import STILL_RUNNING, BridgeError, clip, quote
 from bridge_server.wire.options import DEFAULT_SESSION, STREAM_PATCHES, connection_of
 from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, LargeRequest, host_of
 from bridge_server.wire.stall import READER_STALL_S, StallGuard
@@ -275,11 +275,13 @@ class Invoker:
             job.add_done_callback(lambda _: loop.call_soon_threadsafe(self.shares.give_back, client))
         try:
             return await with_deadline(asyncio.wrap_future(job), deadline, label)
-        except BaseException:
+        except BaseException as exc:
             if not job.done() and not job.cancel():   # already running: cannot be pre-empted
                 loop = asyncio.get_running_loop()
                 self.abandoned += 1
                 exclusive = lane is self._exclusive_lane
+                if isinstance(exc, BridgeError) and exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    exc.reason = STILL_RUNNING      # (a collective's rank: its pool restarts the group)
                 self.shares.give_up(client, not exclusive)
                 if exclusive:   # everything that touches process-wide state now waits behind it
                     self.wedged = f"{label} was abandoned at its deadline and still runs in the exclusive lane"
