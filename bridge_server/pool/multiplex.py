@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,8 @@ from bridge_server.wire.turns import Turns
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 __all__ = ["forward_multiplex"]
+
+log = logging.getLogger("vllm_bridge.router")
 
 Failure = Callable[[Backend, Flight, str], Awaitable[BridgeError]]
 Metadata = tuple[tuple[str, str | bytes], ...]
@@ -355,6 +358,11 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             backend = plan.pool.take(plan, route.client)
         except BridgeError as err:
             refuse(client_id, err)
+            return
+        except Exception as exc:      # a fault of ours fails this call, not every call of the stream
+            log.error("Multiplex: call %d could not be routed", client_id, exc_info=exc)
+            refuse(client_id, BridgeError(grpc.StatusCode.INTERNAL, "pool", f"Multiplex: call {client_id}: router "
+                                          f"failure: {type(exc).__name__}: {exc}", reason="router failure"))
             return
         idle.clear()
         if not start.stream:

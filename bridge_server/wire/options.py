@@ -139,6 +139,7 @@ MAX_STREAM_INTERVAL_MS = 10_000
 MAX_METADATA_BYTES = 16 * 1024     # a call's options, keys and values together (gRPC's header limit)
 
 CACHED_METADATA_BYTES = 1024       # larger option sets are parsed each time, never remembered
+MAX_RANK_DIGITS = 9
 MAX_SESSION_ID_CHARS = 256
 
 
@@ -186,9 +187,10 @@ def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
     rank_raw = get(MD_RANK)
     rank = None
     if rank_raw is not None:
-        if not (rank_raw.isascii() and rank_raw.isdigit()):
-            raise BridgeError.validation(f"metadata {MD_RANK}: expected a rank number, got {quote(rank_raw)}",
-                                         parameter=MD_RANK)
+        # (a pool has at most a few thousand ranks; int() refuses text of over 4,300 digits, uncaught)
+        if not (rank_raw.isascii() and rank_raw.isdigit() and len(rank_raw) <= MAX_RANK_DIGITS):
+            raise BridgeError.validation(f"metadata {MD_RANK}: expected a rank number (at most {MAX_RANK_DIGITS} "
+                                         f"digits), got {quote(rank_raw)}", parameter=MD_RANK)
         rank = int(rank_raw)
     timeout = get(MD_TIMEOUT_MS)
     stream_timeout = get(MD_STREAM_TIMEOUT_MS)

@@ -609,6 +609,29 @@ def test_callers_that_never_read_on_many_streams_cannot_grow_the_router(server: 
         assert_untouched(server, other)
 
 
+def test_a_rank_of_thousands_of_digits_is_refused_by_name_and_ends_only_its_call(server: PoolServer,
+                                                                                  client: BridgeClient) -> None:
+    """int() refuses text of over 4,300 digits with a ValueError the router did not expect: a plain
+    Call got INTERNAL "router failure", and a Multiplex start carrying it ended the whole stream,
+    with every other call on it (an Elixir application shares one stream per server)."""
+    rank = "1" * 5000
+    request, _ = client.request(f"{D}.divide", (6, 3))
+    with grpc.insecure_channel(server.address) as ch:
+        with pytest.raises(grpc.RpcError) as raw:
+            ch.unary_unary(RPCS["Call"])(request.SerializeToString(), timeout=10,
+                                         metadata=(("x-bridge-pool", "p"), ("x-bridge-rank", rank)))
+        assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raw.value   # type: ignore[attr-defined]
+        assert "x-bridge-rank" in raw.value.details() and len(raw.value.details()) < 2000   # type: ignore[attr-defined]
+        starts = [pb.MuxRequest(start=pb.MuxStart(id=1, call=request, metadata={"x-bridge-rank": rank})),
+                  pb.MuxRequest(start=pb.MuxStart(id=2, call=request))]
+        replies = ch.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
+                                   pb.MuxReply.FromString)(iter(starts), timeout=30, metadata=(("x-bridge-pool", "p"),))
+        events = {e.id: e for r in replies for e in r.events}
+    assert events[1].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], events[1]
+    assert events[1].error.detail.parameter == "x-bridge-rank", events[1]
+    assert events[2].WhichOneof("kind") == "value", events[2]          # the stream went on
+
+
 def test_large_multiplex_requests_count_in_the_bound_while_their_calls_wait(tmp_path: Path) -> None:
     """A Multiplex start of 256 KiB or more is held by the pool server until its call ends (waiting
     for a slot, then for its turn in the worker's lane), as a large Call is: its bytes count in
