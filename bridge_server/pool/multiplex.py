@@ -40,6 +40,7 @@ from bridge_server.wire.options import time_left_s
 from bridge_server.wire.protocol import (
     LARGE_REQUEST_BYTES,
     MAX_MESSAGE_BYTES,
+    MUX_BATCH_SLICE,
     batch_within_limit,
     in_slices,
     large_batch_within_limit,
@@ -155,7 +156,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     # `identity` is the caller's: what the client names in its own options is not (the lane drops it).
     out: asyncio.Queue[tuple[bytes, list[tuple[_Running, int]], int, int] | None] = asyncio.Queue()
     batch = pb.MuxReplyView()
-    said: set[str] = set()                     # refusals under id 0 in `batch`
+    said: set[tuple[int, str]] = set()         # refusals in `batch`, by id and message
     credit: dict[_Running, int] = {}           # items in `batch` of streams on the router's window
     flushing = False
     unwritten = 0                              # bytes in `out`
@@ -214,11 +215,18 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         return batch.events.add(id=client_id)
 
     def refuse(client_id: int, err: BridgeError) -> None:
-        if client_id == 0:    # about no call: said once per reply (a batch of 65,536 empty requests got 65,536)
-            if err.message in said:
-                return
-            said.add(err.message)
-        add_event(client_id).error.CopyFrom(err.to_mux_error())
+        """An error event for the call, counted in the backlog as results are; the same refusal of
+        the same id is said once per reply (a batch of 65,536 empty requests, or of 65,536 starts
+        with one id, got as many)."""
+        nonlocal counted
+        if (client_id, err.message) in said:
+            return
+        said.add((client_id, err.message))
+        event = add_event(client_id)
+        event.error.CopyFrom(err.to_mux_error())
+        size = event.ByteSize()
+        backlog.add(holding, size)
+        counted += size
 
     def end(run: _Running) -> None:
         if run.ended:
@@ -260,7 +268,11 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             add_event(run.client_id).end.SetInParent()
             end(run)
         else:
-            add_event(run.client_id).error.CopyFrom(event.error)
+            error = add_event(run.client_id).error
+            error.CopyFrom(event.error)
+            size = error.ByteSize()
+            backlog.add(holding, size)      # (an error waits for its reader as a result does)
+            counted += size
             end(run)
 
     def on_lost(run: _Running, reason: str) -> None:
@@ -417,6 +429,27 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         backlog.close(large.holding)
         return None, refused
 
+    async def handle_batch(requests: Any) -> None:
+        """A batch's requests, a slice at a time, each once the stream has room. A batch of more than
+        a slice takes its slices in its caller's turns (the pool server's turns for costly work: one
+        at a time, then the loop left to everything else three times as long): a stranger's 64
+        streams of 65,536 refused starts each had every slice, and no other client was answered for
+        45 s, health checks included."""
+        if len(requests) <= MUX_BATCH_SLICE:
+            await in_slices(requests, functools.partial(handle, nested=True), room)
+            return
+        i, n = 0, len(requests)
+        while i < n:
+            await room.wait()
+            await turns.acquire(caller)
+            try:
+                end = min(i + MUX_BATCH_SLICE, n)
+                while i < end and room.is_set():
+                    handle(requests[i], nested=True)
+                    i += 1
+            finally:
+                turns.release()
+
     async def read() -> None:
         nonlocal in_hand, too_large
         async for raw in requests:
@@ -442,7 +475,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             try:
                 if request.WhichOneof("kind") == "batch":
                     batch_within_limit(len(request.batch.requests))
-                    await in_slices(request.batch.requests, functools.partial(handle, nested=True), room)
+                    await handle_batch(request.batch.requests)
                 else:
                     handle(request)
             finally:
