@@ -609,6 +609,35 @@ def test_callers_that_never_read_on_many_streams_cannot_grow_the_router(server: 
         assert_untouched(server, other)
 
 
+def test_refusals_left_unread_count_in_the_bound_and_one_id_is_refused_once_a_reply(server: PoolServer,
+                                                                                   client: BridgeClient) -> None:
+    """Starts the pool server refuses itself (a ref id that is none) are events like results: left
+    unread they count in max_unread_bytes, and go with their stream. A batch of one id's start
+    repeated is refused once per reply, not once per copy (64 unread streams of 65,536 such starts
+    each took the pool server to 2 GB, and its loop whole: no other client was answered for 45 s)."""
+    request, _ = client.request(f"{D}.divide", (6, 3))
+    bad = {"x-bridge-refs": "a"}
+    same = pb.MuxRequest(batch=pb.MuxBatch(requests=[pb.MuxRequest(start=pb.MuxStart(id=7, call=request,
+                                                                                      metadata=bad))] * 5000))
+    distinct = pb.MuxRequest(batch=pb.MuxBatch(requests=[
+        pb.MuxRequest(start=pb.MuxStart(id=i, call=request, metadata=bad)) for i in range(1, 20_001)]))
+    md = (("x-bridge-pool", "p"),)
+    with grpc.insecure_channel(server.address) as ch:
+        replies = ch.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
+                                   pb.MuxReply.FromString)(iter([same]), timeout=60, metadata=md)
+        events = [e for r in replies for e in r.events]
+    assert events and all(e.id == 7 and e.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] for e in events)
+    assert len(events) < 5000 // 64 + 8, len(events)           # once for each reply at most
+    wait_until(lambda: unread(server)[0] == 0, timeout=10, what="nothing held before")
+    with grpc.insecure_channel(server.address, [("grpc.http2.bdp_probe", 0)]) as hoarder:
+        replies = hoarder.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
+                                        pb.MuxReply.FromString)(iter([distinct]), timeout=60, metadata=md)
+        wait_until(lambda: unread(server)[0] > 1 << 20, timeout=30, what="the unread refusals counted")
+        assert client.call(f"{D}.divide", 6, 3, pool="p", timeout=10) == 2
+        replies.cancel()
+    wait_until(lambda: unread(server)[0] == 0, timeout=10, what="nothing held once the stream went")
+
+
 def test_a_rank_of_thousands_of_digits_is_refused_by_name_and_ends_only_its_call(server: PoolServer,
                                                                                   client: BridgeClient) -> None:
     """int() refuses text of over 4,300 digits with a ValueError the router did not expect: a plain
