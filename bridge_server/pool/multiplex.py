@@ -180,7 +180,6 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     tasks: set[asyncio.Task[None]] = set()
     larges: set[_Large] = set()                # large requests some call of which lives
     in_hand: _Large | None = None              # the large request whose starts are being handled
-    too_large: BridgeError | None = None       # ... or why its starts fail: it does not fit
     queued_large: dict[int, _Large] = {}       # the large requests of calls waiting for a slot
 
     def let_go(large: _Large | None) -> None:
@@ -357,9 +356,6 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                 f"Multiplex: call id {client_id} is still running; ids must be unique among running calls "
                 f"(this start was refused, the running call goes on)", parameter="start.id"))
             return
-        if too_large is not None:
-            refuse(client_id, too_large)
-            return
         try:
             start_options_within_limit(len(start.metadata), client_id)
             md = (*defaults, *start.metadata.items())     # the RPC's options, overlaid with the call's
@@ -418,17 +414,16 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         else:
             refuse(0, mux_refusal("kind"))
 
-    def take_large(size: int) -> tuple[_Large | None, BridgeError | None]:
+    def take_large(size: int) -> _Large | BridgeError:
         """A large request counts in the backlog before any of its starts is handled; or, if it does
-        not fit, the RESOURCE_EXHAUSTED (reason "large requests") each start it carries fails with
-        (its cancels and credits are taken as ever)."""
+        not fit, the RESOURCE_EXHAUSTED (reason "large requests") each start it carries fails with."""
         large = _Large(backlog.open(caller, "Multiplex"))
         refused = backlog.take(large.holding, size, "Multiplex: a request", request=True)
         if refused is None:
             larges.add(large)
-            return large, None
+            return large
         backlog.close(large.holding)
-        return None, refused
+        return refused
 
     async def handle_batch(requests: Any) -> None:
         """A batch's requests, a slice at a time, each once the stream has room. A batch of more than
@@ -451,8 +446,21 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             finally:
                 turns.release()
 
+    def refuse_all(requests: Any, err: BridgeError) -> None:
+        """A large request that does not fit: each start it carries fails (each id once), its cancels
+        and credits are taken."""
+        refused: set[int] = set()
+        for each in requests:
+            kind = each.WhichOneof("kind")
+            if kind != "start":
+                if kind != "batch":
+                    handle(each, nested=True)
+            elif (i := each.start.id) not in refused and i not in running and i not in queued:
+                refused.add(i)
+                refuse(i, err)
+
     async def read() -> None:
-        nonlocal in_hand, too_large
+        nonlocal in_hand
         async for raw in requests:
             await room.wait()
             large = len(raw) >= LARGE_REQUEST_BYTES   # parsed in the connection's turn (`wire/turns.py`)
@@ -468,12 +476,17 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                         if call_id not in running and call_id not in queued:
                             refuse(call_id, err)
                     continue
+                if large:     # what it holds parsed: a batch of 65,536 small starts, 1.7 MB, held 24 MB
+                    batch = request.WhichOneof("kind") == "batch"
+                    taken = take_large(len(raw) + PARSED_BYTES_PER_REQUEST * (len(request.batch.requests)
+                                                                              if batch else 1))
+                    if isinstance(taken, BridgeError):   # refused here, in the turn, and dropped at once
+                        refuse_all(request.batch.requests if batch else [request], taken)
+                        continue
+                    in_hand = taken
             finally:
                 if large:
                     turns.release()
-            if large:     # what it holds parsed: a batch of 65,536 small starts, 1.7 MB, held 24 MB
-                count = len(request.batch.requests) if request.WhichOneof("kind") == "batch" else 1
-                in_hand, too_large = take_large(len(raw) + PARSED_BYTES_PER_REQUEST * count)
             try:
                 if request.WhichOneof("kind") == "batch":
                     batch_within_limit(len(request.batch.requests))
@@ -482,7 +495,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                     handle(request)
             finally:
                 let_go(in_hand)   # the reader is done with it: it counts on while a call it started lives
-                in_hand = too_large = None
+                in_hand = None
         await idle.wait()         # half-closed: every call runs to its end
 
     failed: list[BaseException] = []
