@@ -376,6 +376,42 @@ def test_prometheus_metrics_are_served(server: PoolServer) -> None:
     assert not missing, missing
 
 
+def test_the_metrics_endpoint_serves_a_bounded_number_of_connections(server: PoolServer) -> None:
+    """prometheus_client's own server gave every connection a thread and a file, idle ones for good
+    (2,500 connections: 2,510 threads in the pool server). Past MAX_METRICS_CONNECTIONS a connection
+    is closed as it comes, an idle one after METRICS_IDLE_S, and scrapes go on."""
+    import socket
+
+    import psutil
+
+    from bridge_server.pool.metrics import MAX_METRICS_CONNECTIONS
+    process = psutil.Process(server.proc.pid)
+    before = process.num_threads()
+    idle = [socket.create_connection(("127.0.0.1", server.metrics_port), timeout=5) for _ in range(60)]
+    try:
+        time.sleep(1)
+        assert process.num_threads() <= before + MAX_METRICS_CONNECTIONS + 2, process.num_threads() - before
+        closed = 0
+        for s in idle:
+            s.settimeout(0.05)
+            try:
+                closed += s.recv(1) == b""
+            except OSError:
+                pass
+        assert closed >= 60 - MAX_METRICS_CONNECTIONS - 2, closed
+    finally:
+        for s in idle:
+            s.close()
+
+    def scraped() -> bool:
+        try:
+            return b"vllm_bridge_queue_depth" in urllib.request.urlopen(
+                f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read()
+        except OSError:
+            return False
+    wait_until(scraped, timeout=15, what="a scrape served")
+
+
 def test_release_routes_refs_to_their_workers_and_sessions_to_every_worker(server: PoolServer) -> None:
     with server.client(pool="b") as c:
         refs = [c.call(PC, session_id=f"rel-{i}") for i in range(6)]
