@@ -25,7 +25,6 @@ their callers) taking turns (`cpu_turn`).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import threading
 import weakref
@@ -36,7 +35,7 @@ import grpc
 
 from adapters.spec import calling_client
 from bridge_server.wire.errors import BridgeError, clip, quote
-from bridge_server.wire.protocol import host_of
+from bridge_server.wire.turns import Round, join_round, next_in_round
 
 __all__ = ["LONG_TEXT_CHARS", "WINDOW_MARGIN", "cpu_turn", "decode", "encode", "encode_unchanged"]
 
@@ -117,7 +116,7 @@ class _CpuTurns:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._busy = False
-        self._waiting: dict[str, dict[str, collections.deque[threading.Event]]] = {}
+        self._waiting: Round[threading.Event] = {}
 
     @contextlib.contextmanager
     def turn(self, caller: str) -> Iterator[None]:
@@ -127,8 +126,7 @@ class _CpuTurns:
                 mine = None
             else:
                 mine = threading.Event()
-                host = host_of(caller)
-                self._waiting.setdefault(host, {}).setdefault(caller, collections.deque()).append(mine)
+                join_round(self._waiting, caller, mine)
         if mine is not None:
             mine.wait()
         try:
@@ -141,16 +139,7 @@ class _CpuTurns:
             if not self._waiting:
                 self._busy = False
                 return
-            host = next(iter(self._waiting))
-            callers = self._waiting.pop(host)
-            caller = next(iter(callers))
-            queue = callers.pop(caller)
-            event = queue.popleft()
-            if queue:
-                callers[caller] = queue
-            if callers:
-                self._waiting[host] = callers       # (at the round's end, as is the caller)
-            event.set()
+            next_in_round(self._waiting).set()
 
 
 _cpu_turns = _CpuTurns()

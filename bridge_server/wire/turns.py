@@ -43,7 +43,7 @@ from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, host_of
 T = TypeVar("T")
 
 __all__ = ["MAX_RESULT_WORK", "MAX_TURN_S", "REST_FACTOR", "SEND_S_PER_BYTE", "TURN_RESULT_BYTES",
-           "WORK_LIMIT", "WORK_TIME_S", "Turns", "read_in_turn"]
+           "WORK_LIMIT", "WORK_TIME_S", "Round", "Turns", "join_round", "next_in_round", "read_in_turn"]
 
 WORK_LIMIT = 8192       # items encoded inline at most (~1-3 ms of the loop); past it, a result waits its turn
 WORK_TIME_S = 0.005     # ... or time: an item's cost varies (a tensor view costs 30 times an int)
@@ -54,13 +54,37 @@ SEND_S_PER_BYTE = 2e-9           # what sending a result's byte costs the loop (
 REST_FACTOR = 3.0       # after a turn, the loop is left to everything else for this many times its length
 
 
+W = TypeVar("W")
+# Who waits for a turn: host -> caller -> its waits, in the order of the round at both levels.
+Round = dict[str, dict[str, collections.deque[W]]]
+
+
+def join_round(waiting: Round[W], caller: str, waiter: W) -> None:
+    waiting.setdefault(host_of(caller), {}).setdefault(caller, collections.deque()).append(waiter)
+
+
+def next_in_round(waiting: Round[W]) -> W:
+    """The next wait: the first caller's of the first host, both then at the round's end (there
+    must be one)."""
+    host = next(iter(waiting))
+    callers = waiting.pop(host)
+    caller = next(iter(callers))
+    queue = callers.pop(caller)
+    waiter = queue.popleft()
+    if queue:
+        callers[caller] = queue
+    if callers:
+        waiting[host] = callers
+    return waiter
+
+
 class Turns:
     """The turns of one event loop's costly results."""
 
     def __init__(self, rest_factor: float = REST_FACTOR) -> None:
         self.rest_factor = rest_factor
         # host -> caller -> its waits; dict order is the order of the round, at both levels
-        self._waiting: dict[str, dict[str, collections.deque[asyncio.Future[None]]]] = {}
+        self._waiting: Round[asyncio.Future[None]] = {}
         self._busy = False
         self._free_at = 0.0             # time.monotonic() from when the next turn may begin
         self._timer: asyncio.TimerHandle | None = None
@@ -75,8 +99,7 @@ class Turns:
             self._take()
             return
         waiter = asyncio.get_running_loop().create_future()
-        host = host_of(caller)
-        self._waiting.setdefault(host, {}).setdefault(caller, collections.deque()).append(waiter)
+        join_round(self._waiting, caller, waiter)
         self._schedule()
         try:
             await waiter
@@ -85,6 +108,7 @@ class Turns:
                 self._busy = False
                 self._schedule()
             else:
+                host = host_of(caller)
                 callers = self._waiting.get(host, {})
                 queue = callers.get(caller)
                 if queue is not None and waiter in queue:
@@ -127,15 +151,7 @@ class Turns:
             self._schedule()
             return
         while self._waiting:
-            host = next(iter(self._waiting))
-            callers = self._waiting.pop(host)
-            caller = next(iter(callers))
-            queue = callers.pop(caller)
-            waiter = queue.popleft()
-            if queue:
-                callers[caller] = queue
-            if callers:
-                self._waiting[host] = callers
+            waiter = next_in_round(self._waiting)
             if not waiter.done():
                 self._busy = True
                 waiter.set_result(None)
