@@ -671,6 +671,13 @@ def test_each_limit_is_refused_with_its_name(secured: PoolServer, pki: dict[str,
         with pytest.raises(CallError) as err:
             bob.call("vllm.SamplingParams", kwargs={"extra_args": {"a": [[[[["x" * 50_000]]]]]}}, session_id="bytes")
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_ref_bytes_per_client" in err.value.details
+        # What another ref holds counts again in an object built around it: charged to that ref only,
+        # it went uncounted once that ref was released while the object kept it (1.1 GB past the bound).
+        inner = bob.call("vllm.SamplingParams", kwargs={"extra_args": {"a": "x" * 30_000}}, session_id="bytes")
+        with pytest.raises(CallError) as err:
+            bob.call("vllm.forward_context.ForwardContext", {"p": inner}, {}, 0, session_id="bytes")
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_ref_bytes_per_client" in err.value.details
+        bob.release(inner)
     # Sessions: 4 per worker, of which one client may hold 3 (the last quarter is kept for others).
     with client_as(secured, pki, "alice") as alice, client_as(secured, pki, "bob") as bob:
         kept = [alice.call("vllm.config.ParallelConfig", session_id=f"cap-{i}") for i in range(3)]
