@@ -11,12 +11,6 @@ encoded as it is set (with no truncation or padding), and a truncation is made o
 itself, as the tokenizer would have made it (tested against the library's own, side and special
 tokens included); padding is not offered.
 
-A truncation keeps a few tokens of what may be a long text (a prompt a million characters long,
-truncated to 8 tokens), and those tokens come from a window of the text at the kept side: the
-worker tokenizes that window, not the text, where two windows, one twice the other, agree on the
-kept tokens (a window's cut changes only the tokens near it). One request cost the one thread that
-builds every client's long and structured requests 2-6 s; its window costs microseconds.
-
 Encoding a long text is CPU work outside the interpreter's lock: a dozen of them at once took both
 of a machine's cores from the engine, and every client's tokens came ten times slower. So a long
 text (LONG_TEXT_CHARS or more) is encoded by one thread at a time in the process, hosts (then
@@ -27,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,11 +30,9 @@ from adapters.spec import calling_client
 from bridge_server.wire.errors import BridgeError, clip, quote
 from bridge_server.wire.turns import Round, join_round, next_in_round
 
-__all__ = ["LONG_TEXT_CHARS", "WINDOW_MARGIN", "cpu_turn", "decode", "encode", "encode_unchanged"]
+__all__ = ["LONG_TEXT_CHARS", "cpu_turn", "decode", "encode", "encode_unchanged"]
 
 LONG_TEXT_CHARS = 16_384     # a text this long is encoded in its turn (`cpu_turn`)
-WINDOW_MARGIN = 64           # tokens of a window past those a truncation keeps, where its cut may change them
-_token_chars: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 ENCODE_LABEL = "PreTrainedTokenizerBase.encode"
 MAX_LENGTH = 2**31 - 1       # what the tokenizer's Rust side takes as a length
@@ -74,39 +65,12 @@ def encode_unchanged(tokenizer: Any, text: str, add_special_tokens: bool = True,
                                      max_length=max_length))
     if max_length is None:
         return list(backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+    encoding = backend.encode_batch([text], add_special_tokens=False)[0]
     room = max_length - (backend.num_special_tokens_to_add(False) if add_special_tokens else 0)
-    side = getattr(tokenizer, "truncation_side", "right")
-    encoding = _kept_window(tokenizer, backend, text, room, side)
-    if encoding is None:
-        encoding = backend.encode_batch([text], add_special_tokens=False)[0]
-    encoding.truncate(max(room, 0), stride=0, direction=side)
+    encoding.truncate(max(room, 0), stride=0, direction=getattr(tokenizer, "truncation_side", "right"))
     if add_special_tokens:
         encoding = backend.post_process(encoding, None, True)
     return list(encoding.ids)
-
-
-def _kept_window(tokenizer: Any, backend: Any, text: str, room: int, side: str) -> Any:
-    """The encoding of a window of `text` at the side a truncation to `room` tokens keeps, holding
-    those tokens as the whole text's encoding has them; None where the text is not much longer than
-    the window, or where a window twice as long keeps other tokens (the text's own encoding is
-    then made). The window is wide enough for `room` tokens and a margin, each token standing for
-    at most as many characters as the vocabulary's longest entry (twice that, for normalizers)."""
-    if room <= 0:
-        return None
-    chars = _token_chars.get(tokenizer)
-    if chars is None:
-        chars = _token_chars[tokenizer] = max(map(len, backend.get_vocab(with_added_tokens=True)), default=1)
-    width = (room + WINDOW_MARGIN) * max(chars, 1) * 2
-    if len(text) <= 4 * width:
-        return None
-    tail = side == "left"
-    near, far = backend.encode_batch([text[-width:], text[-2 * width:]] if tail else [text[:width], text[:2 * width]],
-                                     add_special_tokens=False)
-    if len(near.ids) < room + WINDOW_MARGIN:
-        return None
-    if (near.ids[-room:] != far.ids[-room:]) if tail else (near.ids[:room] != far.ids[:room]):
-        return None
-    return far
 
 
 class _CpuTurns:

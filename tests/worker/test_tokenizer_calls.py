@@ -1,6 +1,7 @@
-"""A client's tokenizer work, as the worker does it (`adapters/tokenizer_calls.py`): a truncated
-text is tokenized from a window of it at the kept side, with the ids the library's own truncation
-gives; a long text is encoded one at a time in the process, hosts taking turns."""
+"""A client's tokenizer work, as the worker does it (`adapters/tokenizer_calls.py`): a truncation
+is made on the text's encoding, with the ids the library's own truncation gives, the shared
+tokenizer's settings untouched; a long text is encoded one at a time in the process, hosts taking
+turns."""
 
 from __future__ import annotations
 
@@ -41,15 +42,17 @@ def _texts() -> list[str]:
         "\u4e00\u4e8c" * 9_000,                      # one run with no break for a pre-tokenizer
         mixed,
         "a" * 18_000,                                # one word
+        "1" * 7_001,                                  # a run whose tokens pair from its start: a window of
+        "1" * 9_001,                                  # its end (tried) kept other tokens, windows agreeing
         " " * 18_000 + "end",
     ]
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_a_truncated_long_text_gets_the_library_s_ids_from_a_window(tokenizer: Any, library: Any, side: str) -> None:
-    """Both sides, with and without special tokens, lengths from one token to more than a window's
-    margin: the ids are those of the library's own truncation of the whole text, and for these
-    texts the window was enough (the text itself was not tokenized)."""
+def test_a_truncated_long_text_gets_the_library_s_ids(tokenizer: Any, library: Any, side: str) -> None:
+    """Both sides, with and without special tokens, lengths from one token up: the ids are those of
+    the library's own truncation of the whole text, and the shared tokenizer's settings are left as
+    they were."""
     tokenizer.truncation_side = library.truncation_side = side
     backend = tokenizer._tokenizer
     try:
@@ -59,9 +62,7 @@ def test_a_truncated_long_text_gets_the_library_s_ids_from_a_window(tokenizer: A
                     want = library.encode(text, add_special_tokens=add, truncation=True, max_length=max_length)
                     got = tokenizer_calls.encode_unchanged(tokenizer, text, add, max_length)
                     assert got == want, (side, text[:20], add, max_length)
-                room = 37 - (backend.num_special_tokens_to_add(False) if add else 0)
-                assert tokenizer_calls._kept_window(tokenizer, backend, text, room, side) is not None, text[:20]
-        assert backend.truncation is None     # (the path under test was the window's)
+        assert backend.truncation is None
     finally:
         tokenizer.truncation_side = library.truncation_side = "right"
 
@@ -71,7 +72,7 @@ def test_a_truncated_long_text_gets_the_library_s_ids_from_a_window(tokenizer: A
        st.integers(1, 80), st.sampled_from(["left", "right"]), st.integers(0, 2**32), st.integers(2_000, 12_000))
 def test_a_truncation_agrees_with_the_library_s_on_any_text(tokenizer: Any, library: Any, pieces: list[str],
                                                              max_length: int, side: str, seed: int, n: int) -> None:
-    """Long texts of random pieces, most of them long enough for a window."""
+    """Long texts of random pieces."""
     rng = random.Random(seed)
     text = "".join(rng.choice(pieces) for _ in range(n))
     tokenizer.truncation_side = library.truncation_side = side
