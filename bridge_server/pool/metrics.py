@@ -6,9 +6,11 @@ updated on every call, so the hot path pays for one histogram observation and on
 The payload is never decoded, so calls are labelled by pool, method and status, not by target.
 
 The endpoint is prometheus_client's WSGI app, served a thread per connection as its own server does,
-but with at most MAX_METRICS_CONNECTIONS at once (more are closed as they come) and a bound on how
-long one may send nothing: its own gave every idle connection a thread and a file for good (2,500
-connections, 2,510 threads), and thousands closed at once held the pool server's loop for a minute.
+but with at most MAX_METRICS_CONNECTIONS at once, METRICS_PER_HOST of them from one host (more are
+closed as they come), each closed METRICS_CONNECTION_S after it came, whatever it sends: its own
+gave every idle connection a thread and a file for good (2,500 connections, 2,510 threads), and
+thousands closed at once held the pool server's loop for a minute. (A bound on silence alone let 16
+connections sending a byte every 2 s keep every scrape out.)
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
                    60.0, 120.0, 600.0)
 
 MAX_METRICS_CONNECTIONS = 16      # connections the endpoint serves at once
-METRICS_IDLE_S = 5.0              # how long one may send nothing before it is closed
+METRICS_PER_HOST = 4              # ... from one host
+METRICS_CONNECTION_S = 5.0        # how long one lasts at most, request and reply
 
 # (pool, queue length, in flight, sessions, {worker state: count}), one per pool, read at scrape time.
 PoolSnapshot = tuple[str, int, int, int, dict[str, int]]
@@ -117,33 +120,59 @@ class Metrics:
 
 
 class _QuietHandler(WSGIRequestHandler):
-    timeout = METRICS_IDLE_S      # (the socket's: a connection that sends nothing is closed)
+    timeout = METRICS_CONNECTION_S      # (the socket's, for each read and write: the whole is bounded too)
 
     def log_message(self, format: str, *args: Any) -> None:   # noqa: A002 - the library's name
         pass
 
 
 class _BoundedServer(ThreadingMixIn, WSGIServer):
-    """A thread per connection, MAX_METRICS_CONNECTIONS at most: past them a connection is closed."""
+    """A thread per connection, MAX_METRICS_CONNECTIONS at most, METRICS_PER_HOST from one host,
+    each shut METRICS_CONNECTION_S after it came."""
 
     daemon_threads = True
 
     def server_activate(self) -> None:
-        self._slots = threading.BoundedSemaphore(MAX_METRICS_CONNECTIONS)
+        self._lock = threading.Lock()
+        self._by_host: dict[str, int] = {}
         super().server_activate()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
+        host = str(client_address[0]) if isinstance(client_address, tuple) else ""
+        with self._lock:
+            if sum(self._by_host.values()) >= MAX_METRICS_CONNECTIONS or \
+                    self._by_host.get(host, 0) >= METRICS_PER_HOST:
+                self.shutdown_request(request)
+                return
+            self._by_host[host] = self._by_host.get(host, 0) + 1
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._done(host)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        cut = threading.Timer(METRICS_CONNECTION_S, _shut, (request,))
+        cut.daemon = True
+        cut.start()
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            cut.cancel()
+            self._done(str(client_address[0]) if isinstance(client_address, tuple) else "")
+
+    def _done(self, host: str) -> None:
+        with self._lock:
+            left = self._by_host.get(host, 0) - 1
+            if left > 0:
+                self._by_host[host] = left
+            else:
+                self._by_host.pop(host, None)
+
+
+def _shut(sock: socket.socket) -> None:
+    """Ends a connection past its time: its thread's read or write fails, and the thread ends."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

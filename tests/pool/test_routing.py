@@ -378,29 +378,47 @@ def test_prometheus_metrics_are_served(server: PoolServer) -> None:
 
 def test_the_metrics_endpoint_serves_a_bounded_number_of_connections(server: PoolServer) -> None:
     """prometheus_client's own server gave every connection a thread and a file, idle ones for good
-    (2,500 connections: 2,510 threads in the pool server). Past MAX_METRICS_CONNECTIONS a connection
-    is closed as it comes, an idle one after METRICS_IDLE_S, and scrapes go on."""
+    (2,500 connections: 2,510 threads in the pool server). Past METRICS_PER_HOST connections from a
+    host a connection is closed as it comes, and each is closed METRICS_CONNECTION_S after it came,
+    however it trickles its request (16 sending a byte every 2 s had kept every scrape out)."""
     import socket
 
     import psutil
 
-    from bridge_server.pool.metrics import MAX_METRICS_CONNECTIONS
+    from bridge_server.pool.metrics import METRICS_CONNECTION_S, METRICS_PER_HOST
     process = psutil.Process(server.proc.pid)
     before = process.num_threads()
-    idle = [socket.create_connection(("127.0.0.1", server.metrics_port), timeout=5) for _ in range(60)]
+    held = [socket.create_connection(("127.0.0.1", server.metrics_port), timeout=5) for _ in range(40)]
     try:
-        time.sleep(1)
-        assert process.num_threads() <= before + MAX_METRICS_CONNECTIONS + 2, process.num_threads() - before
-        closed = 0
-        for s in idle:
+        time.sleep(0.5)
+        # (a thread for each connection served, and one that ends it in time)
+        assert process.num_threads() <= before + 2 * METRICS_PER_HOST + 2, process.num_threads() - before
+        open_ones = []
+        for s in held:
             s.settimeout(0.05)
             try:
-                closed += s.recv(1) == b""
+                if s.recv(1) != b"":
+                    open_ones.append(s)
+            except (TimeoutError, socket.timeout):
+                open_ones.append(s)
             except OSError:
                 pass
-        assert closed >= 60 - MAX_METRICS_CONNECTIONS - 2, closed
+        assert len(open_ones) <= METRICS_PER_HOST, len(open_ones)
+        for _ in range(int(METRICS_CONNECTION_S) + 2):       # they trickle a request, a byte at a time
+            for s in open_ones:
+                try:
+                    s.sendall(b"G")
+                except OSError:
+                    pass
+            time.sleep(1)
+        for s in open_ones:
+            s.settimeout(2)
+            try:
+                assert s.recv(1) == b"", "a trickling connection outlived its time"
+            except ConnectionResetError:
+                pass
     finally:
-        for s in idle:
+        for s in held:
             s.close()
 
     def scraped() -> bool:
