@@ -70,6 +70,8 @@ Metadata = tuple[tuple[str, str | bytes], ...]
 MAX_UNWRITTEN_BYTES = 16 * 1024 * 1024
 MAX_UNANSWERED = 16            # unary calls started whose answers the client has not been written
 PARSED_BYTES_PER_REQUEST = 400   # what one request of a batch holds parsed, past its bytes (a small start: ~370)
+MUX_TURN_BYTES = 16 << 10        # a message this large is parsed in its caller's turn
+REFUSALS_BEFORE_TURNS = MUX_BATCH_SLICE   # past this many refusals, all of a stream's requests go in turns
 
 
 @dataclass(eq=False)
@@ -179,6 +181,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
     idle.set()
     tasks: set[asyncio.Task[None]] = set()
     larges: set[_Large] = set()                # large requests some call of which lives
+    refused_starts = 0                         # refusals this stream has had
     in_hand: _Large | None = None              # the large request whose starts are being handled
     queued_large: dict[int, _Large] = {}       # the large requests of calls waiting for a slot
 
@@ -218,7 +221,8 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         """An error event for the call, counted in the backlog as results are; the same refusal of
         the same id is said once per reply (a batch of 65,536 empty requests, or of 65,536 starts
         with one id, got as many)."""
-        nonlocal counted
+        nonlocal counted, refused_starts
+        refused_starts += 1
         if (client_id, err.message) in said:
             return
         said.add((client_id, err.message))
@@ -425,13 +429,14 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         backlog.close(large.holding)
         return refused
 
-    async def handle_batch(requests: Any) -> None:
+    async def handle_batch(requests: Any, in_turns: bool) -> None:
         """A batch's requests, a slice at a time, each once the stream has room. A batch of more than
-        a slice takes its slices in its caller's turns (the pool server's turns for costly work: one
-        at a time, then the loop left to everything else three times as long): a stranger's 64
-        streams of 65,536 refused starts each had every slice, and no other client was answered for
-        45 s, health checks included."""
-        if len(requests) <= MUX_BATCH_SLICE:
+        a slice, or any of a stream that has had many refusals, takes its slices in its caller's turns
+        (the pool server's turns for costly work: one at a time, then the loop left to everything
+        else three times as long): a stranger's 64 streams of 65,536 refused starts each had every
+        slice, and no other client was answered for 45 s, health checks included; 32 streams of
+        64-start batches, refused, held bystanders' calls up to 5 s."""
+        if len(requests) <= MUX_BATCH_SLICE and not in_turns:
             await in_slices(requests, functools.partial(handle, nested=True), room)
             return
         i, n = 0, len(requests)
@@ -464,8 +469,12 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         is awaited: a batch of 65,536 small starts holds 24 MB parsed, and 128 idle streams that had
         each sent one held 3.4 GB."""
         nonlocal in_hand
-        large = len(raw) >= LARGE_REQUEST_BYTES   # parsed in the connection's turn (`wire/turns.py`)
-        if large:
+        large = len(raw) >= LARGE_REQUEST_BYTES
+        # Parsed in the connection's turn (`wire/turns.py`): a message of many small requests costs its
+        # parse ~40 times its bytes (a batch under 256 KiB held 10 MB parsed); and everything of a
+        # stream that has had many refusals (cheap to send, not to refuse) is handled in turns.
+        in_turns = len(raw) >= MUX_TURN_BYTES or refused_starts > REFUSALS_BEFORE_TURNS
+        if in_turns:
             await turns.acquire(caller)
         try:
             if large:
@@ -477,21 +486,23 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                     if call_id not in running and call_id not in queued:
                         refuse(call_id, err)
                 return
-            if large:     # what it holds parsed, past its bytes (~370 bytes a small start)
-                batch = request.WhichOneof("kind") == "batch"
-                taken = take_large(len(raw) + PARSED_BYTES_PER_REQUEST * (len(request.batch.requests)
-                                                                          if batch else 1))
+            batch = request.WhichOneof("kind") == "batch"
+            count = len(request.batch.requests) if batch else 1
+            if large or count > MUX_BATCH_SLICE:     # what it holds parsed, past its bytes (~370 a start)
+                taken = take_large(len(raw) + PARSED_BYTES_PER_REQUEST * count)
                 if isinstance(taken, BridgeError):   # refused here, in the turn, and dropped at once
                     refuse_all(request.batch.requests if batch else [request], taken)
                     return
                 in_hand = taken
         finally:
-            if large:
+            if in_turns:
                 turns.release()
         try:
-            if request.WhichOneof("kind") == "batch":
-                batch_within_limit(len(request.batch.requests))
-                await handle_batch(request.batch.requests)
+            if batch:
+                batch_within_limit(count)
+                await handle_batch(request.batch.requests, refused_starts > REFUSALS_BEFORE_TURNS)
+            elif refused_starts > REFUSALS_BEFORE_TURNS:
+                await handle_batch([request], True)
             else:
                 handle(request)
         finally:
