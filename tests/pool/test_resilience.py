@@ -704,6 +704,31 @@ def test_large_multiplex_requests_count_in_the_bound_while_their_calls_wait(tmp_
                                               for e in answered), answered   # run: divide takes numbers
             wait_until(lambda: unread(server)[0] == 0, timeout=10, what="nothing held once their calls ended")
             assert client.call(f"{D}.divide", 6, 3, pool="q", timeout=10) == 2
+            # A batch of many small starts, whatever its bytes, counts what it holds parsed (a batch under
+            # 256 KiB of 26,000 tiny starts held 10 MB): 200 starts of a few bytes, here waiting for the slot.
+            gate = Gate()
+            holder = in_thread(lambda: client.call(*gate.args(), pool="q", timeout=120))
+            wait_until(gate.running, timeout=60, what="the gate holding the pool's one slot again")
+            small, _ = client.request(f"{D}.divide", (6, 3))
+            batch = pb.MuxRequest(batch=pb.MuxBatch(requests=[pb.MuxRequest(start=pb.MuxStart(id=i, call=small))
+                                                              for i in range(1, 201)]))
+            assert batch.ByteSize() < 16 << 10
+            outgoing = queue.Queue()
+            outgoing.put(batch)
+            events = []
+            with grpc.insecure_channel(server.address) as ch:
+                replies = ch.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
+                                           pb.MuxReply.FromString)(iter(outgoing.get, None), timeout=120,
+                                                                   metadata=(("x-bridge-pool", "q"),))
+                reader = threading.Thread(target=lambda: [events.extend(r.events) for r in replies], daemon=True)
+                reader.start()
+                wait_until(lambda: unread(server)[0] >= 200 * 400, timeout=30, what="the waiting batch counted")
+                open_gates([gate])
+                holder.done.wait(60)
+                outgoing.put(None)
+                reader.join(60)
+            assert len(events) == 200 and all(e.WhichOneof("kind") == "value" for e in events), events[:3]
+            wait_until(lambda: unread(server)[0] == 0, timeout=10, what="nothing held once the batch's calls ended")
     finally:
         server.stop()
 
