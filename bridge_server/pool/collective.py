@@ -158,7 +158,10 @@ async def run_collective(router: Router, request: bytes, context: grpc.aio.Servi
     watched: list[asyncio.Task[None]] = []
     try:
         backends = pool.group()
-        upstream_timeout = _remaining(route) if route.explicit_deadline else None
+        # The ranks' own deadline is later than the caller's by the grace: what ends them first is the
+        # worker's answer (which says whether its work goes on), not gRPC's, which says nothing.
+        left = _remaining(route)
+        upstream_timeout = left + STUCK_GRACE_S if route.explicit_deadline and left is not None else None
         metadata = [*forwarded, (MD_COLLECTIVE, "1")]
         tasks = [asyncio.create_task(_on_rank(r, b, payloads[r], metadata, upstream_timeout))
                  for r, b in enumerate(backends)]
@@ -228,9 +231,11 @@ async def _restart_if_stuck(tasks: list[asyncio.Task[bytes]], pending: set[async
     stuck = sorted(tasks.index(t) for t in still)
     for t in done:
         exc = t.exception() if not t.cancelled() else None
-        err = exc.err if isinstance(exc, _RankFailed) else None
-        detail = detail_from_rpc_error(err) if err is not None else None
-        if isinstance(exc, _RankFailed) and (exc.died or (detail is not None and detail.reason == STILL_RUNNING)):
+        if not isinstance(exc, _RankFailed):
+            continue
+        detail = detail_from_rpc_error(exc.err) if exc.err is not None else None
+        unknown = exc.err is not None and detail is None and exc.err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        if exc.died or unknown or (detail is not None and detail.reason == STILL_RUNNING):
             stuck.append(tasks.index(t))
     if stuck:
         pool.restart_group(f"collective {label} exceeded its deadline with rank(s) "
