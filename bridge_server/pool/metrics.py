@@ -138,7 +138,7 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
         super().server_activate()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        host = str(client_address[0]) if isinstance(client_address, tuple) else ""
+        host = _host(client_address)
         with self._lock:
             if sum(self._by_host.values()) >= MAX_METRICS_CONNECTIONS or \
                     self._by_host.get(host, 0) >= METRICS_PER_HOST:
@@ -159,7 +159,7 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
             super().process_request_thread(request, client_address)
         finally:
             cut.cancel()
-            self._done(str(client_address[0]) if isinstance(client_address, tuple) else "")
+            self._done(_host(client_address))
 
     def _done(self, host: str) -> None:
         with self._lock:
@@ -168,6 +168,10 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
                 self._by_host[host] = left
             else:
                 self._by_host.pop(host, None)
+
+
+def _host(address: Any) -> str:
+    return str(address[0]) if isinstance(address, tuple) else ""
 
 
 def _shut(sock: socket.socket) -> None:

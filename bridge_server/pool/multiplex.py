@@ -221,13 +221,18 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
         """An error event for the call, counted in the backlog as results are; the same refusal of
         the same id is said once per reply (a batch of 65,536 empty requests, or of 65,536 starts
         with one id, got as many)."""
-        nonlocal counted, refused_starts
+        nonlocal refused_starts
         refused_starts += 1
         if (client_id, err.message) in said:
             return
         said.add((client_id, err.message))
-        event = add_event(client_id)
-        event.error.CopyFrom(err.to_mux_error())
+        add_error(client_id, err.to_mux_error())
+
+    def add_error(client_id: int, error: Any) -> None:
+        """An error event, counted in the backlog (it waits for its reader as a result does)."""
+        nonlocal counted
+        event = add_event(client_id).error
+        event.CopyFrom(error)
         size = event.ByteSize()
         backlog.add(holding, size)
         counted += size
@@ -272,11 +277,7 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             add_event(run.client_id).end.SetInParent()
             end(run)
         else:
-            error = add_event(run.client_id).error
-            error.CopyFrom(event.error)
-            size = error.ByteSize()
-            backlog.add(holding, size)      # (an error waits for its reader as a result does)
-            counted += size
+            add_error(run.client_id, event.error)
             end(run)
 
     def on_lost(run: _Running, reason: str) -> None:
