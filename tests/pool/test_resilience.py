@@ -424,8 +424,10 @@ def test_a_flood_of_stalled_streams_leaves_room_and_turns_for_another_client(ser
     refused: list[str] = []
     stalled: list[pb.MuxError] = []
     quiet = [("grpc.http2.bdp_probe", 0)]    # a fixed 64 KiB window, filled after a few whole items
+    log = Path(server.log.parent) / "logs" / f"{server.pool('e').workers[0].id}.log"
     with grpc.insecure_channel(server.address) as ch, BridgeClient(server.address, channel_options=quiet) as other:
-        stream = other.stream(GENERATE, "stop reading", greedy(1500), "stalled-stream", stream_encoding="full",
+        # each whole item repeats the prompt: the window fills within a few items, whatever the engine's pace
+        stream = other.stream(GENERATE, "stop reading " * 100, greedy(1500), "stalled-stream", stream_encoding="full",
                               pool="e")
         assert next(stream)["finished"] is False
         outgoing.put(pb.MuxRequest(batch=pb.MuxBatch(requests=starts)))
@@ -456,6 +458,9 @@ def test_a_flood_of_stalled_streams_leaves_room_and_turns_for_another_client(ser
             for err in stalled:
                 assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], err
                 assert "contended_stall_s" in err.detail.message and "pool 'e'" in err.detail.message, err
+            # read only once the pool has ended it: reading earlier would free its window, and it would finish
+            wait_until(lambda: "Request stalled-stream aborted" in log.read_text(errors="replace"), timeout=30,
+                       what="the stalled stream ended while calls waited")
             with pytest.raises(CallError) as ended:
                 for _ in stream:
                     pass
