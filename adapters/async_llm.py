@@ -53,7 +53,40 @@ from bridge_server.wire.turns import Turns
 
 log = logging.getLogger("vllm_bridge.engine")
 # ------------------------------------------------------------------------------------------ prompts
-_tokenizing: weakref.WeakKeyDictionary[Any, tuple[ThreadPoolExecutor, Turns]] = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass(slots=True)
+class _TokenizeLanes:
+    """An engine's threads for building requests off the loop, each taken in turns (hosts, then
+    their callers). `build` builds every client's structured, `bad_words` and long requests; the
+    whole-text encoding of a long truncated text (seconds for a million characters, however few
+    tokens it keeps) runs on `long`, in the process's turn for long encodings
+    (`tokenizer_calls.cpu_turn`), so a client's queue of them holds no other client's `build`."""
+
+    build: ThreadPoolExecutor
+    build_turns: Turns
+    long: ThreadPoolExecutor
+    long_turns: Turns
+
+
+_tokenizing: weakref.WeakKeyDictionary[Any, _TokenizeLanes] = weakref.WeakKeyDictionary()
+
+
+def _lanes(engine: Any) -> _TokenizeLanes:
+    lanes = _tokenizing.get(engine)
+    if lanes is None:
+        lanes = _tokenizing[engine] = _TokenizeLanes(
+            ThreadPoolExecutor(1, thread_name_prefix="bridge-tokenize"), Turns(0.0),
+            ThreadPoolExecutor(1, thread_name_prefix="bridge-tokenize-long"), Turns(0.0))
+    return lanes
+
+
+async def _in_turn(pool: ThreadPoolExecutor, turns: Turns, client: str, work: Any) -> Any:
+    await turns.acquire(client)
+    try:
+        return await asyncio.get_running_loop().run_in_executor(pool, work)
+    finally:
+        turns.release()
 # Whose request the call is and how long a new grammar's trial may take, as the guard found them
 # (`grammar_check.py` takes hosts and clients in turn): the guard and the call run in one context.
 _asker: contextvars.ContextVar[tuple[str, float]] = contextvars.ContextVar(
@@ -65,7 +98,7 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
     """The prompt to hand to vLLM: as given, or, where building the request costs tokenizer work
     (a long prompt, bad words, structured outputs) or would change the shared tokenizer (a text
     prompt truncated: `tokenizer_calls.py`), the request vLLM builds from it, built off the event
-    loop (one thread per engine), from the prompt's token ids where it is truncated; and a new
+    loop (`_TokenizeLanes`), from the prompt's token ids where it is truncated; and a new
     grammar tried first where its trial can be stopped (`grammar_check.py`), and watched in the
     engine (`grammar_ends.py`)."""
     text = text_of(prompt)
@@ -82,32 +115,33 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
         where, label = f"{_PARAMS_NAME[method]}.truncate_prompt_tokens", f"{PREFIX}.{method}"
         raise BridgeError.validation(f"{label}: parameter {where}: vLLM refused it: {clip(str(exc), 400)}",
                                      target=label, parameter=where) from None
-    lane = _tokenizing.get(engine)
-    if lane is None:
-        lane = _tokenizing[engine] = (ThreadPoolExecutor(1, thread_name_prefix="bridge-tokenize"), Turns(0.0))
-    pool, turns = lane
+    lanes = _lanes(engine)
     client, compile_s = _asker.get()
+    salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+
+    def encoded(text: str, keep: int) -> dict[str, Any]:
+        """The truncated text's prompt: its token ids, as the whole text's encoding truncated."""
+        with tokenizer_calls.cpu_turn(client, text):
+            ids = tokenizer_calls.encode_unchanged(engine.tokenizer, text, tokenization.get("add_special_tokens", True),
+                                                   keep)
+        return {"prompt_token_ids": ids, **({"cache_salt": salt} if salt is not None else {})}
+    ready = None
+    if truncated is not None and text is not None and len(text) >= tokenizer_calls.LONG_TEXT_CHARS:
+        ready = await _in_turn(lanes.long, lanes.long_turns, client, functools.partial(encoded, text, truncated))
 
     def build() -> Any:
-        given = prompt
-        if truncated is not None and text is not None:
-            ids = tokenizer_calls.encode_unchanged(engine.tokenizer, text, tokenization.get("add_special_tokens", True),
-                                                   truncated)
-            salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
-            given = {"prompt_token_ids": ids, **({"cache_salt": salt} if salt is not None else {})}
+        given = (ready if ready is not None else encoded(text, truncated) if truncated is not None and text is not None
+                 else prompt)
         return engine.input_processor.process_inputs(
             request_id, given, params, kwargs.get("arrival_time"), kwargs.get("lora_request"), tokenization,
             kwargs.get("trace_headers"), kwargs.get("priority", 0), kwargs.get("data_parallel_rank"))
-    # The thread is the engine's, every client's: hosts (then their callers) take turns at it, or one
-    # stranger's queue of long requests held every other client's structured ones for a minute.
-    await turns.acquire(client)
+    # The threads are the engine's, every client's: hosts (then their callers) take turns at them, or
+    # one stranger's queue of long requests held every other client's structured ones for a minute.
     try:
-        request = await asyncio.get_running_loop().run_in_executor(pool, build)
+        request = await _in_turn(lanes.build, lanes.build_turns, client, build)
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         _refuse_unreadable(f"{PREFIX}.{method}", _PARAMS_NAME[method], exc)
         raise
-    finally:
-        turns.release()
     check_grammar_backend(f"{PREFIX}.{method}", request)
     key = await grammar_check.check(engine, f"{PREFIX}.{method}", request, client, compile_s)
     if key is not None:

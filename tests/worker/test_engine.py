@@ -421,6 +421,36 @@ def test_no_call_changes_the_shared_tokenizer_and_truncation_matches_the_library
         assert all(f.result() > 0 for f in loops) and streams > 0
 
 
+def test_a_long_truncated_text_holds_up_no_other_client_s_request(engine_worker: WorkerProcess, model: Path) -> None:
+    """A text of a million characters truncated to a few tokens is encoded whole, as vLLM does: about
+    two seconds here. Such encodings take their turns on a thread of their own, so another client's
+    request that the engine also builds off its loop (one with `bad_words`) waits behind none of
+    them. It used to wait behind each one already running on the one thread every such request
+    shared."""
+    import concurrent.futures
+
+    from transformers import AutoTokenizer
+    text = "\u4e00\u4e8c" * 490_000
+    local = AutoTokenizer.from_pretrained(model, truncation_side="left")
+    done: dict[str, float] = {}
+
+    def run(name: str, prompt: str, params: dict[str, Any]) -> list[int]:
+        with BridgeClient(engine_worker.address) as c:
+            items = list(c.stream(GENERATE, prompt, params, name, timeout=120))
+        done[name] = time.monotonic()
+        assert items[-1]["finished"], name
+        return list(items[-1]["prompt_token_ids"])
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        long = [pool.submit(run, f"long-truncated-{i}", text, {**greedy(1), "truncate_prompt_tokens": 4})
+                for i in range(2)]
+        time.sleep(0.5)          # the first one's text is being encoded
+        beside = pool.submit(run, "beside-long-truncated", "Hello", greedy(1, bad_words=["xyz"]))
+        assert beside.result(60)
+        kept = [f.result(120) for f in long]
+    assert kept[0] == kept[1] == local.encode(text, truncation=True, max_length=4)
+    assert done["beside-long-truncated"] < min(done["long-truncated-0"], done["long-truncated-1"]), done
+
+
 def test_engine_control_methods(bridge: BridgeClient) -> None:
     assert bridge.call(Target.method("engine", "check_health")) is None
     assert bridge.call(Target.method("engine", "get_supported_tasks")) == ("generate",)
