@@ -492,6 +492,13 @@ def _path_rule(label: str, key: str, dirs: tuple[str, ...], config_key: str, pat
     if isinstance(path, str) and "\0" in path:      # no file has such a name (and realpath raises on it)
         raise BridgeError.validation(f"{label}: field {key}: expected a path, got text holding a NUL character "
                                      f"(at {path.index(chr(0))})", target=label, parameter=key)
+    if isinstance(path, str) and not os.path.isabs(path):
+        # vLLM reads other forms its own way: `~` as a home folder, a relative name as a model hub's
+        # id (downloaded where the hub is reachable), so the path checked is not the path read.
+        raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                          f"{label}: field {key}: expected an absolute path on the server, under a directory this "
+                          f"server allows ({', '.join(dirs) or 'none'}; pool config key {config_key}), got "
+                          f"{quote(path)}", target=label, parameter=key, reason="path not allowed")
     if not isinstance(path, str) or not _within(path, dirs):
         raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
                           f"{label}: field {key}: {quote(path)} is not under a directory this server allows "
@@ -507,6 +514,7 @@ def _path_rule(label: str, key: str, dirs: tuple[str, ...], config_key: str, pat
 # cache past the operator's budget (VLLM_CPU_KVCACHE_SPACE, gpu_memory_utilization) -- a
 # num_gpu_blocks_override of 100,000 took 21 GB and the kernel's OOM killer chose a process -- and
 # cpu_offload_gb, host memory for as much of the weights as asked.
+CPU_BLOCK_ALIGNMENT = 16       # vLLM's CPU attention kernels take blocks of multiples of this, else abort
 SAFE_ENGINE_ARGS = frozenset({
     "model", "served_model_name", "tokenizer", "runner", "convert", "skip_tokenizer_init", "tokenizer_mode",
     "dtype", "kv_cache_dtype", "seed", "max_model_len", "block_size", "enable_prefix_caching",
@@ -571,6 +579,14 @@ def _engine_args_rule(fields: Mapping[str, Any], policy: Policy) -> None:
         raise BridgeError.validation(f"{label}: field seed: {clip(repr(seed), 40)} is not from 0 to 2**32 - 1 (the "
                                      f"range the engine's random generators take; past it the engine core fails "
                                      f"to start)", target=label, parameter="seed")
+    block = fields.get("block_size")
+    if isinstance(block, int) and not isinstance(block, bool) and block % CPU_BLOCK_ALIGNMENT:
+        from vllm.platforms import current_platform
+        if current_platform.is_cpu():
+            raise BridgeError.validation(f"{label}: field block_size: expected a multiple of {CPU_BLOCK_ALIGNMENT} on "
+                                         f"this CPU server (its attention kernels' alignment), got {block}; past the "
+                                         f"configuration's checks, the engine core aborts at its first step",
+                                         target=label, parameter="block_size")
     for key in ("model", "tokenizer"):
         if key in fields and fields[key] is not None:
             _path_rule(label, key, policy.model_dirs, "model_dirs", fields[key])

@@ -17,6 +17,12 @@ id not yet seen on the engine loads its adapter with `add_lora` first, and is re
 (INVALID_ARGUMENT, naming `lora_request.lora_path`) if that fails; an id is bound only once its
 adapter has loaded, so later loads (after an eviction) read a path that loaded before.
 
+vLLM also tells adapters apart by `lora_name` alone (a LoRA request's equality and hash): two
+requests of one name under two ids in one step counted as one adapter, the other id was never
+activated, and the engine core died looking it up (every client of a published LoRA engine got
+UNAVAILABLE for 17 s, at will). So a name is bound with its id: one name, one id, both ways, refused
+otherwise (ALREADY_EXISTS, naming `lora_request.lora_name`).
+
 What binding costs a client is bounded like the other shared state: a host (an identity, with
 authentication) binds at most MAX_IDS_PER_HOST ids on an engine, and an engine at most MAX_IDS.
 """
@@ -42,19 +48,21 @@ _VLLM_SAYS = "Call to add_lora method failed: "
 
 @dataclass
 class _Bound:
-    paths: dict[int, tuple[str, str]] = field(default_factory=dict)    # id -> (real path, who bound it)
+    paths: dict[int, tuple[str, str, str]] = field(default_factory=dict)    # id -> (real path, who bound it, name)
+    ids: dict[str, int] = field(default_factory=dict)      # name -> id
     per_host: dict[str, int] = field(default_factory=dict)
 
 
 _engines: weakref.WeakKeyDictionary[Any, _Bound] = weakref.WeakKeyDictionary()
 
 
-def _fields(lora_request: Any) -> tuple[int, str] | None:
+def _fields(lora_request: Any) -> tuple[int, str, str] | None:
     lora_id = getattr(lora_request, "lora_int_id", None)
     path = getattr(lora_request, "lora_path", "") or ""
-    if type(lora_id) is not int or type(path) is not str:
+    name = getattr(lora_request, "lora_name", None)
+    if type(lora_id) is not int or type(path) is not str or type(name) is not str:
         return None             # refused by the request's own checks
-    return lora_id, path
+    return lora_id, path, name
 
 
 def _real(path: str) -> str:
@@ -67,7 +75,7 @@ def check(engine: Any, label: str, lora_request: Any, client: str, parameter: st
     fields = _fields(lora_request) if lora_request is not None and engine is not None else None
     if fields is None:
         return False
-    lora_id, path = fields
+    lora_id, path, name = fields
     if not 1 <= lora_id < 2**63:
         shown = lora_id if abs(lora_id) < 10**18 else f"an integer of {lora_id.bit_length()} bits"
         raise BridgeError.validation(f"{label}: parameter {parameter}.lora_int_id: expected an adapter's id, an "
@@ -82,7 +90,13 @@ def check(engine: Any, label: str, lora_request: Any, client: str, parameter: st
                               f"adapter than {quote(path, 200)} on this engine (whose, this does not say): an id "
                               f"means one adapter for every client of the engine (use another id)",
                               target=label, parameter=f"{parameter}.lora_int_id", reason="lora id in use")
+        if known[2] != name:
+            raise _name_in_use(label, parameter, name, f"LoRA id {lora_id} is bound to another name on this "
+                                                       f"engine (whose, this does not say)")
         return False
+    other = bound.ids.get(name) if bound is not None else None
+    if other is not None:
+        raise _name_in_use(label, parameter, name, f"the name is bound to another LoRA id on this engine ({other})")
     held = bound.per_host.get(host_of(client), 0) if bound is not None else 0
     ids = len(bound.paths) if bound is not None else 0
     if held >= MAX_IDS_PER_HOST or ids >= MAX_IDS:
@@ -93,6 +107,13 @@ def check(engine: Any, label: str, lora_request: Any, client: str, parameter: st
                           f"use an id already bound to the adapter", target=label,
                           parameter=f"{parameter}.lora_int_id", reason="too many lora ids")
     return True
+
+
+def _name_in_use(label: str, parameter: str, name: str, why: str) -> BridgeError:
+    return BridgeError(grpc.StatusCode.ALREADY_EXISTS, "validation",
+                       f"{label}: parameter {parameter}.lora_name: {quote(name, 200)}: {why}; vLLM tells adapters "
+                       f"apart by name, so a name means one id for every client of the engine (use another name, "
+                       f"or the id's own)", target=label, parameter=f"{parameter}.lora_name", reason="lora name in use")
 
 
 def _bind(engine: Any, label: str, lora_request: Any, client: str, parameter: str) -> None:
@@ -106,7 +127,8 @@ def _bind(engine: Any, label: str, lora_request: Any, client: str, parameter: st
         bound = _engines[engine] = _Bound()
     if fields[0] not in bound.paths:
         host = host_of(client)
-        bound.paths[fields[0]] = (_real(fields[1]), host)
+        bound.paths[fields[0]] = (_real(fields[1]), host, fields[2])
+        bound.ids[fields[2]] = fields[0]
         bound.per_host[host] = bound.per_host.get(host, 0) + 1
 
 
@@ -139,7 +161,7 @@ async def _load(engine: Any, label: str, lora_request: Any, client: str, paramet
     removes the id again, and an id vLLM says is loaded that no path here is bound to is refused."""
     fields = _fields(lora_request)
     assert fields is not None
-    lora_id, path = fields
+    lora_id, path, _ = fields
     try:
         added = bool(await engine.add_lora(lora_request))
     except Exception as exc:       # noqa: BLE001 - vLLM's failure to load, said as the client's
@@ -156,7 +178,16 @@ async def _load(engine: Any, label: str, lora_request: Any, client: str, paramet
                           f"{label}: parameter {parameter}.lora_int_id: LoRA id {lora_id} is loaded on this engine "
                           f"with an adapter this server did not load from {quote(path, 200)} (use another id)",
                           target=label, parameter=f"{parameter}.lora_int_id", reason="lora id in use")
-    _bind(engine, label, lora_request, client, parameter)
+    try:
+        _bind(engine, label, lora_request, client, parameter)
+    except BridgeError:      # bound meanwhile (its name, under another id): what this load added goes
+        bound = _engines.get(engine)
+        if added and (bound is None or lora_id not in bound.paths):
+            try:
+                await engine.remove_lora(lora_id)
+            except Exception:      # noqa: BLE001 - nothing was left registered
+                pass
+        raise
     return added
 
 
@@ -167,6 +198,8 @@ def unbind(engine: Any, lora_id: object) -> None:
         return
     gone = bound.paths.pop(lora_id, None)
     if gone is not None:
+        if bound.ids.get(gone[2]) == lora_id:
+            del bound.ids[gone[2]]
         left = bound.per_host[gone[1]] - 1
         if left:
             bound.per_host[gone[1]] = left

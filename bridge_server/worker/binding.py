@@ -324,6 +324,13 @@ def _not_a_bool(cls: type[enum.Enum]) -> Any:
     return pydantic.BeforeValidator(check)
 
 
+def _no_callback(value: Any) -> Any:
+    """A parameter that takes a function is one a client cannot fill: code is named, never passed,
+    and an object of its own that merely has `__call__` (a tokenizer, a context manager) would be
+    called back, or registered for every caller of the process (`direct_register_custom_op`)."""
+    raise ValueError("a function, which a client cannot pass (code is named, never passed)")
+
+
 def _is_record_class(tp: Any) -> bool:
     return isinstance(tp, type) and (dataclasses.is_dataclass(tp) or issubclass(tp, (msgspec.Struct, pydantic.BaseModel)))
 
@@ -333,6 +340,8 @@ def _adapt(tp: Any, nested: bool) -> Any:
     accept that), and a nested record class by a map (its enclosing class builds it)."""
     if tp is Any or isinstance(tp, (typing.ForwardRef, str)):   # Any (a class in 3.11), or a name not resolvable here
         return Any
+    if tp is Callable or typing.get_origin(tp) is Callable:
+        return typing.Annotated[Any, pydantic.BeforeValidator(_no_callback)]
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         values = tuple(m.value for m in tp)
         if values and all(type(v) in (int, str) for v in values):
@@ -375,6 +384,8 @@ def _describe(exc: pydantic.ValidationError, expected: str, value: Any) -> str:
     got = f"got {type(value).__name__} {quote(value, 60)}"
     if len(best["loc"]) > 2 or (len(errors) == 1 and path):
         return f"expected {expected}, {got}: at {path.lstrip('.') or 'the value'}: {best['msg']}"
+    if len(errors) == 1 and best["type"] == "value_error":      # our own check's words say why
+        return f"expected {expected}, {got}: {best['msg'].removeprefix('Value error, ')}"
     return f"expected {expected}, {got}"
 
 

@@ -371,10 +371,13 @@ class Invoker:
             entry.owner in self.catalog.lifecycles
 
     async def _made(self, plan: Plan, caller: Caller, args: list[Any], kwargs: dict[str, Any],
-                    deadline: float | None) -> Any:
+                    deadline: float | None, then: Callable[[Any], Awaitable[pb.Value]]) -> pb.Value:
         """Runs a plan that makes an engine, within the caller's limit of engines (each costs GBs):
         an identity's own, or, without one, its connection's share of what clients hold together
-        (`refs.Tally`: one that made two and left kept every other client from making any)."""
+        (`refs.Tally`: one that made two and left kept every other client from making any). The
+        engine counts as being made until `then` (its warm-up and delivery) has made its ref, which
+        counts it from there: an engine warming up had counted nowhere, and creates sent meanwhile
+        passed (four engines against a limit of two)."""
         limit = self.limits.max_engines_per_client
         payer = payer_of(caller.identity, connection_of(caller.client))
         held = self.refs.tally(lambda obj: self.catalog.lifecycle(obj) is not None, self._making)
@@ -388,7 +391,7 @@ class Invoker:
         on_end: list[Callable[[], None]] = [functools.partial(self._made_one, payer)]
         token = _ON_END.set(on_end)
         try:
-            return await self.run_checked(plan, args, kwargs, deadline, caller)
+            return await then(await self.run_checked(plan, args, kwargs, deadline, caller))
         finally:
             _ON_END.reset(token)
             for hook in on_end:
@@ -416,10 +419,14 @@ class Invoker:
         if setting:        # what the value brings counts against the bytes refs may hold
             self.refs.room_to_set(plan.receiver, args[0], caller.identity, connection_of(caller.client))
         before = open_files() if makes else None
+        finish = functools.partial(self._finish, plan, caller, deadlines, out, before, setting)
         if self._makes_engines(plan):
-            result = await self._made(plan, caller, args, kwargs, deadlines.call)
-        else:
-            result = await self.run_checked(plan, args, kwargs, deadlines.call, caller)
+            return await self._made(plan, caller, args, kwargs, deadlines.call, finish)
+        return await finish(await self.run_checked(plan, args, kwargs, deadlines.call, caller))
+
+    async def _finish(self, plan: Plan, caller: Caller, deadlines: Deadlines, out: pb.Value | None,
+                      before: int | None, setting: bool, result: Any) -> pb.Value:
+        """A call's result, warmed up if it is a new engine, delivered (encoded, or a ref made)."""
         # what its object took counts against its maker's share (`refs.py`)
         opened = (open_files() or 0) - before if before is not None else 0
         if setting:

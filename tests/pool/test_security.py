@@ -5,6 +5,7 @@ authentication, TLS and limits against servers of their own, started here."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -105,6 +106,32 @@ def test_code_the_catalog_names_can_be_named_never_passed(client: BridgeClient) 
 def test_a_published_engine_cannot_be_shut_down_by_a_client(client: BridgeClient) -> None:
     err = denied(lambda: client.call(Target.method("engine", "shutdown"), timeout=10))
     assert "published" in err.details
+    assert client.call(Target.method("engine", "check_health"), timeout=10) is None
+
+
+def test_a_path_is_taken_only_as_the_absolute_path_that_is_checked(client: BridgeClient) -> None:
+    """vLLM reads `~/x` as a home folder and `org/name` as a model hub's id, where the check had read
+    both against the server's folder: `~/adapter` loaded an adapter from outside the allowed folders
+    on a server run from inside one. Only an absolute path is taken, whatever it would resolve to."""
+    lora = ensure_tiny_model() / "lora"
+    root = Path(__file__).resolve().parents[2]            # the pool server's folder
+    for path in (os.path.relpath(lora, root), "~/lora", "org/name"):
+        err = denied(lambda: client.call("vllm.lora.request.LoRARequest", "x", 1, path, timeout=10))
+        assert "field lora_path: expected an absolute path" in err.details, err.details
+        err = denied(lambda: client.call(f"{E}.from_engine_args", {"model": path}, timeout=30))
+        assert "field model: expected an absolute path" in err.details, err.details
+    assert isinstance(client.call("vllm.lora.request.LoRARequest", "x", 1, str(lora), timeout=10), pb.Ref)
+
+
+def test_a_parameter_that_takes_a_function_takes_nothing_a_client_holds(client: BridgeClient) -> None:
+    """Code is named, never passed; an object a client holds that merely has `__call__` (the shared
+    tokenizer) reached `direct_register_custom_op`, which registers its op for the whole process, and
+    stopped only at torch's schema inference. A parameter annotated as a function takes none."""
+    tokenizer = client.call(Target.get("engine", "tokenizer"), timeout=10)
+    with pytest.raises(CallError) as err:
+        client.call(f"{D}.direct_register_custom_op", "bridge_test_op", tokenizer, timeout=10)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert "parameter op_func" in err.value.details and "a client cannot pass" in err.value.details, err.value
     assert client.call(Target.method("engine", "check_health"), timeout=10) is None
 
 
@@ -720,6 +747,11 @@ def test_a_client_makes_at_most_its_share_of_engines(secured: PoolServer, pki: d
         with pytest.raises(CallError) as refused:     # past it the engine core fails to start
             alice.call(f"{E}.from_engine_args", {**args, "seed": 2**32}, pool="g", timeout=10)
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "seed" in refused.value.details
+        for block in (1, 8):      # the configuration takes them; the CPU attention kernels abort at the first step
+            with pytest.raises(CallError) as refused:
+                alice.call(f"{E}.from_engine_args", {**args, "block_size": block}, pool="g", timeout=10)
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+            assert "field block_size: expected a multiple of 16" in refused.value.details, refused.value
         # A build its caller gives up on still starts an engine core: it counts until it ends.
         with pytest.raises(CallError) as cut:
             alice.call(f"{E}.from_engine_args", args, pool="g", timeout=1)
@@ -729,13 +761,27 @@ def test_a_client_makes_at_most_its_share_of_engines(secured: PoolServer, pki: d
         assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
         assert "max_engines_per_client" in refused.value.details
         until = time.monotonic() + 120
-        while True:         # the abandoned build ends (its engine, unowned, ends with it): room again
-            try:
-                engine = alice.call(f"{E}.from_engine_args", args, pool="g", timeout=120)
-                break
-            except CallError as err_:
-                assert err_.code == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < until, err_
-                time.sleep(1)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            while True:         # the abandoned build ends (its engine, unowned, ends with it): room again
+                making = pool.submit(alice.call, f"{E}.from_engine_args", args, pool="g", timeout=120)
+                time.sleep(2)   # a refusal takes milliseconds: one still running was admitted
+                others = 0
+                while not making.done():
+                    # An engine counts while it is built, warmed up and delivered: one warming up had
+                    # counted nowhere, and creates sent then were made.
+                    with pytest.raises(CallError) as other:
+                        alice.call(f"{E}.from_engine_args", args, pool="g", timeout=10)
+                    assert other.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, other.value
+                    assert "max_engines_per_client" in other.value.details, other.value
+                    others += 1
+                    time.sleep(0.25)
+                try:
+                    engine = making.result()
+                    break
+                except CallError as err_:
+                    assert err_.code == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < until, err_
+                    time.sleep(1)
+        assert others > 0
         t0 = time.monotonic()
         with pytest.raises(CallError) as err:
             alice.call(f"{E}.from_engine_args", args, pool="g", timeout=120)

@@ -490,6 +490,18 @@ def test_lora_adapters_load_pin_generate_and_unload(bridge: BridgeClient, model:
     with_lora = list(bridge.stream(Target.method("engine", "generate"), "Once upon", greedy(16), "lora-on",
                                    kwargs={"lora_request": lora}))
     assert with_lora[-1]["outputs"][0]["token_ids"] != base[-1]["outputs"][0]["token_ids"]
+    # ... and by its name alone: two requests of one name under two ids in one step killed the engine
+    # core (one id never activated). A name is bound with its id, both ways.
+    for named, says in (({**lora, "lora_int_id": 2}, "bound to another LoRA id on this engine (1)"),
+                        ({**lora, "lora_name": "tiny-again"}, "LoRA id 1 is bound to another name")):
+        for call in (lambda: list(bridge.stream(Target.method("engine", "generate"), "Once upon", greedy(4),
+                                                "lora-name", kwargs={"lora_request": named})),
+                     lambda: bridge.call(Target.method("engine", "add_lora"), named)):
+            with pytest.raises(CallError) as err:
+                call()
+            assert err.value.code == grpc.StatusCode.ALREADY_EXISTS and err.value.reason == "lora name in use", err.value
+            assert err.value.detail.parameter == "lora_request.lora_name" and says in err.value.details, err.value
+    assert bridge.call(Target.method("engine", "list_loras")) == {1}
     # vLLM knows an adapter by its id alone: a request (or an add) under id 1 with another path ran with
     # adapter 1's weights, or after an eviction loaded the other path for every client of id 1
     other = {**lora, "lora_path": str(model / "lora-of-another-client")}
