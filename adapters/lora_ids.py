@@ -165,12 +165,7 @@ async def _load(engine: Any, label: str, lora_request: Any, client: str, paramet
     try:
         added = bool(await engine.add_lora(lora_request))
     except Exception as exc:       # noqa: BLE001 - vLLM's failure to load, said as the client's
-        bound = _engines.get(engine)
-        if bound is None or lora_id not in bound.paths:
-            try:
-                await engine.remove_lora(lora_id)
-            except Exception:      # noqa: BLE001 - nothing was left registered
-                pass
+        await _unload_unbound(engine, lora_id)
         raise _not_loaded(label, parameter, path, exc) from None
     bound = _engines.get(engine)
     if not added and (bound is None or lora_id not in bound.paths):
@@ -181,14 +176,20 @@ async def _load(engine: Any, label: str, lora_request: Any, client: str, paramet
     try:
         _bind(engine, label, lora_request, client, parameter)
     except BridgeError:      # bound meanwhile (its name, under another id): what this load added goes
-        bound = _engines.get(engine)
-        if added and (bound is None or lora_id not in bound.paths):
-            try:
-                await engine.remove_lora(lora_id)
-            except Exception:      # noqa: BLE001 - nothing was left registered
-                pass
+        if added:
+            await _unload_unbound(engine, lora_id)
         raise
     return added
+
+
+async def _unload_unbound(engine: Any, lora_id: int) -> None:
+    """Removes from the engine an id this server has not bound (what a failed load left there)."""
+    bound = _engines.get(engine)
+    if bound is None or lora_id not in bound.paths:
+        try:
+            await engine.remove_lora(lora_id)
+        except Exception:      # noqa: BLE001 - nothing was left registered
+            pass
 
 
 def unbind(engine: Any, lora_id: object) -> None:
