@@ -21,7 +21,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -31,7 +31,7 @@ from bridge_server.pool.collective import run_collective
 from bridge_server.pool.lane import ITEMS, STREAM_WINDOW, LaneClosed
 from bridge_server.pool.metrics import Metrics
 from bridge_server.pool.multiplex import forward_multiplex
-from bridge_server.pool.poolstate import Backend, Flight, pool_error
+from bridge_server.pool.poolstate import Backend, Flight, PoolRouter, pool_error
 from bridge_server.pool.router import Router, client_of, read_route, routed_request, session_key, time_left
 from bridge_server.wire.errors import (
     STATUS_DETAILS_KEY,
@@ -311,6 +311,7 @@ class Forwarder:
         out.pool = pool.name
         flight = Flight()
         backend.flights.add(flight)
+        let_go = _slot_release(pool, backend, flight, caller)
         lane = backend.lane
         lc = None
         stall_s = pool.config.reader_stall_s
@@ -324,6 +325,7 @@ class Forwarder:
                                 identity=identity, client=caller)
                 flight.call = lc
                 lc.on_stalled = end
+                lc.on_done = let_go
                 index = taken = 0
                 while (kind := (event := await lc.next()).WhichOneof("kind")) in ITEMS:
                     # gRPC's flow control holds the write back while the caller does not read; that is
@@ -367,8 +369,7 @@ class Forwarder:
             self.backlog.unwind(holding)
             if lc is not None:
                 lc.cancel()       # the caller went away first (or the call ended, then this does nothing)
-            backend.flights.discard(flight)
-            pool.release(backend, caller)
+            let_go()
 
     # ------------------------------------------------------------------------------------ Multiplex
     async def multiplex(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
@@ -478,6 +479,23 @@ class Forwarder:
             raise
         finally:
             self.metrics.observe_call(out.pool, "Describe", out.code, time.perf_counter() - t0)
+
+
+def _slot_release(pool: PoolRouter, backend: Backend, flight: Flight, caller: str) -> Callable[[], None]:
+    """Frees a Stream's worker slot, once: as soon as the worker's last event arrives, while what it
+    sent may still wait for the caller (bounded by reader_stall_s and the backlog, as a Multiplex
+    call's is). A caller that leaves a short stream unread held its slot for reader_stall_s (60 s),
+    where a queued call could have had it at once, and the pool's contended bound never applied (the
+    worker had nothing left to send, so its window never filled)."""
+    held = True
+
+    def release() -> None:
+        nonlocal held
+        if held:
+            held = False
+            backend.flights.discard(flight)     # a worker that dies now fails nothing of this call
+            pool.release(backend, caller)
+    return release
 
 
 def _end_stalled(stalled: list[BridgeError], task: asyncio.Task[Any] | None, err: BridgeError) -> None:

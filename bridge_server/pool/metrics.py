@@ -33,8 +33,9 @@ MAX_METRICS_CONNECTIONS = 16      # connections the endpoint serves at once
 METRICS_PER_HOST = 4              # ... from one host
 METRICS_CONNECTION_S = 5.0        # how long one lasts at most, request and reply
 
-# (pool, queue length, in flight, sessions, {worker state: count}), one per pool, read at scrape time.
-PoolSnapshot = tuple[str, int, int, int, dict[str, int]]
+# (pool, queue length, in flight, sessions, {worker state: count}, stalled streams), one per pool, read
+# at scrape time.
+PoolSnapshot = tuple[str, int, int, int, dict[str, int], int]
 
 
 class _LiveState(Collector):
@@ -46,13 +47,16 @@ class _LiveState(Collector):
         flight = GaugeMetricFamily("vllm_bridge_in_flight", "Calls running on workers", labels=["pool"])
         sessions = GaugeMetricFamily("vllm_bridge_sessions", "Sessions pinned to a worker", labels=["pool"])
         workers = GaugeMetricFamily("vllm_bridge_workers", "Worker processes by state", labels=["pool", "state"])
-        for pool, q, f, s, states in self._snapshot():
+        stalled = GaugeMetricFamily("vllm_bridge_stalled_streams",
+                                    "Streams with a whole window of items waiting on their caller", labels=["pool"])
+        for pool, q, f, s, states, st in self._snapshot():
             queue.add_metric([pool], q)
             flight.add_metric([pool], f)
             sessions.add_metric([pool], s)
             for state, n in states.items():
                 workers.add_metric([pool, state], n)
-        yield from (queue, flight, sessions, workers)
+            stalled.add_metric([pool], st)
+        yield from (queue, flight, sessions, workers, stalled)
 
 
 class _Unread(Collector):

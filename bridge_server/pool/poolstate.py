@@ -466,6 +466,12 @@ class PoolRouter:
         finally:
             self._stall_sweeper = None
 
+    def stalled_streams(self) -> int:
+        """How many of the pool's streams have a whole window of items waiting on their caller now
+        (what `end_stalled` would end, given time): for the pool's status and metrics."""
+        now = time.monotonic()
+        return sum(len(b.lane.stalled(now)) for b in self.backends if b.lane is not None)
+
     def end_stalled(self, before: float) -> int:
         """Ends the streams on workers the queue waits for whose window has been full since before
         `before` (monotonic); returns how many."""

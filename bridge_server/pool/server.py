@@ -171,7 +171,8 @@ class PoolServer:
             states: dict[str, int] = {}
             for wp in ps.procs:
                 states[wp.state] = states.get(wp.state, 0) + 1
-            out.append((name, len(pr.queue), sum(b.in_flight for b in pr.backends), len(pr.sessions), states))
+            out.append((name, len(pr.queue), sum(b.in_flight for b in pr.backends), len(pr.sessions), states,
+                        pr.stalled_streams()))
         return out
 
     def status(self, only: str = "") -> ppb.StatusReply:
@@ -188,7 +189,7 @@ class PoolServer:
             pool = reply.pools.add(name=name, state=ps.state, affinity=cfg.affinity, max_concurrent=cfg.max_concurrent,
                                    queue_length=len(pr.queue), queue_capacity=cfg.queue_size, restarts=ps.restarts,
                                    sessions=len(pr.sessions), in_flight=sum(b.in_flight for b in pr.backends),
-                                   detail=ps.degraded or pr.unavailable)
+                                   detail=ps.degraded or pr.unavailable, stalled_streams=pr.stalled_streams())
             for slot in ps.slots:
                 procs = [wp for wp in ps.procs if wp.index == slot.index]
                 for wp in procs:

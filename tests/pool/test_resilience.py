@@ -424,12 +424,16 @@ def test_a_flood_of_stalled_streams_leaves_room_and_turns_for_another_client(ser
     refused: list[str] = []
     stalled: list[pb.MuxError] = []
     quiet = [("grpc.http2.bdp_probe", 0)]    # a fixed 64 KiB window, filled after a few whole items
-    log = Path(server.log.parent) / "logs" / f"{server.pool('e').workers[0].id}.log"
     with grpc.insecure_channel(server.address) as ch, BridgeClient(server.address, channel_options=quiet) as other:
         # each whole item repeats the prompt: the window fills within a few items, whatever the engine's pace
         stream = other.stream(GENERATE, "stop reading " * 100, greedy(1500), "stalled-stream", stream_encoding="full",
                               pool="e")
         assert next(stream)["finished"] is False
+        # Its worker holds a whole window of items before the flood comes (the pool counts it): so the
+        # sweep that ends the flood's first stalled streams ends it too, at the latest. (Without this,
+        # a worker slowed by the flood could take the whole generation in fewer items than fill the
+        # window: the stream then ends only by reader_stall_s, and reading it early lets it finish.)
+        wait_until(lambda: server.pool("e").stalled_streams == 1, timeout=30, what="the stream's window full")
         outgoing.put(pb.MuxRequest(batch=pb.MuxBatch(requests=starts)))
         flood = ch.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
                                  pb.MuxReply.FromString)(iter(outgoing.get, None), timeout=120)
@@ -458,9 +462,6 @@ def test_a_flood_of_stalled_streams_leaves_room_and_turns_for_another_client(ser
             for err in stalled:
                 assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], err
                 assert "contended_stall_s" in err.detail.message and "pool 'e'" in err.detail.message, err
-            # read only once the pool has ended it: reading earlier would free its window, and it would finish
-            wait_until(lambda: "Request stalled-stream aborted" in log.read_text(errors="replace"), timeout=30,
-                       what="the stalled stream ended while calls waited")
             with pytest.raises(CallError) as ended:
                 for _ in stream:
                     pass
@@ -520,6 +521,24 @@ def test_a_multiplex_client_that_never_reads_cannot_grow_the_server(server: Pool
         client.release(dp)
     with server.client(pool="e") as other:
         assert_untouched(server, other)
+
+
+def test_a_stream_frees_its_slot_once_its_worker_is_done_however_its_caller_reads(server: PoolServer,
+                                                                                 client: BridgeClient) -> None:
+    """A Stream whose items fill the caller's window though they are fewer than the worker's window
+    (a long prompt, each whole item repeating it, and a few tokens), left unread: the worker has
+    sent everything, and the slot is free at once, as a Multiplex call's is, not held until the caller
+    reads or reader_stall_s ends it. What was sent still waits for the caller, who then reads it all."""
+    quiet = [("grpc.http2.bdp_probe", 0)]    # a fixed 64 KiB window, filled by the first few items
+    with BridgeClient(server.address, channel_options=quiet) as other:
+        stream = other.stream(GENERATE, "hold the slot " * 180, greedy(24), "short-unread", stream_encoding="full",
+                              pool="e")
+        assert next(stream)["finished"] is False
+        wait_until(lambda: server.pool("e").in_flight == 0, timeout=30, what="the slot free once the worker is done")
+        assert server.pool("e").stalled_streams == 0
+        items = list(stream)        # nothing ended it: no reader stall, all of it is there
+    assert items[-1]["finished"] is True and len(items[-1]["outputs"][0]["token_ids"]) == 24, items[-1]
+    assert_untouched(server, client)
 
 
 def unread(server: PoolServer) -> tuple[float, float]:

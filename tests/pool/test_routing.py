@@ -365,7 +365,7 @@ def test_prometheus_metrics_are_served(server: PoolServer) -> None:
                'vllm_bridge_queue_depth{pool="a"}', 'vllm_bridge_in_flight{pool="b"}',
                'vllm_bridge_worker_restarts_total{pool="a"} 0.0',
                'vllm_bridge_workers{pool="b",state="ready"} 2.0',
-               'vllm_bridge_queue_wait_seconds_count{pool="a"}')
+               'vllm_bridge_queue_wait_seconds_count{pool="a"}', 'vllm_bridge_stalled_streams{pool="b"} 0.0')
     deadline = time.monotonic() + 5     # a call is counted just after its reply has gone: maybe not yet
     while True:
         body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
