@@ -104,7 +104,8 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
     text = text_of(prompt)
     truncated = _truncated_to(engine, prompt, params)
     if not (truncated is not None or text is not None and len(text) > LONG_PROMPT_CHARS
-            or getattr(params, "bad_words", None) or getattr(params, "structured_outputs", None) is not None):
+            or getattr(params, "bad_words", None) or getattr(params, "structured_outputs", None) is not None
+            or _may_not_fit(engine, prompt, text)):
         return prompt
     from vllm.entrypoints.utils import _validate_truncation_size
 
@@ -140,7 +141,7 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
     try:
         request = await _in_turn(lanes.build, lanes.build_turns, client, build)
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-        _refuse_unreadable(f"{PREFIX}.{method}", _PARAMS_NAME[method], exc)
+        _refuse_named(f"{PREFIX}.{method}", _PARAMS_NAME[method], exc)
         raise
     check_grammar_backend(f"{PREFIX}.{method}", request)
     key = await grammar_check.check(engine, f"{PREFIX}.{method}", request, client, compile_s)
@@ -152,15 +153,33 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
 _PARAMS_NAME = {"generate": "sampling_params", "encode": "pooling_params", "add_request": "params"}
 
 
-def _refuse_unreadable(label: str, params_name: str, exc: BaseException) -> None:
-    """What vLLM's structured-output checks raise is about the request's structured output: a grammar,
-    regex or schema they refuse (a ValueError, or the JSONDecodeError of a schema that is not JSON),
-    or one whose parts they index unchecked (on `auto`, guidance's checks read a structural tag or
-    schema that xgrammar refused: a KeyError or TypeError). Each is refused by the parameter's name,
-    not passed on as a bare Python error."""
+def _may_not_fit(engine: Any, prompt: Any, text: str | None) -> bool:
+    """Whether the engine may refuse the prompt for its length: vLLM does so with a bare ValueError
+    that names no parameter, so such a prompt is built here (`_refuse_named`). A text shorter than a
+    quarter of max_model_len in characters always fits (a token is at least a UTF-8 byte, but for a
+    few special ones), so a short prompt costs one comparison."""
+    max_len = int(engine.model_config.max_model_len)
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, Mapping) else None
+    if isinstance(ids, (list, tuple)):
+        return len(ids) >= max_len
+    if text is None or 4 * len(text) + 8 < max_len:
+        return False
+    return prompt_tokens_at_most(prompt, max_len) >= max_len
+
+
+def _refuse_named(label: str, params_name: str, exc: BaseException) -> None:
+    """What vLLM's checks raise while building a request, refused by the parameter's name, not passed
+    on as a bare Python error. Its prompt checks (too long for the model, empty, an id out of the
+    vocabulary) are about `prompt`. Its structured-output checks are about the params' structured
+    output: a grammar, regex or schema they refuse (a ValueError, or the JSONDecodeError of a schema
+    that is not JSON), or one whose parts they index unchecked (on `auto`, guidance's checks read a
+    structural tag or schema that xgrammar refused: a KeyError or TypeError)."""
     if getattr(exc, "parameter", None):
         return       # vLLM named the parameter itself (`errors.py` reports it)
     frames = traceback.extract_tb(exc.__traceback__)
+    if isinstance(exc, ValueError) and frames and frames[-1].name.startswith("_validate_model_input"):
+        raise BridgeError.validation(f"{label}: parameter prompt: vLLM refused it: {clip(str(exc), 400)}",
+                                     target=label, parameter="prompt") from exc
     if any(f"{os.sep}structured_output{os.sep}" in f.filename or "structured_output" in f.name for f in frames):
         where = f"{params_name}.structured_outputs"
         verb = "refused" if isinstance(exc, ValueError) else "could not read"
@@ -628,10 +647,31 @@ async def _engine_args_guard(receiver: Any, args: Mapping[str, Any], ctx: CallCo
         return
     given = _given(engine_args)
     trial: Any = copy.copy(engine_args)
+    label = f"{PREFIX}.from_engine_args"
     try:       # on a copy: vLLM fills in the defaults it derives, in place
-        await asyncio.to_thread(trial.create_engine_config)
+        config = await asyncio.to_thread(trial.create_engine_config)
     except (ValueError, RuntimeError, AssertionError, NotImplementedError, TypeError) as exc:
-        raise _config_refusal(f"{PREFIX}.from_engine_args", given, exc) from None
+        raise _config_refusal(label, given, exc) from None
+    await _tokenizer_trial(label, config.model_config, given)
+
+
+async def _tokenizer_trial(label: str, model_config: Any, given: set[str]) -> None:
+    """The engine loads its tokenizer as it starts, and one that does not load (a tokenizer_mode the
+    model has no files for, a tokenizer path holding no tokenizer) failed the engine's construction
+    with a bare ValueError naming no argument. So it is loaded first, off the loop, and a failure is
+    a refusal of the argument that chose it. vLLM keeps what it loaded (`cached_get_tokenizer`): the
+    engine's own load then costs nothing."""
+    if model_config.skip_tokenizer_init:
+        return
+    from vllm.tokenizers import cached_tokenizer_from_config
+    try:
+        await asyncio.to_thread(cached_tokenizer_from_config, model_config)
+    except (ValueError, OSError, KeyError, TypeError, AttributeError, ImportError, RuntimeError) as exc:
+        where = next((f"engine_args.{k}" for k in ("tokenizer", "tokenizer_mode", "tokenizer_revision") if k in given),
+                     "engine_args.model")
+        raise BridgeError.validation(f"{label}: parameter {where}: vLLM could not load the engine's tokenizer: "
+                                     f"{type(exc).__name__}: {clip(str(exc), 300)}", target=label,
+                                     parameter=where) from None
 
 
 def _config_refusal(label: str, given: set[str], exc: BaseException) -> BridgeError:

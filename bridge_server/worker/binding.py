@@ -28,6 +28,7 @@ import inspect
 import math
 import re
 import sys
+import traceback
 import types as pytypes
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -410,14 +411,13 @@ def _build_argument(label: str, param: inspect.Parameter, value: dict[Any, Any],
 def _build_record(label: str, where: str, cls: type, value: dict[Any, Any], building: Building, depth: int = 0) -> Any:
     """Builds `cls` from a map, once `check_record` has passed it."""
     fields = check_record(label, where, cls, {str(k): v for k, v in value.items()}, building, depth)
-    what = f"{label}: parameter {where}: cannot build {cls.__name__} from the map given"
     try:
         return cls(**fields)
     except Exception as exc:  # the class's own validation says what is wrong
         why = _field_types_error(cls, fields) or _validation_said(exc) or f"{type(exc).__name__}: {exc}"
-        raise BridgeError.validation(f"{what}: {why}", target=label,
-                                     parameter=f"{where}.{field}" if (field := _refused_field(exc, fields)) else where
-                                     ) from None
+        named = f"{where}.{field}" if (field := _refused_field(exc, fields)) else where
+        raise BridgeError.validation(f"{label}: parameter {named}: cannot build {cls.__name__} from the map given: "
+                                     f"{why}", target=label, parameter=named) from None
 
 
 def _validation_said(exc: BaseException) -> str | None:
@@ -442,7 +442,9 @@ def _validation_said(exc: BaseException) -> str | None:
 
 def _refused_field(exc: BaseException, fields: Mapping[str, Any]) -> str | None:
     """The field a class's own check refused, where it says: vLLM's name it (`parameter`), or start
-    their message with it ("top_k must be 0 (disable), or at least 1, got -5")."""
+    their message with it ("top_k must be 0 (disable), or at least 1, got -5"); else the field its
+    initializer was setting when it failed (`self.tokenizer = get_model_path(self.tokenizer, ...)`
+    raised the hub's "Repo id must be in the form ..." for a tokenizer path that does not exist)."""
     named = getattr(exc, "parameter", None)
     if isinstance(named, str) and named in fields:
         return named
@@ -455,7 +457,16 @@ def _refused_field(exc: BaseException, fields: Mapping[str, Any]) -> str | None:
         if locs and locs[0] in fields:
             return locs[0]
     first = re.match(r"\w+", str(exc))
-    return first.group(0) if first is not None and first.group(0) in fields else None
+    if first is not None and first.group(0) in fields:
+        return first.group(0)
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if frame.name in ("__init__", "__post_init__"):
+            setting = _SETTING.match(frame.line or "")
+            return setting.group(1) if setting is not None and setting.group(1) in fields else None
+    return None
+
+
+_SETTING = re.compile(r"self\.(\w+)\s*(?::[^=]*)?=[^=]")    # `self.field = ...`, `self.field: T = ...`
 
 
 def check_record(label: str, where: str, cls: type, fields: dict[str, Any], building: Building,

@@ -571,7 +571,8 @@ def test_encode_with_an_unsupported_task_is_refused_and_the_engine_lives(bridge:
 def test_engine_args_vllm_refuses_are_refused_by_argument_before_any_engine_starts(
         bridge: BridgeClient, model: Path, engine_worker: WorkerProcess) -> None:
     """vLLM's config checks raised a bare RuntimeError (FP8 KV cache on the CPU: UNKNOWN) or pydantic's
-    dump of every input, naming no argument, or one the client never sent."""
+    dump of every input, naming no argument, or one the client never sent; and a tokenizer that does
+    not load, a bare ValueError from the engine's construction."""
     before = engine_processes(engine_worker)
     for extra, where, says in (({"kv_cache_dtype": "fp8"}, "engine_args", "FP8 KV cache"),
                                ({"max_num_seqs": 0}, "engine_args.max_num_seqs", "greater than or equal to 1, got 0"),
@@ -582,6 +583,17 @@ def test_engine_args_vllm_refuses_are_refused_by_argument_before_any_engine_star
         assert err.value.detail is not None and err.value.detail.parameter == where, err.value
         assert f"parameter {where}: vLLM refused the configuration" in err.value.details, err.value
         assert says in err.value.details and "input_value" not in err.value.details, err.value
+    # a tokenizer that does not load failed the engine's construction with a bare ValueError; one that
+    # is not there, the engine args' own construction, named as the whole map
+    for extra, where, says in (({"tokenizer_mode": "mistral"}, "engine_args.tokenizer_mode",
+                                "vLLM could not load the engine's tokenizer: ValueError: No tokenizer file found"),
+                               ({"tokenizer": str(model / "none-here")}, "engine_args.tokenizer",
+                                "cannot build AsyncEngineArgs from the map given: HFValidationError")):
+        with pytest.raises(CallError) as err:
+            bridge.call(f"{E}.from_engine_args", engine_args(model, **extra), timeout=120)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert err.value.detail is not None and err.value.detail.parameter == where, err.value
+        assert f"parameter {where}: {says}" in err.value.details, err.value
     assert engine_processes(engine_worker) == before
 
 
@@ -943,6 +955,14 @@ BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words
      grpc.StatusCode.PERMISSION_DENIED, "field _bad_words_token_ids on SamplingParams is private"),
     ("another private field of SamplingParams", "hi", {**greedy(4), "min_tokens": 2, "_all_stop_token_ids": {5000}},
      {}, grpc.StatusCode.PERMISSION_DENIED, "field _all_stop_token_ids on SamplingParams is private"),
+    # vLLM checks a prompt's length once it has its tokens, with a bare ValueError that names nothing
+    ("a text longer than the model takes", "word " * 3000, greedy(2), {}, grpc.StatusCode.INVALID_ARGUMENT,
+     "parameter prompt: vLLM refused it: The decoder prompt (length 3003) is longer than the maximum model length"),
+    ("a text of multi-byte characters longer than the model takes", "\u00e9\u4e2d" * 700, greedy(2), {},
+     grpc.StatusCode.INVALID_ARGUMENT, "parameter prompt: vLLM refused it: The decoder prompt (length"),
+    ("token ids that leave no room for output", {"prompt_token_ids": [5] * 2048}, greedy(2), {},
+     grpc.StatusCode.INVALID_ARGUMENT, "parameter prompt: vLLM refused it: The decoder prompt (length 2048) plus the "
+     "number of requested output tokens"),
 ]
 
 
@@ -1198,7 +1218,7 @@ def test_streams_of_dear_whole_items_are_paced_and_lose_nothing(bridge: BridgeCl
 
 
 def test_a_request_vllm_refuses_fails_alike_over_every_transport_and_encoding(bridge: BridgeClient) -> None:
-    """A request that vLLM's add_request refuses (inside generate's first step) fails with the same
+    """A refused request (one vLLM's own prompt check refuses, named by the worker) fails with the same
     status over Stream and Multiplex, patched, whole and coalesced."""
     too_long = "word " * 3000       # past max_model_len
     errors = []
@@ -1210,7 +1230,7 @@ def test_a_request_vllm_refuses_fails_alike_over_every_transport_and_encoding(br
             errors.append(err.value)
         assert mux.call(Target.method("engine", "check_health")) is None
     assert len({(e.code, e.category, e.detail.python_type if e.detail else "") for e in errors}) == 1, errors
-    assert "longer than the maximum model length" in errors[0].details
+    assert "longer than the maximum model length" in errors[0].details and errors[0].detail.parameter == "prompt"
 
 
 @pytest.mark.parametrize("arrival", [float("nan"), float("inf"), 1e308, -1.0])
