@@ -21,7 +21,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 import grpc
@@ -31,7 +31,7 @@ from bridge_server.pool.collective import run_collective
 from bridge_server.pool.lane import ITEMS, STREAM_WINDOW, LaneClosed
 from bridge_server.pool.metrics import Metrics
 from bridge_server.pool.multiplex import forward_multiplex
-from bridge_server.pool.poolstate import Backend, Flight, PoolRouter, pool_error
+from bridge_server.pool.poolstate import Backend, Flight, pool_error
 from bridge_server.pool.router import Router, client_of, read_route, routed_request, session_key, time_left
 from bridge_server.wire.errors import (
     STATUS_DETAILS_KEY,
@@ -311,7 +311,6 @@ class Forwarder:
         out.pool = pool.name
         flight = Flight()
         backend.flights.add(flight)
-        let_go = _slot_release(pool, backend, flight, caller)
         lane = backend.lane
         lc = None
         stall_s = pool.config.reader_stall_s
@@ -324,8 +323,7 @@ class Forwarder:
                 lc = lane.start(request, md, stream=True, window=STREAM_WINDOW, timeout_s=time_left(route),
                                 identity=identity, client=caller)
                 flight.call = lc
-                lc.on_stalled = end
-                lc.on_done = let_go
+                lc.on_stalled = flight.on_stalled = end
                 index = taken = 0
                 while (kind := (event := await lc.next()).WhichOneof("kind")) in ITEMS:
                     # gRPC's flow control holds the write back while the caller does not read; that is
@@ -335,7 +333,9 @@ class Forwarder:
                         item = pb.StreamItemView(index=index, value=event.value).SerializeToString()
                     else:
                         item = pb.StreamItemView(index=index, patch=event.patch).SerializeToString()
+                    # (`waiting`: the pool ends a stream whose write waits long while calls queue)
                     if len(item) < COUNTED_REPLY_BYTES:      # a token's item: nothing worth counting
+                        flight.waiting = time.monotonic()
                         await self.stall.wait(context.write(item), "Stream", stall_s)
                     else:
                         refused = self.backlog.take(holding, len(item), "Stream")
@@ -343,8 +343,10 @@ class Forwarder:
                             del item, event           # not kept by the traceback
                             raise refused
                         self.backlog.writing(holding, len(item))
+                        flight.waiting = time.monotonic()
                         await self.stall.wait(context.write(item), "Stream", stall_s)
                         self.backlog.written(holding, len(item))
+                    flight.waiting = 0.0
                     index += 1
                     taken += 1
                     if taken == _CREDIT_EVERY:
@@ -369,7 +371,8 @@ class Forwarder:
             self.backlog.unwind(holding)
             if lc is not None:
                 lc.cancel()       # the caller went away first (or the call ended, then this does nothing)
-            let_go()
+            backend.flights.discard(flight)
+            pool.release(backend, caller)
 
     # ------------------------------------------------------------------------------------ Multiplex
     async def multiplex(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
@@ -481,26 +484,12 @@ class Forwarder:
             self.metrics.observe_call(out.pool, "Describe", out.code, time.perf_counter() - t0)
 
 
-def _slot_release(pool: PoolRouter, backend: Backend, flight: Flight, caller: str) -> Callable[[], None]:
-    """Frees a Stream's worker slot, once: as soon as the worker's last event arrives, while what it
-    sent may still wait for the caller (bounded by reader_stall_s and the backlog, as a Multiplex
-    call's is). A caller that leaves a short stream unread held its slot for reader_stall_s (60 s),
-    where a queued call could have had it at once, and the pool's contended bound never applied (the
-    worker had nothing left to send, so its window never filled)."""
-    held = True
-
-    def release() -> None:
-        nonlocal held
-        if held:
-            held = False
-            backend.flights.discard(flight)     # a worker that dies now fails nothing of this call
-            pool.release(backend, caller)
-    return release
-
-
 def _end_stalled(stalled: list[BridgeError], task: asyncio.Task[Any] | None, err: BridgeError) -> None:
     """A Stream's end when the pool finds its caller stalled (`LaneCall.stall`) or holding the most
-    unread replies (`Backlog`): its handler's task is cancelled and raises `err` instead."""
+    unread replies (`Backlog`): its handler's task is cancelled and raises `err` instead (once: its
+    lane call and its flight may both be found stalled)."""
+    if stalled:
+        return
     stalled.append(err)
     if task is not None:
         task.cancel()

@@ -71,7 +71,7 @@ class LaneCall:
     `on_event` as they arrive (and the connection's end to `on_lost`)."""
 
     __slots__ = ("id", "stream", "window", "unacked", "blocked_at", "_lane", "_events", "_waiter", "_ended",
-                 "_cancelled", "_lost", "on_event", "on_lost", "on_stalled", "on_done", "unsent")
+                 "_cancelled", "_lost", "on_event", "on_lost", "on_stalled", "unsent")
 
     def __init__(self, lane: Lane, call_id: int, stream: bool, window: int = 0) -> None:
         self.id = call_id
@@ -88,7 +88,6 @@ class LaneCall:
         self.on_event: Callable[[Any], None] | None = None
         self.on_lost: Callable[[str], None] | None = None
         self.on_stalled: Callable[[BridgeError], None] | None = None   # how its forwarder ends it (`stall`)
-        self.on_done: Callable[[], None] | None = None    # told when the worker's last event arrives
         self.unsent: _Unsent | None = None      # its start, while it waits in the lane to be written
 
     def _push(self, event: Any) -> None:
@@ -273,8 +272,6 @@ class Lane:
             if not lc.stream or event.WhichOneof("kind") not in ITEMS:
                 del calls[event.id]
                 lc._ended = True
-                if lc.on_done is not None:
-                    lc.on_done()
             elif lc.window:
                 lc.unacked += 1
                 if lc.unacked >= lc.window and not lc.blocked_at:

@@ -20,7 +20,8 @@ run. One connection's 64 streams of long generations, each read as it came, had 
 every other client's call, a `divide` too, waited 60 s and failed, with health SERVING.
 
 A slot may be held by a stream whose caller reads nothing: the worker has a whole window of items
-out that nobody credits back. That is bounded by `reader_stall_s` (60 s) everywhere; while calls
+out that nobody credits back, or, for a short stream the worker is done with, the router's write to
+the caller waits. That is bounded by `reader_stall_s` (60 s) everywhere; while calls
 wait in the queue, the pool ends such streams after `contended_stall_s` (5 s) instead, so a caller
 that stops reading a pool's worth of streams delays others by seconds, not minutes.
 
@@ -61,6 +62,7 @@ _Pinner = tuple[str, str]       # ("host", a host) or ("connection", a connectio
 # still has to travel back: 5 ms was too little on a loaded 2-vCPU machine (the caller's own bare
 # DEADLINE_EXCEEDED won, once in a full test run), so 20 ms, a small share of any deadline worth setting.
 DEADLINE_MARGIN_S = 0.020
+STALLED_AFTER_S = 1.0          # a stream that has waited on its caller this long counts as stalled
 
 
 def client_share(queue_size: int) -> int:
@@ -79,11 +81,19 @@ class Flight:
 
     call: Any = None              # the upstream grpc.aio call, once made
     failed: str = ""              # set by `Backend.fail_flights`: the reason the call must report
+    waiting: float = 0.0          # since when a Stream's write has waited on its caller (0: none waits)
+    on_stalled: Callable[[BridgeError], None] | None = None   # how its forwarder ends it for that
 
     def fail(self, reason: str) -> None:
         self.failed = reason
         if self.call is not None:
             self.call.cancel()
+
+    def stall(self, err: BridgeError) -> None:
+        """Ends the call for its stalled caller (once)."""
+        hook, self.on_stalled = self.on_stalled, None
+        if hook is not None:
+            hook(err)
 
 
 @dataclass(eq=False)
@@ -115,6 +125,23 @@ class Backend:
         for f in flights:
             f.fail(reason)
         return len(flights)
+
+    def stalled(self, before: float) -> list[Callable[[BridgeError], None]]:
+        """How to end each of this worker's streams that has waited on its caller since before
+        `before` (monotonic): a whole window of items the router has not credited (its lane), or a
+        Stream's write that gRPC has held back (its flight). The second holds its slot as long
+        with nothing left to send: a short stream whose items the caller leaves unread, its worker
+        done with it, never fills a window."""
+        ends: list[Callable[[BridgeError], None]] = []
+        windowed = set()
+        if self.lane is not None:
+            for lc in self.lane.stalled(before):
+                ends.append(lc.stall)
+                windowed.add(id(lc))
+        for f in self.flights:
+            if 0.0 < f.waiting <= before and f.on_stalled is not None and id(f.call) not in windowed:
+                ends.append(f.stall)
+        return ends
 
 
 @dataclass(eq=False)
@@ -467,24 +494,22 @@ class PoolRouter:
             self._stall_sweeper = None
 
     def stalled_streams(self) -> int:
-        """How many of the pool's streams have a whole window of items waiting on their caller now
-        (what `end_stalled` would end, given time): for the pool's status and metrics."""
-        now = time.monotonic()
-        return sum(len(b.lane.stalled(now)) for b in self.backends if b.lane is not None)
+        """How many of the pool's streams have waited on their caller for STALLED_AFTER_S or more (what
+        `end_stalled` ends while calls wait): for the pool's status and metrics."""
+        before = time.monotonic() - STALLED_AFTER_S
+        return sum(len(b.stalled(before)) for b in self.backends)
 
     def end_stalled(self, before: float) -> int:
-        """Ends the streams on workers the queue waits for whose window has been full since before
-        `before` (monotonic); returns how many."""
+        """Ends the streams on workers the queue waits for that have waited on their caller since
+        before `before` (monotonic, `Backend.stalled`); returns how many."""
         if any(w.required is None for w in self.queue):
             wanted: list[Backend] = list(self.backends)
         else:
             wanted = list({id(w.required): w.required for w in self.queue if w.required is not None}.values())
         ended = 0
         for b in wanted:
-            if b.lane is None:
-                continue
-            for lc in b.lane.stalled(before):
-                lc.stall(contended_stall(self.name, self.config.contended_stall_s))
+            for end in b.stalled(before):
+                end(contended_stall(self.name, self.config.contended_stall_s))
                 ended += 1
         return ended
 

@@ -40,9 +40,9 @@ def reader_stalled(label: str, stall_s: float) -> BridgeError:
 
 def contended_stall(pool: str, stall_s: float) -> BridgeError:
     return BridgeError(grpc.StatusCode.DEADLINE_EXCEEDED, "timeout",
-                       f"the caller left a whole window of this stream's items unread for {stall_s:g} s while "
-                       f"other calls waited for a worker slot in pool {pool!r} (contended_stall_s); the stream "
-                       f"was ended to free its slot", reason="reader stalled")
+                       f"the caller read none of this stream's items for {stall_s:g} s while other calls "
+                       f"waited for a worker slot in pool {pool!r} (contended_stall_s); the stream was ended "
+                       f"to free its slot", reason="reader stalled")
 
 
 class StallGuard:
