@@ -333,20 +333,17 @@ class Forwarder:
                         item = pb.StreamItemView(index=index, value=event.value).SerializeToString()
                     else:
                         item = pb.StreamItemView(index=index, patch=event.patch).SerializeToString()
-                    # (`waiting`: the pool ends a stream whose write waits long while calls queue)
+                    # (`flight.waiting`: the pool ends a stream whose write waits long while calls queue)
                     if len(item) < COUNTED_REPLY_BYTES:      # a token's item: nothing worth counting
-                        flight.waiting = time.monotonic()
-                        await self.stall.wait(context.write(item), "Stream", stall_s)
+                        await self.stall.wait(context.write(item), "Stream", stall_s, flight)
                     else:
                         refused = self.backlog.take(holding, len(item), "Stream")
                         if refused is not None:      # it does not fit: the stream ends
                             del item, event           # not kept by the traceback
                             raise refused
                         self.backlog.writing(holding, len(item))
-                        flight.waiting = time.monotonic()
-                        await self.stall.wait(context.write(item), "Stream", stall_s)
+                        await self.stall.wait(context.write(item), "Stream", stall_s, flight)
                         self.backlog.written(holding, len(item))
-                    flight.waiting = 0.0
                     index += 1
                     taken += 1
                     if taken == _CREDIT_EVERY:

@@ -48,7 +48,7 @@ class _LiveState(Collector):
         sessions = GaugeMetricFamily("vllm_bridge_sessions", "Sessions pinned to a worker", labels=["pool"])
         workers = GaugeMetricFamily("vllm_bridge_workers", "Worker processes by state", labels=["pool", "state"])
         stalled = GaugeMetricFamily("vllm_bridge_stalled_streams",
-                                    "Streams with a whole window of items waiting on their caller", labels=["pool"])
+                                    "Streams that have waited on their caller for a second or more", labels=["pool"])
         for pool, q, f, s, states, st in self._snapshot():
             queue.add_metric([pool], q)
             flight.add_metric([pool], f)

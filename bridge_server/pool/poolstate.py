@@ -77,7 +77,8 @@ def pool_error(code: grpc.StatusCode, message: str, reason: str, category: str =
 
 @dataclass(eq=False)
 class Flight:
-    """One forwarded call, tracked so that a worker's death fails it at once instead of hanging."""
+    """One forwarded call, tracked so that a worker's death fails it at once instead of hanging, and
+    so that the pool can end a Stream whose caller stopped reading while calls queue."""
 
     call: Any = None              # the upstream grpc.aio call, once made
     failed: str = ""              # set by `Backend.fail_flights`: the reason the call must report

@@ -17,18 +17,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 
 from bridge_server.wire.errors import BridgeError
 
-__all__ = ["CONTENDED_STALL_S", "READER_STALL_S", "StallGuard", "contended_stall", "reader_stalled"]
+__all__ = ["CONTENDED_STALL_S", "READER_STALL_S", "StallGuard", "Waiting", "contended_stall", "reader_stalled"]
 
 READER_STALL_S = 60.0      # the default bound on a caller that reads nothing while items wait
 CONTENDED_STALL_S = 5.0    # the same while other calls wait for the slot (the pool's queue; poolstate.py)
 
 T = TypeVar("T")
+
+
+class Waiting(Protocol):
+    """What notes since when a wait on the caller has lasted (0.0: none lasts)."""
+
+    waiting: float
 
 
 def reader_stalled(label: str, stall_s: float) -> BridgeError:
@@ -55,26 +61,35 @@ class StallGuard:
         self._sweeper: asyncio.Task[None] | None = None
         self._period = 1.0
 
-    async def wait(self, aw: Awaitable[T], label: str, stall_s: float | None = None) -> T:
+    async def wait(self, aw: Awaitable[T], label: str, stall_s: float | None = None,
+                   mark: Waiting | None = None) -> T:
         """`aw` (a wait on the caller), ended with `reader_stalled` once it has taken `stall_s`
-        (this guard's own bound when None; 0: unbounded)."""
+        (this guard's own bound when None; 0: unbounded). `mark.waiting` says since when it waits
+        (0.0 once it is over), for whoever ends stalled streams sooner (the pool, while calls queue)."""
         bound = self.stall_s if stall_s is None else (stall_s or None)
         task = asyncio.current_task()
-        if bound is None or task is None:
+        if mark is None and (bound is None or task is None):
             return await aw
-        self._waiting[task] = time.monotonic() + bound
-        if self._sweeper is None or bound < self._period * 4:
-            self._start(bound)
+        now = time.monotonic()
+        if mark is not None:
+            mark.waiting = now
+        if bound is not None and task is not None:
+            self._waiting[task] = now + bound
+            if self._sweeper is None or bound < self._period * 4:
+                self._start(bound)
         try:
             return await aw
         except asyncio.CancelledError:
-            if task in self._stalled:
+            if task is not None and task in self._stalled:
                 self._stalled.discard(task)
                 if task.uncancel() == 0:
-                    raise reader_stalled(label, bound) from None
+                    raise reader_stalled(label, bound or 0.0) from None
             raise
         finally:
-            self._waiting.pop(task, None)
+            if task is not None:
+                self._waiting.pop(task, None)
+            if mark is not None:
+                mark.waiting = 0.0
 
     def _start(self, bound: float) -> None:
         """(Re)starts the sweeper, often enough to end a wait within a quarter of its bound late."""

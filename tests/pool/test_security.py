@@ -894,17 +894,17 @@ def test_iterate_on_the_engine_hands_out_nothing_and_says_why(client: BridgeClie
 def test_an_operator_lifts_a_ceiling_by_allowing_the_argument() -> None:
     """The rule every engine-args record goes through, under the policy a worker is given: naming an
     argument in engine_args_allowed lifts its ceiling, and only its own."""
-    from adapters.async_llm import ENGINE_ARG_CEILINGS, _engine_args_rule
+    from adapters.engine_making import ENGINE_ARG_CEILINGS, engine_args_rule
     from adapters.spec import Policy
 
     big = {"max_num_seqs": ENGINE_ARG_CEILINGS["max_num_seqs"] * 4, "max_loras": 1000}
     lifted = Policy(engine_args_allowed=frozenset({"max_num_seqs"}))
     with pytest.raises(BridgeError) as err:
-        _engine_args_rule(big, lifted)
+        engine_args_rule(big, lifted)
     assert err.value.parameter == "max_loras"
-    _engine_args_rule({"max_num_seqs": big["max_num_seqs"]}, lifted)
+    engine_args_rule({"max_num_seqs": big["max_num_seqs"]}, lifted)
     with pytest.raises(BridgeError) as err:
-        _engine_args_rule({"max_num_seqs": big["max_num_seqs"]}, Policy())
+        engine_args_rule({"max_num_seqs": big["max_num_seqs"]}, Policy())
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.parameter == "max_num_seqs"
 
 
