@@ -43,7 +43,7 @@ from adapters.request_costs import (check_logprobs, check_request_items, check_s
                                     prompt_tokens_at_most, request_items, step_cost_us)
 from adapters import engine_life, grammar_check, grammar_ends, lora_ids, tokenizer_calls
 from adapters.engine_life import PREFIX
-from adapters.engine_making import creation_guard, engine_args_guard, engine_args_rule, lora_rule, new_engine
+from adapters.engine_making import creation_guard, engine_args_guard, engine_args_rule, lora_rule, made_by, new_engine
 from adapters.fair_share import admit_to_shared
 from adapters.spec import (AdapterSpec, CallContext, Constructor, Exposure, Finalizer, Growing, Lifecycle, Policy,
                            RecordRule, RecordType)
@@ -105,7 +105,7 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
     truncated = _truncated_to(engine, prompt, params)
     if not (truncated is not None or text is not None and len(text) > LONG_PROMPT_CHARS
             or getattr(params, "bad_words", None) or getattr(params, "structured_outputs", None) is not None
-            or _may_not_fit(engine, prompt, text)):
+            or _may_not_fit(engine, prompt, text) or _may_outlast(engine, prompt, params)):
         return prompt
     from vllm.entrypoints.utils import _validate_truncation_size
 
@@ -143,6 +143,7 @@ async def _prepared(engine: Any, prompt: Any, params: Any, request_id: str, kwar
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         _refuse_named(f"{PREFIX}.{method}", _PARAMS_NAME[method], exc)
         raise
+    _check_room(f"{PREFIX}.{method}", _PARAMS_NAME[method], int(engine.model_config.max_model_len), request)
     check_grammar_backend(f"{PREFIX}.{method}", request)
     key = await grammar_check.check(engine, f"{PREFIX}.{method}", request, client, compile_s)
     if key is not None:
@@ -165,6 +166,40 @@ def _may_not_fit(engine: Any, prompt: Any, text: str | None) -> bool:
     if text is None or 4 * len(text) + 8 < max_len:
         return False
     return prompt_tokens_at_most(prompt, max_len) >= max_len
+
+
+def _may_outlast(engine: Any, prompt: Any, params: Any) -> bool:
+    """Whether the params' `min_tokens` may not fit after the prompt within max_model_len (then the
+    request is built, and `_check_room` judges it). A plain request (no min_tokens) costs one read."""
+    least = getattr(params, "min_tokens", 0)
+    if type(least) is not int or least <= 0:
+        return False
+    max_len = int(engine.model_config.max_model_len)
+    if isinstance(prompt, Mapping) and prompt.get("multi_modal_data"):
+        return True         # placeholders add tokens the text does not show
+    return least + prompt_tokens_at_most(prompt, max_len) > max_len
+
+
+def _check_room(label: str, params_name: str, max_len: int, request: Any) -> None:
+    """Refuses a request whose `min_tokens` cannot follow its prompt within max_model_len: vLLM
+    stops none of its sequences before min_tokens, not even at the model's length, and schedules no
+    token past that length, so such a request never ends. It keeps its seats in the engine's batch
+    and its KV blocks for as long as its caller waits (16 of them held every seat of an engine: every
+    other client's request waited, while health said SERVING)."""
+    params = getattr(request, "sampling_params", None)
+    least = getattr(params, "min_tokens", 0)
+    if not least:
+        return
+    ids, embeds = getattr(request, "prompt_token_ids", None), getattr(request, "prompt_embeds", None)
+    prompt_len = len(ids) if ids is not None else len(embeds) if embeds is not None else 0
+    room = max_len - prompt_len
+    if least > room:
+        where = f"{params_name}.min_tokens"
+        raise BridgeError.validation(
+            f"{label}: parameter {where}: {least:,} tokens cannot follow this prompt's {prompt_len:,} within the "
+            f"engine's max_model_len of {max_len:,} (at most {max(room, 0):,} can): vLLM ends no sequence before "
+            f"min_tokens and generates none past max_model_len, so the request would never end",
+            target=label, parameter=where)
 
 
 def _refuse_named(label: str, params_name: str, exc: BaseException) -> None:
@@ -497,7 +532,8 @@ ASYNC_LLM = AdapterSpec(
             "abort": _abort_guard, "collective_rpc": _collective_rpc_guard, "shutdown": _shutdown_guard,
             "new": creation_guard, "from_engine_args": engine_args_guard, "from_vllm_config": creation_guard,
             **{m: _lora_guard(m) for m in ("add_lora", "list_loras", "pin_lora", "remove_lora")}},
-    overrides={"new": new_engine, "generate": _generate, "encode": _encode, "add_request": _add_request,
+    overrides={"new": new_engine, "from_engine_args": made_by("from_engine_args", "engine_args"),
+               "from_vllm_config": made_by("from_vllm_config", "vllm_config"), "generate": _generate, "encode": _encode, "add_request": _add_request,
                "add_lora": _add_lora,
                "sleep": engine_life.sleep, "wake_up": engine_life.wake_up},
     # Requests of the caller's own, and reads. Not here (operators only, on a published engine):

@@ -30,6 +30,8 @@ requests stay as they are.
   (64 at ~9 ms made every step of the engine ~0.6 s longer): when the grammars of one step's
   sequences together cost more than GRAMMAR_STEP_BUDGET_S, the costliest of them, those past
   GRAMMAR_FLOOR_S a token (a hundred times a JSON schema's), end the same way until the rest fit.
+- A sequence at the model's length ends, whatever its `min_tokens` (`stop_bounded`).
+- A core that fails to start says why to the worker that started it (`_StartFailure`).
 """
 
 from __future__ import annotations
@@ -38,13 +40,21 @@ import collections
 import dataclasses
 import functools
 import importlib
+import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["END_PREFIX", "GRAMMAR_STEP_BUDGET_S", "GRAMMAR_STEP_S", "grammar_cost", "install", "mask_every_row",
-           "share_grammar_time", "stop_costly_grammars", "timed_grammar"]
+__all__ = ["CORE_REPORTS_ENV", "END_PREFIX", "GRAMMAR_STEP_BUDGET_S", "GRAMMAR_STEP_S", "grammar_cost", "install",
+           "mask_every_row", "share_grammar_time", "stop_bounded", "timed_grammar"]
+
+# Where the worker has its engine cores write why one failed to start (a folder, one file a core,
+# named by the worker's pid and the core's), what vLLM logs then, and how much of it is kept.
+CORE_REPORTS_ENV = "VLLM_BRIDGE_CORE_REPORTS"
+START_FAILED_LOG = "EngineCore failed to start."
+START_FAILURE_CHARS = 600
 
 # What a grammar may cost the engine core a token (its mask and its step), as the mean over its
 # last GRAMMAR_WINDOW calls (two a token): 5 times what the worker's trial allows, 1,000 times a JSON
@@ -144,13 +154,21 @@ def share_grammar_time(grammar_bitmask: Callable[..., Any]) -> Callable[..., Any
     return within_budget
 
 
-def stop_costly_grammars(check_stop: Callable[..., bool]) -> Callable[..., bool]:
-    """vLLM's `check_stop`, which also ends a request whose grammar costs more than GRAMMAR_STEP_S a
-    token, or was marked to end by `share_grammar_time` (as an abort, which the front-end reports
-    like any other end)."""
+def stop_bounded(check_stop: Callable[..., bool]) -> Callable[..., bool]:
+    """vLLM's `check_stop`, bounded two ways.
+    - A sequence at max_model_len ends (length capped), whatever its `min_tokens`: vLLM's own check
+      returns before its length cap while min_tokens is unmet, and its scheduler gives such a
+      sequence no more tokens, so it held its seat in the batch for ever (the worker refuses such
+      requests first, `async_llm._check_room`; this is where the engine itself cannot be held).
+    - A request whose grammar costs more than GRAMMAR_STEP_S a token, or was marked to end by
+      `share_grammar_time`, ends as an abort, which the front-end reports like any other end."""
     @functools.wraps(check_stop)
     def check_stop_or_costly(request: Any, max_model_len: int) -> bool:
         if check_stop(request, max_model_len):
+            return True
+        if request.num_tokens >= max_model_len:
+            from vllm.v1.request import RequestStatus
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         grammar = _grammar_of(request)
         if grammar is None:
@@ -187,13 +205,41 @@ def _install_grammar_costs() -> None:
     scheduler = importlib.import_module("vllm.v1.core.sched.scheduler")
     current = getattr(scheduler, "check_stop")     # noqa: B009 - a module global the scheduler looks up per token
     if getattr(current, "__wrapped__", None) is None:
-        setattr(scheduler, "check_stop", stop_costly_grammars(current))    # noqa: B010
+        setattr(scheduler, "check_stop", stop_bounded(current))    # noqa: B010
+
+
+class _StartFailure(logging.Handler):
+    """Writes why this engine core failed to start where the worker that started it reads it
+    (`CORE_REPORTS_ENV`; `engine_making.core_start_named`). vLLM says it only in the core's log, and
+    the worker gets a RuntimeError that names nothing ("Engine core initialization failed. See root
+    cause above"): a client whose arguments passed the configuration's checks but not the model's
+    loading (a quantization its checkpoint lacks) learnt nothing of what to change."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(logging.ERROR)
+        self.where = where
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg != START_FAILED_LOG or not record.exc_info or record.exc_info[1] is None:
+            return
+        exc = record.exc_info[1]
+        path = os.path.join(self.where, f"{os.getppid()}-{os.getpid()}")
+        try:
+            with open(path + ".part", "w", encoding="utf-8") as f:
+                f.write(f"{type(exc).__name__}: {exc}"[:START_FAILURE_CHARS])
+            os.replace(path + ".part", path)
+        except OSError:         # the worker is gone, or its folder: it has nobody to tell
+            pass
 
 
 def install() -> None:
     """Puts the fixes above in place of vLLM's functions, where vLLM looks them up (module globals
     and classes). The grammar mask's fix without a CUDA driver only: on a GPU vLLM's path works."""
     _install_grammar_costs()
+    where = os.environ.get(CORE_REPORTS_ENV)
+    if where:       # (once vLLM has configured its logging, which drops its loggers' handlers)
+        import vllm.logger  # noqa: F401
+        logging.getLogger("vllm.v1.engine.core").addHandler(_StartFailure(where))
     import torch
     if torch.cuda.is_available():
         return

@@ -9,22 +9,29 @@ caller may be trusted with: code to run, files to read, addresses to reach, memo
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import copy
 import dataclasses
+import functools
 import os
 import re
-from collections.abc import Mapping
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
 
+from adapters.engine_core import CORE_REPORTS_ENV
 from adapters.engine_life import PREFIX
 from adapters.engine_requests import I64_MAX, clip_int
 from adapters.spec import CallContext, Policy
 from bridge_server.wire.errors import BridgeError, clip, quote
 
-__all__ = ["ENGINE_ARG_CEILINGS", "SAFE_ENGINE_ARGS", "creation_guard", "engine_args_guard", "engine_args_rule",
-           "lora_rule", "new_engine"]
+__all__ = ["ENGINE_ARG_CEILINGS", "SAFE_ENGINE_ARGS", "core_reports", "core_start_named", "creation_guard",
+           "engine_args_guard", "engine_args_rule", "lora_rule", "made_by", "new_engine"]
 
 
 def creation_guard(receiver: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
@@ -174,7 +181,88 @@ def new_engine(vllm_config: Any, executor_class: Any = None, log_stats: bool = F
     the one vLLM would pick for the config."""
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.executor.abstract import Executor
-    return AsyncLLM(vllm_config, executor_class or Executor.get_class(vllm_config), log_stats, **kwargs)
+    with core_start_named(PREFIX, "vllm_config", vllm_config):
+        return AsyncLLM(vllm_config, executor_class or Executor.get_class(vllm_config), log_stats, **kwargs)
+
+
+def made_by(name: str, argument: str) -> Callable[..., Any]:
+    """AsyncLLM's constructor `name` (`from_engine_args`, `from_vllm_config`) as it is, but for an
+    engine core that does not start, which is said by name (`core_start_named`)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    make = getattr(AsyncLLM, name)
+
+    @functools.wraps(make)      # (its signature, and its module's names for the signature's types)
+    def made(*args: Any, **kwargs: Any) -> Any:
+        given = args[0] if args else kwargs.get(argument)
+        with core_start_named(f"{PREFIX}.{name}", argument, given):
+            return make(*args, **kwargs)
+    return made
+
+
+# ------------------------------------------------------------------------------ a core that does not start
+_START_FAILED = "Engine core initialization failed"
+_reports: list[str] = []      # this process's folder for its cores' reports, once made
+
+
+def core_reports() -> str:
+    """The folder where the engine cores this process starts write why they failed to start
+    (`engine_core._StartFailure`), made once and named to them in the environment they inherit."""
+    if not _reports:
+        where = tempfile.mkdtemp(prefix="vllm-bridge-cores-")
+        atexit.register(shutil.rmtree, where, True)
+        os.environ[CORE_REPORTS_ENV] = where
+        _reports.append(where)
+    return _reports[0]
+
+
+@contextlib.contextmanager
+def core_start_named(label: str, argument: str, given: Any) -> Iterator[None]:
+    """An engine made inside, whose core failed to start, refused as FAILED_PRECONDITION about the
+    arguments it was made from, with the core's own reason where it wrote one. The configuration's
+    checks had passed (`engine_args_guard`), so what failed is what only loading the model or
+    starting its workers shows: a quantization the checkpoint lacks, a package the method needs."""
+    where = core_reports()
+    since = time.time()
+    # what the client set, before vLLM fills in the rest in place (a configuration's parts are all set)
+    fields = sorted(_given(given) - {"model"}) if argument == "engine_args" else []
+    try:
+        yield
+    except RuntimeError as exc:
+        if not str(exc).startswith(_START_FAILED):
+            raise
+        reason = _start_failure(where, since)
+        parameter = argument
+        if reason is not None:
+            named = [f for f in fields if re.search(rf"\b{re.escape(f)}\b", reason) or
+                     isinstance(v := getattr(given, f, None), str) and len(v) >= 4 and v in reason]
+            if len(named) == 1:
+                parameter = f"{argument}.{named[0]}"
+        settings = f" (set besides the model: {', '.join(fields[:12])})" if fields else ""
+        raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
+                          f"{label}: parameter {parameter}: vLLM's engine core did not start with these "
+                          f"{argument}{settings}, which its configuration's checks had passed: "
+                          f"{clip(reason, 600) if reason else 'its reason is in the server log'}",
+                          target=label, parameter=parameter, reason="engine did not start") from None
+
+
+def _start_failure(where: str, since: float) -> str | None:
+    """What a core of this process wrote since `since` of why it did not start; None unless exactly
+    one did (two engines failing at once cannot be told apart here). Every report is read once."""
+    mine = f"{os.getpid()}-"
+    found: list[tuple[str, float]] = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(where):
+            if entry.name.startswith(mine) and not entry.name.endswith(".part"):
+                found.append((entry.path, entry.stat().st_mtime))
+    fresh = [path for path, at in found if at >= since - 1.0]
+    text = None
+    if len(fresh) == 1:
+        with contextlib.suppress(OSError), open(fresh[0], encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    for path, _ in found:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return text
 
 
 

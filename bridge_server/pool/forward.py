@@ -120,6 +120,16 @@ class _Outcome:
         self.code = "CANCELLED"      # unless the handler gets further
 
 
+class _Writer:
+    """Since when a Multiplex stream's write has waited on its client (0.0: none waits); its calls'
+    flights read it (`Backend.stalled`)."""
+
+    __slots__ = ("waiting",)
+
+    def __init__(self) -> None:
+        self.waiting = 0.0
+
+
 class Forwarder:
     def __init__(self, router: Router, metrics: Metrics, security: ServerSecurity = ServerSecurity(),
                  max_request_bytes: int = 64 * 1024 * 1024, backlog: Backlog | None = None) -> None:
@@ -322,7 +332,7 @@ class Forwarder:
             try:
                 lc = lane.start(request, md, stream=True, window=STREAM_WINDOW, timeout_s=time_left(route),
                                 identity=identity, client=caller)
-                flight.call = lc
+                flight.call = flight.lane_call = lc
                 lc.on_stalled = flight.on_stalled = end
                 index = taken = 0
                 while (kind := (event := await lc.next()).WhichOneof("kind")) in ITEMS:
@@ -378,12 +388,13 @@ class Forwarder:
         # A write the caller leaves unread is bounded as a Stream's is (the stream holds the worker
         # slots of its calls, and what waits to be written): by the longest reader_stall_s of the pools.
         stall_s = self.router.reader_stall_s()
+        writer = _Writer()     # since when a write waits: the pool ends the stream's calls under contention
 
         def write(reply: bytes) -> Awaitable[None]:
-            return self.stall.wait(context.write(reply), "Multiplex", stall_s)
+            return self.stall.wait(context.write(reply), "Multiplex", stall_s, writer)
         try:
             await forward_multiplex(self.router, requests, context, _lane_failure, write,
-                                    self.security.identity(context), self.limit, self.backlog, self.turns)
+                                    self.security.identity(context), self.limit, self.backlog, self.turns, writer)
             out.code = "OK"
         except BaseException as exc:
             await self._abort(context, out, exc)

@@ -50,6 +50,7 @@ from bridge_server.wire.protocol import (
     start_options_within_limit,
     stop_reading,
 )
+from bridge_server.wire.stall import Waiting
 from bridge_server.wire.turns import Turns
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -134,10 +135,14 @@ def _within_limit(batch: Any) -> list[bytes]:
 async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
                             failure: Failure, write: Callable[[bytes], Awaitable[object]], identity: str = "",
                             limit: int = MAX_MESSAGE_BYTES, backlog: Backlog | None = None,
-                            turns: Turns | None = None) -> None:
+                            turns: Turns | None = None, writer: Waiting | None = None) -> None:
     """Serves one client Multiplex stream, writing its replies with `write`, until it half-closes and
     every call ends. `failure` says what a call whose worker's lane closed must report, as for plain
-    calls. What waits to be written counts in `backlog`, which may end the stream (raises its error)."""
+    calls. What waits to be written counts in `backlog`, which may end the stream (raises its error).
+    `writer` notes since when `write` has waited on the client: while calls wait for a slot, the
+    pool ends the stream's streaming calls once it has waited long (`Backend.stalled`), as it ends a
+    Stream's. A client that credits its calls without reading keeps their windows open, so they
+    never fill, and its calls went on holding their slots."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     shed: list[BridgeError] = []
@@ -309,8 +314,8 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                large: _Large | None) -> None:
         router.placed(plan, backend, route.client)
         own_window = start.stream and not 0 < start.window <= STREAM_WINDOW
-        run = _Running(client_id, plan.pool, backend, Flight(), own_window=own_window, client=route.client,
-                       large=large)
+        run = _Running(client_id, plan.pool, backend, Flight(writer=writer if start.stream else None),
+                       own_window=own_window, client=route.client, large=large)
         running[client_id] = run
         run.flight.call = _FlightHook(functools.partial(on_lost, run, "the worker died"))
         backend.flights.add(run.flight)
@@ -321,6 +326,8 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
                                         on_event=functools.partial(on_event, run),
                                         on_lost=functools.partial(on_lost, run))
             run.lc.on_stalled = functools.partial(stalled, run)
+            if start.stream:
+                run.flight.lane_call, run.flight.on_stalled = run.lc, run.lc.on_stalled
         except BridgeError as err:       # its deadline passed while it waited for a slot
             refuse(client_id, err)
             end(run)

@@ -48,7 +48,7 @@ from bridge_server.pool.config import PoolConfig
 from bridge_server.wire.errors import BridgeError
 from bridge_server.wire.options import connection_of
 from bridge_server.wire.protocol import host_of
-from bridge_server.wire.stall import contended_stall
+from bridge_server.wire.stall import Waiting, contended_stall
 
 READY, DRAINING, DEAD = "ready", "draining", "dead"
 # A live worker that takes no new calls for now: it says it cannot serve (health NOT_SERVING), or its
@@ -84,6 +84,8 @@ class Flight:
     failed: str = ""              # set by `Backend.fail_flights`: the reason the call must report
     waiting: float = 0.0          # since when a Stream's write has waited on its caller (0: none waits)
     on_stalled: Callable[[BridgeError], None] | None = None   # how its forwarder ends it for that
+    writer: Waiting | None = None   # what notes its writes' waits instead, when others share them (Multiplex)
+    lane_call: Any = None         # the lane call it runs as (whose full window is a stall of the same call)
 
     def fail(self, reason: str) -> None:
         self.failed = reason
@@ -130,9 +132,10 @@ class Backend:
     def stalled(self, before: float) -> list[Callable[[BridgeError], None]]:
         """How to end each of this worker's streams that has waited on its caller since before
         `before` (monotonic): a whole window of items the router has not credited (its lane), or a
-        Stream's write that gRPC has held back (its flight). The second holds its slot as long
-        with nothing left to send: a short stream whose items the caller leaves unread, its worker
-        done with it, never fills a window."""
+        write to its caller that gRPC has held back (its flight: a Stream's own, or its Multiplex
+        stream's). The second holds its slot as long with nothing left to send: a short stream whose
+        items the caller leaves unread, its worker done with it, never fills a window, and a
+        Multiplex call whose client credits it without reading never does."""
         ends: list[Callable[[BridgeError], None]] = []
         windowed = set()
         if self.lane is not None:
@@ -140,7 +143,8 @@ class Backend:
                 ends.append(lc.stall)
                 windowed.add(id(lc))
         for f in self.flights:
-            if 0.0 < f.waiting <= before and f.on_stalled is not None and id(f.call) not in windowed:
+            waiting = f.waiting if f.writer is None else f.writer.waiting
+            if 0.0 < waiting <= before and f.on_stalled is not None and id(f.lane_call) not in windowed:
                 ends.append(f.stall)
         return ends
 

@@ -410,6 +410,8 @@ def test_a_flood_of_stalled_streams_leaves_room_and_turns_for_another_client(ser
                                                                              client: BridgeClient) -> None:
     """Two Streams through the router that their caller stops reading (a long generation, and a short
     one whose worker is done with it while the router's write still waits: its window never fills),
+    two calls of a Multiplex stream whose client credits them and never reads (their windows never
+    fill either; the Multiplex write's own bound is the longest reader_stall_s, 60 s for pool p),
     then one Multiplex stream that starts 900 generations and never reads past their first item:
     together they hold all 64 slots, and the rest queue. The flood may not take the last quarter of the queue, so another client still queues.
     While calls wait, a stream whose caller leaves its window unread ends after contended_stall_s (1 s
@@ -433,9 +435,22 @@ def test_a_flood_of_stalled_streams_leaves_room_and_turns_for_another_client(ser
         short = other.stream(GENERATE, "hold the slot " * 180, greedy(24), "stalled-short", stream_encoding="full",
                              pool="e")
         assert next(stream)["finished"] is False and next(short)["finished"] is False
-        # Both wait on their caller before the flood comes (the pool counts them), so the sweep that
+        credited_out: queue.Queue[Any] = queue.Queue()
+        for i in (1, 2):
+            long_request, _ = client.request(GENERATE, ("stop reading " * 100, greedy(1500), f"credited-{i}"))
+            credited_out.put(pb.MuxRequest(start=pb.MuxStart(id=i, stream=True, window=8, call=long_request)))
+        credited = grpc.insecure_channel(server.address, options=quiet)
+        credited_replies = credited.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
+                                                  pb.MuxReply.FromString)(
+            iter(credited_out.get, None), timeout=120,
+            metadata=(("x-bridge-pool", "e"), ("x-bridge-stream-encoding", "full")))
+        time.sleep(0.5)
+        for i in (1, 2):         # credit far ahead, without reading: the calls' windows never fill
+            credited_out.put(pb.MuxRequest(credit=pb.MuxCredit(id=i, events=1_000_000)))
+        # All wait on their caller before the flood comes (the pool counts them), so the sweep that
         # ends the flood's first stalled streams ends them too, at the latest.
-        wait_until(lambda: server.pool("e").stalled_streams == 2, timeout=30, what="both streams stalled")
+        wait_until(lambda: server.pool("e").stalled_streams == 4, timeout=30,
+                   what="both streams and both credited calls stalled")
         outgoing.put(pb.MuxRequest(batch=pb.MuxBatch(requests=starts)))
         flood = ch.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
                                  pb.MuxReply.FromString)(iter(outgoing.get, None), timeout=120)
@@ -471,10 +486,20 @@ def test_a_flood_of_stalled_streams_leaves_room_and_turns_for_another_client(ser
                 assert ended.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, ended.value
                 assert ended.value.reason == "reader stalled" and "contended_stall_s" in ended.value.details, \
                     ended.value
+            ends: dict[int, pb.MuxError] = {}
+            for reply in credited_replies:        # what it left unread, then each call's end
+                ends.update((e.id, e.error) for e in reply.events if e.WhichOneof("kind") == "error")
+                if len(ends) == 2:
+                    break
+            for err in ends.values():
+                assert err.detail.reason == "reader stalled" and "contended_stall_s" in err.detail.message, err
         finally:
             flood.cancel()
             outgoing.put(None)
             reader.join(10)
+            credited_replies.cancel()
+            credited_out.put(None)
+            credited.close()
     wait_until(lambda: (p := server.pool("e")).in_flight == 0 and p.queue_length == 0, timeout=60,
                what="the flood's calls gone")
     assert_untouched(server, client)

@@ -597,6 +597,23 @@ def test_engine_args_vllm_refuses_are_refused_by_argument_before_any_engine_star
     assert engine_processes(engine_worker) == before
 
 
+def test_an_engine_whose_core_does_not_start_is_refused_with_the_cores_reason(
+        bridge: BridgeClient, model: Path, engine_worker: WorkerProcess) -> None:
+    """Arguments the configuration's checks pass can still fail in the engine core, where the model
+    loads: the worker got vLLM's "Engine core initialization failed. See root cause above" (UNKNOWN,
+    no parameter), and the reason was only in the server's log. The core now tells its worker."""
+    before = engine_processes(engine_worker)
+    with pytest.raises(CallError) as err:
+        bridge.call(f"{E}.from_engine_args", engine_args(model, quantization="bitsandbytes"), timeout=120)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, err.value
+    assert err.value.detail is not None and err.value.detail.parameter == "engine_args.quantization", err.value
+    assert "vLLM's engine core did not start with these engine_args (set besides the model:" in err.value.details
+    assert "ImportError: Please install bitsandbytes" in err.value.details, err.value
+    assert wait_until(lambda: engine_processes(engine_worker) == before)
+    assert bridge.call(Target.method("engine", "check_health")) is None
+    assert list(bridge.stream(Target.method("engine", "generate"), "still", greedy(2), "after-core"))[-1]["finished"]
+
+
 def test_an_engine_built_from_a_map_generates_and_shutdown_leaves_no_process(bridge: BridgeClient, model: Path,
                                                                              engine_worker: WorkerProcess) -> None:
     before = engine_processes(engine_worker)
@@ -963,6 +980,15 @@ BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words
     ("token ids that leave no room for output", {"prompt_token_ids": [5] * 2048}, greedy(2), {},
      grpc.StatusCode.INVALID_ARGUMENT, "parameter prompt: vLLM refused it: The decoder prompt (length 2048) plus the "
      "number of requested output tokens"),
+    # vLLM ends no sequence before min_tokens, not even at max_model_len, and generates none past it:
+    # such a request never ended, and 16 of them (or one of n=16) held every seat of the engine's batch
+    ("a min_tokens that cannot follow the prompt within the model's length", "hi",
+     {**greedy(2100), "min_tokens": 2100, "n": 4, "temperature": 0.8}, {}, grpc.StatusCode.INVALID_ARGUMENT,
+     "parameter sampling_params.min_tokens: 2,100 tokens cannot follow this prompt's"),
+    ("a min_tokens past the room token ids leave, with no max_tokens", {"prompt_token_ids": [5] * 2000},
+     {"max_tokens": None, "min_tokens": 49, "temperature": 0.0}, {}, grpc.StatusCode.INVALID_ARGUMENT,
+     "parameter sampling_params.min_tokens: 49 tokens cannot follow this prompt's 2,000 within the engine's "
+     "max_model_len of 2,048 (at most 48 can)"),
 ]
 
 
@@ -978,6 +1004,42 @@ def test_a_request_that_would_harm_the_engine_is_refused_by_name_and_the_engine_
     assert bridge.call(Target.method("engine", "check_health")) is None
     good = list(bridge.stream(GENERATE, {"prompt_token_ids": [1, 2, 1023]}, greedy(3), f"harm-after-{what}"))
     assert good[-1]["finished"] is True and len(good[-1]["outputs"][0]["token_ids"]) == 3
+
+
+def test_the_engine_core_ends_a_sequence_at_the_models_length_whatever_its_min_tokens() -> None:
+    """vLLM's own check_stop returns before its length cap while min_tokens is unmet, and its
+    scheduler gives a sequence no token past max_model_len: such a sequence never ended. The core's
+    check (`adapters.engine_core`, loaded in every engine core) ends it there."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.utils import check_stop
+    from vllm.v1.request import Request, RequestStatus
+
+    from adapters.engine_core import stop_bounded
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=50, min_tokens=50), None, eos_token_id=2)
+    stop = stop_bounded(check_stop)
+    for _ in range(6):
+        request.append_output_token_ids(7)
+        assert not stop(request, 10)             # short of the model's length (10): min_tokens holds
+    request.append_output_token_ids(7)          # 10 tokens: the model's length, 7 of 50 min_tokens
+    assert not check_stop(request, 10) and request.status == RequestStatus.WAITING    # vLLM's: on for ever
+    assert stop(request, 10) and request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_a_min_tokens_that_fills_the_room_the_prompt_leaves_is_served_to_the_end(bridge: BridgeClient) -> None:
+    """The bound on min_tokens is the room exactly: a request that fills it ends at max_model_len (so
+    the refusal above takes nothing a request can use), one token more is refused."""
+    room = {"prompt_token_ids": [5] * 2040}
+    items = list(bridge.stream(GENERATE, room, {**greedy(8), "min_tokens": 8}, "room-exactly", timeout=60))
+    assert items[-1]["finished"] is True and len(items[-1]["outputs"][0]["token_ids"]) == 8
+    with pytest.raises(CallError) as err:
+        list(bridge.stream(GENERATE, room, {**greedy(9), "min_tokens": 9}, "room-and-one", timeout=60))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "(at most 8 can)" in err.value.details
+    assert err.value.detail is not None and err.value.detail.parameter == "sampling_params.min_tokens"
+    with pytest.raises(CallError) as err:        # the same request through add_request: its params
+        bridge.call(Target.method("engine", "add_request"), "room-added", "hi", {**greedy(4000), "min_tokens": 4000},
+                    timeout=30)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "(at most 2,046 can)" in err.value.details
+    assert err.value.detail is not None and err.value.detail.parameter == "params.min_tokens"
 
 
 def test_a_member_asked_for_with_the_wrong_kind_is_told_the_kind_to_use(bridge: BridgeClient) -> None:

@@ -140,11 +140,11 @@ def test_the_engine_core_ends_a_request_whose_grammar_grows_too_costly(config: t
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output.backend_types import StructuredOutputOptions
 
-    from adapters.engine_core import GRAMMAR_STEP_S, grammar_cost, stop_costly_grammars, timed_grammar
+    from adapters.engine_core import GRAMMAR_STEP_S, grammar_cost, stop_bounded, timed_grammar
     from adapters.grammar_check import _backend
 
     backend, vocab_size, stop_ids = _backend(pickle.loads(config[1]), "xgrammar")
-    stop = stop_costly_grammars(check_stop)
+    stop = stop_bounded(check_stop)
 
     def generate(grammar_text: str) -> Request:
         params = SamplingParams(max_tokens=400, min_tokens=400,
