@@ -292,7 +292,7 @@ def _request_guard(method: str, params_name: str) -> Any:
         if type(priority) is int and not I64_MIN <= priority <= I64_MAX:
             raise BridgeError.validation(f"{label}: parameter priority: {clip_int(priority)} does not fit in 64 bits",
                                          target=label, parameter="priority")
-        if params is not None and type(params).__name__ == "PoolingParams":
+        if params is not None:
             await _check_task(engine, method, params_name, params)
         vocab, max_len = engine.model_config.get_vocab_size(), engine.model_config.max_model_len
         logprobs = logprob_entries(params, prompt_tokens_at_most(args.get("prompt"), max_len), vocab, max_len)
@@ -350,10 +350,24 @@ def _check_arrival(label: str, arrival: Any) -> None:
                                      parameter="arrival_time")
 
 
+# Each engine's supported tasks, asked once: they are fixed when its core starts, and asking is a
+# round trip to the core that every request would otherwise wait on.
+_tasks: weakref.WeakKeyDictionary[Any, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+async def _supported_tasks(engine: Any) -> tuple[str, ...]:
+    tasks = _tasks.get(engine)
+    if tasks is None:
+        tasks = _tasks[engine] = tuple(await engine.get_supported_tasks())
+    return tasks
+
+
 async def _check_task(engine: Any, method: str, params_name: str, params: Any) -> None:
-    """vLLM's engine core dies on a pooling task the model does not support: check before sending."""
-    task = getattr(params, "task", None)
-    supported = tuple(await engine.get_supported_tasks())
+    """vLLM's engine core dies on a task the model does not support: a pooling task it lacks, or
+    sampling on an engine that only pools (`runner: "pooling"`: an AssertionError in its model
+    runner, the engine dead for good). So the request's task is checked before it is sent."""
+    task = getattr(params, "task", None) if type(params).__name__ == "PoolingParams" else "generate"
+    supported = await _supported_tasks(engine)
     if task is None or task not in supported:
         raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
                           f"{PREFIX}.{method}: parameter {params_name}: task {task!r} is not supported by this "

@@ -42,7 +42,9 @@ import functools
 import importlib
 import logging
 import os
+import stat
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -225,11 +227,30 @@ class _StartFailure(logging.Handler):
         exc = record.exc_info[1]
         path = os.path.join(self.where, f"{os.getppid()}-{os.getpid()}")
         try:
-            with open(path + ".part", "w", encoding="utf-8") as f:
-                f.write(f"{type(exc).__name__}: {exc}"[:START_FAILURE_CHARS])
+            os.makedirs(self.where, mode=0o700, exist_ok=True)
+            folder = os.lstat(self.where)
+            if not stat.S_ISDIR(folder.st_mode) or folder.st_uid != os.getuid():
+                return          # not ours (a link or another user's, in a shared temporary folder)
+            fd = os.open(path + ".part", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(_said(exc)[:START_FAILURE_CHARS])
             os.replace(path + ".part", path)
-        except OSError:         # the worker is gone, or its folder: it has nobody to tell
+        except OSError:         # nowhere to write it: the worker's log still has it
             pass
+
+
+def _said(exc: BaseException) -> str:
+    """An exception as a line: its type and text, or, for one with no text (vLLM's bare asserts),
+    the check it tripped, where."""
+    text = str(exc)
+    if not text and exc.__cause__ is not None and str(exc.__cause__):
+        return f"{type(exc).__name__}: {_said(exc.__cause__)}"
+    if not text:
+        frames = traceback.extract_tb(exc.__traceback__)
+        if frames:
+            last = frames[-1]
+            text = f"with no message, at {os.path.basename(last.filename)}:{last.lineno}: {last.line}"
+    return f"{type(exc).__name__}: {text}"
 
 
 def install() -> None:

@@ -9,14 +9,12 @@ caller may be trusted with: code to run, files to read, addresses to reach, memo
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import copy
 import dataclasses
 import functools
 import os
 import re
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -201,18 +199,16 @@ def made_by(name: str, argument: str) -> Callable[..., Any]:
 
 # ------------------------------------------------------------------------------ a core that does not start
 _START_FAILED = "Engine core initialization failed"
-_reports: list[str] = []      # this process's folder for its cores' reports, once made
 
 
 def core_reports() -> str:
     """The folder where the engine cores this process starts write why they failed to start
-    (`engine_core._StartFailure`), made once and named to them in the environment they inherit."""
-    if not _reports:
-        where = tempfile.mkdtemp(prefix="vllm-bridge-cores-")
-        atexit.register(shutil.rmtree, where, True)
-        os.environ[CORE_REPORTS_ENV] = where
-        _reports.append(where)
-    return _reports[0]
+    (`engine_core._StartFailure`), named to them in the environment they inherit. A core makes it
+    when it has something to say, and the reader removes it: a worker ends with `os._exit`, so a
+    folder made for every worker stayed behind, one for each worker a pool ever started."""
+    where = os.path.join(tempfile.gettempdir(), f"vllm-bridge-cores-{os.getpid()}")
+    os.environ[CORE_REPORTS_ENV] = where
+    return where
 
 
 @contextlib.contextmanager
@@ -247,13 +243,14 @@ def core_start_named(label: str, argument: str, given: Any) -> Iterator[None]:
 
 def _start_failure(where: str, since: float) -> str | None:
     """What a core of this process wrote since `since` of why it did not start; None unless exactly
-    one did (two engines failing at once cannot be told apart here). Every report is read once."""
+    one did (two engines failing at once cannot be told apart here). Every report is read once, and
+    the folder goes with the last."""
     mine = f"{os.getpid()}-"
     found: list[tuple[str, float]] = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(where):
             if entry.name.startswith(mine) and not entry.name.endswith(".part"):
-                found.append((entry.path, entry.stat().st_mtime))
+                found.append((entry.path, entry.stat(follow_symlinks=False).st_mtime))
     fresh = [path for path, at in found if at >= since - 1.0]
     text = None
     if len(fresh) == 1:
@@ -262,6 +259,8 @@ def _start_failure(where: str, since: float) -> str | None:
     for path, _ in found:
         with contextlib.suppress(OSError):
             os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(where)          # unless another core's report is still in it
     return text
 
 

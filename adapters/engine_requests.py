@@ -94,9 +94,14 @@ def check_prompt_form(engine: Any, label: str, prompt: Any, where: str = "prompt
     key of none of them, and refused the rest deep in its input processing as bare ValueErrors that
     named no parameter ("The decoder prompt cannot be empty", "... is not a multimodal model",
     "Cannot pass encoder-decoder prompt to decoder-only models")."""
+    config = engine.model_config
+    if getattr(config, "skip_tokenizer_init", False) and text_of(prompt) is not None and not (
+            isinstance(prompt, Mapping) and prompt.get("prompt_token_ids") is not None):
+        raise BridgeError.validation(f"{label}: parameter {where}: text, but this engine was made without a "
+                                     f"tokenizer (skip_tokenizer_init): send token ids, "
+                                     f"{{'prompt_token_ids': [...]}}", target=label, parameter=where)
     if not isinstance(prompt, Mapping):
         return
-    config = engine.model_config
     pair = "encoder_prompt" in prompt or "decoder_prompt" in prompt
     keys = _PAIR_PROMPT_KEYS if pair else _SINGLE_PROMPT_KEYS
     unknown = next((k for k in prompt if k not in keys), None)

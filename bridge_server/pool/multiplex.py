@@ -567,10 +567,16 @@ async def forward_multiplex(router: Router, requests: AsyncIterator[bytes], cont
             waiting.cancel()
         for task in list(tasks):
             task.cancel()
-        await asyncio.gather(reading, *queued.values(), *tasks, return_exceptions=True)
-        for run in list(running.values()):
-            if run.lc is not None:
-                run.lc.cancel()           # the client is gone: so are its calls
-            end(run)
-        for large in list(larges):        # (starts cancelled before they ran never let theirs go)
-            backlog.close(large.holding)
+        try:
+            await asyncio.gather(reading, *queued.values(), *tasks, return_exceptions=True)
+        finally:
+            # Even when this wait is cancelled: gRPC cancels the handler once its RPC is over (a
+            # client that went away, whose write failed), and the stream's calls then kept their
+            # slots, counted in flight, until their workers gave up waiting for credit (reader_stall_s,
+            # 60 s after the client left), every bystander queued behind them.
+            for run in list(running.values()):
+                if run.lc is not None:
+                    run.lc.cancel()           # the client is gone: so are its calls
+                end(run)
+            for large in list(larges):        # (starts cancelled before they ran never let theirs go)
+                backlog.close(large.holding)

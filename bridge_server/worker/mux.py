@@ -476,12 +476,16 @@ class MuxSession:
                 self.idle.set()
         self.out.ready.set()   # a writer may be waiting for everything to end
 
-    async def close(self) -> None:
-        """Cancels every running call (their callers are gone) and waits for them to settle."""
+    def cancel_all(self) -> list[asyncio.Task[None]]:
+        """Cancels every running call (their callers are gone), at once."""
         tasks = list(self.running.values())
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        return tasks
+
+    async def close(self) -> None:
+        """Cancels every running call and waits for them to settle."""
+        await asyncio.gather(*self.cancel_all(), return_exceptions=True)
 
 
 async def multiplex(invoker: Invoker, requests: AsyncIterator[bytes],
@@ -533,5 +537,8 @@ async def multiplex(invoker: Invoker, requests: AsyncIterator[bytes],
                     return
     finally:
         reader.cancel()
+        # before any wait: gRPC may cancel this handler again while it waits here (its RPC is over),
+        # and a call left running would hold its engine's seat for a caller who is gone
+        session.cancel_all()
         await asyncio.gather(reader, return_exceptions=True)
         await session.close()

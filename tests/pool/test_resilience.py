@@ -505,6 +505,42 @@ def test_a_flood_of_stalled_streams_leaves_room_and_turns_for_another_client(ser
     assert_untouched(server, client)
 
 
+def test_multiplex_clients_that_go_away_with_their_writes_blocked_free_their_slots_at_once(
+        server: PoolServer, client: BridgeClient) -> None:
+    """Clients credit their Multiplex calls, read nothing, start more, then cancel their RPCs and
+    close their connections. The writes gRPC held back fail, and gRPC cancels each handler again
+    while it cleans up: the calls kept their slots, counted in flight, until their worker gave up
+    waiting for credit (reader_stall_s: 6 s here, 60 s by default), every bystander behind them."""
+    import queue
+    quiet = [("grpc.http2.bdp_probe", 0)]    # a fixed 64 KiB window, filled after a few whole items
+    streams = []
+    try:
+        for c in range(4):
+            outgoing: queue.Queue[Any] = queue.Queue()
+            channel = grpc.insecure_channel(server.address, options=quiet)
+            replies = channel.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
+                                            pb.MuxReply.FromString)(
+                iter(outgoing.get, None), timeout=120,
+                metadata=(("x-bridge-pool", "e"), ("x-bridge-stream-encoding", "full")))
+            streams.append((channel, replies, outgoing))
+            for i in range(1, 5):
+                request, _ = client.request(GENERATE, ("stop reading " * 100, greedy(1500), f"gone-{c}-{i}"))
+                outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=i, stream=True, window=8, call=request)))
+                outgoing.put(pb.MuxRequest(credit=pb.MuxCredit(id=i, events=1_000_000)))
+        wait_until(lambda: server.pool("e").stalled_streams >= 12, timeout=30, what="the calls' writes blocked")
+        for c, (_, _, outgoing) in enumerate(streams):     # more starts, read as the clients leave
+            for i in range(5, 9):
+                request, _ = client.request(GENERATE, ("more", greedy(1500), f"gone-{c}-{i}"))
+                outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=i, stream=True, window=8, call=request)))
+    finally:
+        for channel, replies, outgoing in streams:
+            replies.cancel()
+            outgoing.put(None)
+            channel.close()
+    wait_until(lambda: server.pool("e").in_flight == 0, timeout=4, what="the slots freed (not at reader_stall_s)")
+    assert_untouched(server, client)
+
+
 @pytest.mark.parametrize("where", ["router", "worker", "router-batch"])
 def test_a_multiplex_client_that_never_reads_cannot_grow_the_server(server: PoolServer, where: str) -> None:
     """A stranger starts calls whose results are 7 MB each (a tensor of 900,000 ids) over one

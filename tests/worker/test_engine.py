@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -610,6 +611,12 @@ def test_an_engine_whose_core_does_not_start_is_refused_with_the_cores_reason(
     assert "vLLM's engine core did not start with these engine_args (set besides the model:" in err.value.details
     assert "ImportError: Please install bitsandbytes" in err.value.details, err.value
     assert wait_until(lambda: engine_processes(engine_worker) == before)
+    with pytest.raises(CallError) as err:     # a bare assert in the core: the check it tripped, where
+        bridge.call(f"{E}.from_engine_args", engine_args(model, convert="embed"), timeout=120)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, err.value
+    assert re.search(r"AssertionError: with no message, at \w+\.py:\d+: assert \w+", err.value.details), err.value
+    # the core's report, read, is gone with its folder (a worker leaves none behind)
+    assert not Path(tempfile.gettempdir(), f"vllm-bridge-cores-{engine_worker.proc.pid}").exists()
     assert bridge.call(Target.method("engine", "check_health")) is None
     assert list(bridge.stream(Target.method("engine", "generate"), "still", greedy(2), "after-core"))[-1]["finished"]
 
@@ -658,6 +665,12 @@ def test_an_engine_that_takes_no_text_or_only_a_few_tokens_is_made(bridge: Bridg
         items = list(bridge.stream(Target.method(engine, "generate"), {"prompt_token_ids": [5, 6]}, greedy(1),
                                    "few-tokens"))
         assert len(items[-1]["outputs"][0]["token_ids"]) == 1
+        for text in ("hi", {"prompt": "hi"}):     # vLLM's bare ValueError named no parameter
+            with pytest.raises(CallError) as err:
+                list(bridge.stream(Target.method(engine, "generate"), text, greedy(1), "text-without-tokenizer"))
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert err.value.detail is not None and err.value.detail.parameter == "prompt", err.value
+            assert "made without a tokenizer (skip_tokenizer_init): send token ids" in err.value.details
     finally:
         bridge.release(engine)       # its last ref: the engine shuts down (and counts no more for this client)
     assert wait_until(lambda: not (engine_processes(engine_worker) - before))
@@ -698,6 +711,19 @@ def test_encode_on_a_pooling_engine_returns_a_vector_and_releasing_it_stops_the_
                                session_id="pooling"))
     vector = items[-1]["outputs"]["data"]
     assert vector.shape == (128,) and vector.dtype.is_floating_point
+    # Sampling on an engine that only pools killed its core (an AssertionError in the model runner):
+    # refused by the task, and the engine encodes on.
+    for call in (lambda: list(bridge.stream(Target.method(pooling, "generate"), "hi", greedy(4), "gen-on-pool",
+                                            session_id="pooling")),
+                 lambda: bridge.call(Target.method(pooling, "add_request"), "add-on-pool", "hi", greedy(4),
+                                     session_id="pooling")):
+        with pytest.raises(CallError) as err:
+            call()
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and err.value.reason == "unsupported task"
+        assert "task 'generate' is not supported by this engine; supported tasks: " in err.value.details
+    again = list(bridge.stream(Target.method(pooling, "encode"), "embed me", {"task": "embed"}, "emb-2",
+                               session_id="pooling"))
+    assert again[-1]["outputs"]["data"].shape == (128,)
     assert bridge.release(session_id="pooling") == 1
     assert wait_until(lambda: not (engine_processes(engine_worker) & started))
 
