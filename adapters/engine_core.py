@@ -52,8 +52,9 @@ from typing import Any
 __all__ = ["CORE_REPORTS_ENV", "END_PREFIX", "GRAMMAR_STEP_BUDGET_S", "GRAMMAR_STEP_S", "grammar_cost", "install",
            "mask_every_row", "share_grammar_time", "stop_bounded", "timed_grammar"]
 
-# Where the worker has its engine cores write why one failed to start (a folder, one file a core,
-# named by the worker's pid and the core's), what vLLM logs then, and how much of it is kept.
+# Where the worker has its engine cores write why one failed to start (a folder the first failing
+# core makes, one file a core, named by the worker's pid and the core's; the worker removes both as
+# it reads them), what vLLM logs then, and how much of it is kept.
 CORE_REPORTS_ENV = "VLLM_BRIDGE_CORE_REPORTS"
 START_FAILED_LOG = "EngineCore failed to start."
 START_FAILURE_CHARS = 600
