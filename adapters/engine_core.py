@@ -162,7 +162,7 @@ def stop_bounded(check_stop: Callable[..., bool]) -> Callable[..., bool]:
     - A sequence at max_model_len ends (length capped), whatever its `min_tokens`: vLLM's own check
       returns before its length cap while min_tokens is unmet, and its scheduler gives such a
       sequence no more tokens, so it held its seat in the batch for ever (the worker refuses such
-      requests first, `async_llm._check_room`; this is where the engine itself cannot be held).
+      requests first, `request_building._check_room`; this is where the engine itself cannot be held).
     - A request whose grammar costs more than GRAMMAR_STEP_S a token, or was marked to end by
       `share_grammar_time`, ends as an abort, which the front-end reports like any other end."""
     @functools.wraps(check_stop)
