@@ -295,12 +295,13 @@ def test_stream_idle_timeout_aborts_the_request_in_the_engine(bridge: BridgeClie
 
 
 def test_abort_from_a_second_call_ends_the_stream_with_finish_reason_abort(bridge: BridgeClient) -> None:
-    with BridgeClient(bridge.address) as other:
-        other.call(Target.method("engine", "check_health"))    # connected before the race starts
-        stream = bridge.stream(Target.method("engine", "generate"), "abort me", greedy(LONG), "to-abort")
-        next(stream)
-        assert other.call(Target.method("engine", "abort"), "to-abort") is None
-        rest = list(stream)
+    """The abort is the same client's, over its connection: without authentication a request is its
+    connection's to end. (A second BridgeClient in this process shared the connection only as long as
+    gRPC's global subchannel pool happened to give it the same one: this test failed once in CI so.)"""
+    stream = bridge.stream(Target.method("engine", "generate"), "abort me", greedy(LONG), "to-abort")
+    next(stream)
+    assert bridge.call(Target.method("engine", "abort"), "to-abort") is None
+    rest = list(stream)
     assert rest and rest[-1]["outputs"][0]["finish_reason"] == "abort"
     assert len(rest[-1]["outputs"][0]["token_ids"]) < LONG
     assert drained(bridge)
