@@ -29,6 +29,7 @@ from bridge_server.wire import eventloop
 from bridge_server.wire.errors import abort, quote, status_of
 from bridge_server.wire.open_services import HealthWatches, health_and_status, reflection_service
 from bridge_server.wire.protocol import connection_limit, public_server_options
+from bridge_server.wire.receiving import ReceiveGate, ReceiveLimits
 from bridge_server.wire.security import ServerSecurity, check_exposure
 from vllm_bridge.v1 import pool_pb2 as ppb
 
@@ -91,7 +92,9 @@ class PoolServer:
                    if o[0] != "grpc.max_receive_message_length"]
         self.server = grpc.aio.server(options=[*options, ("grpc.max_receive_message_length",
                                                           config.max_request_bytes + 64 * 1024)],
-                                      interceptors=security.interceptors())
+                                      interceptors=[ReceiveGate(ReceiveLimits.for_requests(
+                                          config.max_request_bytes, config.max_receiving_bytes, config.receive_s,
+                                          config.streams_per_host)), *security.interceptors()])
         self.backlog = backlog = Backlog(config.max_unread_bytes)
         self.metrics.watch_unread(lambda: (backlog.total, backlog.ended, backlog.refused))
         self.server.add_generic_rpc_handlers([Forwarder(self.router, self.metrics, security,

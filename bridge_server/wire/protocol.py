@@ -75,7 +75,11 @@ def public_server_options(min_ping_interval_s: float, max_connections: int) -> l
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
         ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_S * 1000),
         ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_S * 1000),
-        ("grpc.max_allowed_incoming_connections", max_connections)]
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        # what a call's sender may send before anything reads it stays HTTP/2's first window (64 KiB),
+        # not a window grown to the link's speed: calls waiting for a place to be read (`receiving.py`)
+        # held ~10 MB each so (a request being read still gets a window for all of it)
+        ("grpc.http2.bdp_probe", 0)]
 
 
 M = TypeVar("M", bound=Message)

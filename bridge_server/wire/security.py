@@ -20,7 +20,7 @@ import os
 import re
 import stat
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -169,18 +169,22 @@ class ServerSecurity:
         return next((v for k, v in trusted if k == MD_IDENTITY and isinstance(v, str)), "")
 
 
+async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    await abort(context, status_of(grpc.StatusCode.UNAUTHENTICATED,
+                                   "missing or unknown bearer token: send `authorization: Bearer <token>`"))
+
+
+# One refusing handler per shape of call, made once: the server's outer interceptor (`receiving.py`)
+# keeps what it wraps by handler.
+_DENIALS = {(True, True): grpc.stream_stream_rpc_method_handler(_refuse),
+            (True, False): grpc.stream_unary_rpc_method_handler(_refuse),
+            (False, True): grpc.unary_stream_rpc_method_handler(_refuse),
+            (False, False): grpc.unary_unary_rpc_method_handler(_refuse)}
+
+
 def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that refuses the call: UNAUTHENTICATED."""
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await abort(context, status_of(grpc.StatusCode.UNAUTHENTICATED,
-                                       "missing or unknown bearer token: send `authorization: Bearer <token>`"))
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+    return _DENIALS[bool(handler.request_streaming), bool(handler.response_streaming)]
 
 
 @dataclass
@@ -190,7 +194,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     tokens: Tokens
     open_services: bool = True
-    _denials: dict[str, grpc.RpcMethodHandler] = field(default_factory=dict)
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails],
                                                              Awaitable[grpc.RpcMethodHandler]],

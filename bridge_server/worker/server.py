@@ -43,6 +43,7 @@ from bridge_server.wire.protocol import (
     read_release,
     server_options,
 )
+from bridge_server.wire.receiving import DEFAULT_RECEIVING_BYTES, ReceiveGate, ReceiveLimits
 from bridge_server.wire.security import ServerSecurity, check_exposure
 from bridge_server.worker.catalog import Catalog, build_catalog, describe
 from bridge_server.worker.deadlines import resolve_deadlines
@@ -389,8 +390,12 @@ def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
     # Beyond gRPC's own limit, a request is refused by the handlers, which name max_request_bytes.
     limit = config.max_request_bytes + 64 * 1024
     options = [o for o in server_options(config.min_ping_interval_s) if o[0] != "grpc.max_receive_message_length"]
+    # A worker of a pool is reached over a private socket by its pool server only, which bounds what
+    # it reads for its callers; a worker on its own reads within the same bounds (`receiving.py`).
+    gate = [] if config.lane is not None else [ReceiveGate(ReceiveLimits.for_requests(config.max_request_bytes,
+                                                                                      DEFAULT_RECEIVING_BYTES))]
     server = grpc.aio.server(options=[*options, ("grpc.max_receive_message_length", limit), *config.extra_options],
-                             interceptors=security.interceptors())
+                             interceptors=[*gate, *security.interceptors()])
     # A supervised worker (it serves a lane, on a socket only its supervisor can reach) without
     # tokens of its own takes the pool server's word for who each call is for.
     trusted = config.lane is not None and security.tokens is None

@@ -1,0 +1,279 @@
+"""Requests read within bounds: how many are in receipt at once, in all and from one host, for how
+long, and how many request streams one host holds open.
+
+gRPC reads a unary request whole, up to the server's max_request_bytes, before any handler runs, and
+sets no bound on how many it reads at once: a gigabyte of receive buffers costs a stranger a
+gigabyte of sending. 32 requests of 60 MiB sent at once took the pool server to 3.2 GB, about
+100 MB each; 200 would take a 24 GB machine past its memory, and every worker and engine with it.
+Nothing before the read knows a request's size, so each request in receipt counts as the largest
+one allowed, and what the bound decides is when a request is read at all: a request that waits for
+its turn holds only what HTTP/2 lets its sender send before anyone reads (the stream's window).
+
+So every unary-request method of the server, ours and the standard services alike, is served as a
+request stream whose one message this gate reads itself (the wire is the same: one message, then
+the end of the stream), once the request has a place (`ReceiveLimits`). A sender that trickles or
+stops halfway gives its place back after `receive_s`, its call ended. A method that reads a stream of
+requests (Multiplex, reflection) reads them as they come, for as long as the stream lives, so one
+host holds at most `streams_per_host` such streams open at once instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from bridge_server.wire.errors import BridgeError, abort
+from bridge_server.wire.protocol import host_of
+
+__all__ = ["DEFAULT_RECEIVING_BYTES", "ReceiveGate", "ReceiveLimits"]
+
+DEFAULT_RECEIVING_BYTES = 1 << 30   # requests in receipt at once, each counted as the largest allowed
+_WRAPPED_KEPT = 1024        # handlers a server has: a few dozen; more are made per call (not kept)
+
+
+@dataclass(frozen=True)
+class ReceiveLimits:
+    """`at_once`: requests in receipt at once, in all; `per_host`: of those, from one host;
+    `receive_s`: how long one may take to arrive; `streams_per_host`: request streams one host holds."""
+
+    at_once: int = 16
+    per_host: int = 4
+    receive_s: float = 30.0
+    streams_per_host: int = 32
+
+    @classmethod
+    def for_requests(cls, max_request_bytes: int, max_receiving_bytes: int, receive_s: float = 30.0,
+                     streams_per_host: int = 32) -> ReceiveLimits:
+        """As many requests in receipt as `max_receiving_bytes` holds of the largest allowed, and at
+        least 4; a quarter of them for one host, so that one host stalling its sends leaves the
+        rest to the others."""
+        at_once = max(4, max_receiving_bytes // max(1, max_request_bytes))
+        return cls(at_once, max(1, at_once // 4), receive_s, streams_per_host)
+
+
+class _Places:
+    """Places for requests in receipt, handed out in order of asking, each host's turn by turn."""
+
+    def __init__(self, limits: ReceiveLimits) -> None:
+        self.limits = limits
+        self.taken = 0
+        self.by_host: dict[str, int] = {}
+        self.waiting: dict[str, collections.deque[asyncio.Future[None]]] = {}
+
+    def try_take(self, host: str) -> bool:
+        if self.taken < self.limits.at_once and self.by_host.get(host, 0) < self.limits.per_host \
+                and host not in self.waiting:
+            self._give(host)
+            return True
+        return False
+
+    async def take(self, host: str) -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault(host, collections.deque()).append(future)
+        try:
+            await future
+        except BaseException:
+            if future.done() and not future.cancelled():
+                self.give_back(host)    # handed over just as the call went: pass it on
+            else:
+                self._forget(host, future)
+            raise
+
+    def give_back(self, host: str) -> None:
+        self.taken -= 1
+        left = self.by_host[host] - 1
+        if left:
+            self.by_host[host] = left
+        else:
+            del self.by_host[host]
+        self._hand_over()
+
+    def _give(self, host: str) -> None:
+        self.taken += 1
+        self.by_host[host] = self.by_host.get(host, 0) + 1
+
+    def _forget(self, host: str, future: asyncio.Future[None]) -> None:
+        queue = self.waiting.get(host)
+        if queue is not None:
+            try:
+                queue.remove(future)
+            except ValueError:
+                pass
+            if not queue:
+                del self.waiting[host]
+
+    def _hand_over(self) -> None:
+        """The free places go to the hosts waiting, one each in turn, oldest host first."""
+        for host in list(self.waiting):
+            if self.taken >= self.limits.at_once:
+                return
+            if self.by_host.get(host, 0) >= self.limits.per_host:
+                continue
+            queue = self.waiting.pop(host)
+            while queue:
+                future = queue.popleft()
+                if not future.done():
+                    self._give(host)
+                    future.set_result(None)
+                    break
+            if queue:
+                self.waiting[host] = queue     # to the back of the line of hosts
+
+
+def _refusal(method: str, code: grpc.StatusCode, message: str, reason: str) -> BridgeError:
+    label = method.rsplit("/", 1)[-1] or method
+    return BridgeError(code, "validation", f"{label}: {message}", target=label, parameter="request", reason=reason)
+
+
+class ReceiveGate(grpc.aio.ServerInterceptor):
+    """The outermost interceptor of a server that strangers reach (see the module's docstring)."""
+
+    def __init__(self, limits: ReceiveLimits) -> None:
+        self.limits = limits
+        self.places = _Places(limits)
+        self.streams: dict[str, int] = {}
+        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails],
+                                                             Awaitable[grpc.RpcMethodHandler]],
+                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None     # UNIMPLEMENTED, sent before anything is read
+        kept = self._wrapped.get(id(handler))
+        if kept is not None and kept[0] is handler:
+            return kept[1]
+        wrapped = self._wrap(handler, handler_call_details.method)   # type: ignore[attr-defined]
+        if len(self._wrapped) < _WRAPPED_KEPT:
+            self._wrapped[id(handler)] = (handler, wrapped)
+        return wrapped
+
+    # ---------------------------------------------------------------------------- one request
+    async def _read(self, requests: Any, context: grpc.aio.ServicerContext, method: str) -> Any:
+        """The request's one message, read once it has a place; the place is given back once it is
+        read, or its call ends."""
+        host = host_of(context.peer() or "")
+        places = self.places
+        if not places.try_take(host):
+            await places.take(host)
+        try:
+            try:
+                async with asyncio.timeout(self.limits.receive_s):
+                    raw = await context.read()
+            except TimeoutError:
+                raise _refusal(method, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"its request did not arrive within {self.limits.receive_s:g} s (receive_s): a "
+                               f"request in receipt holds a place among the {self.limits.at_once} the server "
+                               f"reads at once", "request too slow") from None
+        finally:
+            places.give_back(host)
+        if raw is grpc.aio.EOF:
+            raise _refusal(method, grpc.StatusCode.INVALID_ARGUMENT,
+                           "expected one request message, got none (the stream ended first)", "no request")
+        return raw
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        deserialize = handler.request_deserializer
+        serialize = handler.response_serializer
+        if handler.request_streaming:
+            return self._wrap_streams(handler, method)
+
+        async def request_of(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            raw = await self._read(requests, context, method)
+            if deserialize is None:
+                return raw
+            try:
+                return deserialize(raw)
+            except Exception as exc:    # noqa: BLE001 - any parse failure is the request's
+                raise _refusal(method, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"its request is not a valid message: {type(exc).__name__}", "malformed") from None
+
+        if not handler.response_streaming:
+            behavior = handler.unary_unary
+
+            async def unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    request = await request_of(requests, context)
+                except BridgeError as err:
+                    await abort(context, err.to_status(), err)
+                reply = behavior(request, context)
+                return await reply if inspect.isawaitable(reply) else reply
+            return grpc.stream_unary_rpc_method_handler(unary, response_serializer=serialize)
+
+        streaming = handler.unary_stream
+
+        async def stream(requests: Any, context: grpc.aio.ServicerContext) -> None:
+            try:
+                request = await request_of(requests, context)
+            except BridgeError as err:
+                await abort(context, err.to_status(), err)
+            await _respond(streaming, request, context)
+        return grpc.stream_stream_rpc_method_handler(stream, response_serializer=serialize)
+
+    # ---------------------------------------------------------------------------- request streams
+    def _wrap_streams(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        streaming = handler.response_streaming
+        behavior = handler.stream_stream if streaming else handler.stream_unary
+        cap = self.limits.streams_per_host
+
+        async def opened(context: grpc.aio.ServicerContext) -> str:
+            host = host_of(context.peer() or "")
+            held = self.streams.get(host, 0)
+            if held >= cap:
+                err = _refusal(method, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"this host holds {held} request streams open (Multiplex, reflection), the most "
+                               f"one host may (streams_per_host {cap}): send more calls over the streams it has",
+                               "too many streams")
+                await abort(context, err.to_status(), err)
+            self.streams[host] = held + 1
+            return host
+
+        def closed(host: str) -> None:
+            left = self.streams[host] - 1
+            if left:
+                self.streams[host] = left
+            else:
+                del self.streams[host]
+
+        if not streaming:
+            async def unary(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+                host = await opened(context)
+                try:
+                    return await behavior(requests, context)
+                finally:
+                    closed(host)
+            return grpc.stream_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
+                                                        response_serializer=handler.response_serializer)
+
+        async def stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+            host = await opened(context)
+            try:
+                await _respond(behavior, requests, context)
+            finally:
+                closed(host)
+        return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
+                                                     response_serializer=handler.response_serializer)
+
+
+async def _respond(behavior: Any, request: Any, context: grpc.aio.ServicerContext) -> None:
+    """A streaming handler's replies, however it gives them: written by itself through the context
+    (ours), or yielded (written here, one at a time, as gRPC would)."""
+    if inspect.iscoroutinefunction(behavior):
+        await behavior(request, context)
+        return
+    replies = behavior(request, context)
+    if not hasattr(replies, "__aiter__"):
+        for reply in replies:
+            await context.write(reply)
+        return
+    try:
+        async for reply in replies:
+            await context.write(reply)
+    finally:
+        await replies.aclose()     # its cleanup now, not when a collection finds it

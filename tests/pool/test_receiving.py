@@ -1,0 +1,200 @@
+"""What the pool server reads at once: requests in receipt are bounded, in all and per host, a
+sender that stops halfway gives its place back, and one host holds a bounded number of request
+streams (`wire/receiving.py`). Over real gRPC sockets, against a real pool server."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bridge_server.client.client import BridgeClient, CallError
+from bridge_server.wire.receiving import ReceiveLimits, _Places
+from tests.pool.harness import PoolServer, start_pool_server
+from vllm_bridge.v1 import bridge_pb2 as pb
+
+MAX_REQUEST = 16 * 2**20
+CALL = "/vllm_bridge.v1.Bridge/Call"
+MULTIPLEX = "/vllm_bridge.v1.Bridge/Multiplex"
+OWN = [("grpc.use_local_subchannel_pool", 1)]     # a connection of its own
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolServer]:
+    """Requests of 16 MiB at most; 64 MiB of them in receipt at once (4 requests, 1 per host: every
+    client here is this machine, one host); 2 s for a request to arrive; 4 request streams a host."""
+    tmp = tmp_path_factory.mktemp("receiving")
+    config = f"""
+max_request_bytes = {MAX_REQUEST}
+max_receiving_bytes = {4 * MAX_REQUEST}
+max_unread_bytes = {32 * 2**20}
+receive_s = 2
+streams_per_host = 4
+[[pools]]
+name = "p"
+workers = 1
+"""
+    s = start_pool_server(tmp, config)
+    yield s
+    s.stop()
+
+
+AVAILABLE = "vllm.forward_context.is_forward_context_available"    # a cheap call any pool answers
+
+
+def serves(server: PoolServer) -> bool:
+    with BridgeClient(server.address, channel_options=OWN) as c:
+        return c.call(AVAILABLE, timeout=30) is False
+
+
+def health(server: PoolServer) -> int:
+    with grpc.insecure_channel(server.address) as ch:
+        return int(health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status)
+
+
+def test_many_large_requests_at_once_are_read_a_few_at_a_time(server: PoolServer) -> None:
+    """48 requests of 15 MiB sent at once over one connection. gRPC read every one whole before any
+    handler ran (~25 MB each in the server: 32 requests of 60 MiB took it to 3.2 GB); read a place at a
+    time, the server grows by what its places and its bound on large requests hold, and then serves on."""
+    process = psutil.Process(server.proc.pid)
+    blob = b"\x0a" + b"\x00" * (15 * 2**20)     # a call of ~16 million empty arguments: refused, by count
+    peak = [0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.01)
+
+    async def send() -> list[grpc.StatusCode]:
+        async with grpc.aio.insecure_channel(server.address,
+                                             options=[("grpc.max_send_message_length", 32 * 2**20)]) as ch:
+            call = ch.unary_unary(CALL)
+
+            async def one() -> grpc.StatusCode:
+                try:
+                    await call(blob, timeout=120)
+                    return grpc.StatusCode.OK
+                except grpc.aio.AioRpcError as err:
+                    return err.code()
+            return list(await asyncio.gather(*(one() for _ in range(48))))
+
+    before = process.memory_info().rss
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        codes = asyncio.run(send())
+    finally:
+        done.set()
+        watcher.join()
+    assert set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    grown = peak[0] - before
+    # 1 place here (~25 MB) and 32 MiB of large requests held while they are parsed, with room to
+    # spare; all 48 read at once is 1.2 GB and more
+    assert grown < 400 * 2**20, f"the pool server grew by {grown / 2**20:.0f} MiB"
+    assert health(server) == health_pb2.HealthCheckResponse.SERVING and serves(server)
+
+
+def test_a_request_that_does_not_arrive_gives_its_place_back_within_receive_s(server: PoolServer) -> None:
+    """A caller opens a Call and sends nothing (as one that stops halfway through a large request):
+    it holds the one place this host has. The next Call from the same host waits for it, and the
+    first ends with RESOURCE_EXHAUSTED naming receive_s, after 2 s, not at its own far deadline."""
+    outgoing: queue.Queue[Any] = queue.Queue()
+    with grpc.insecure_channel(server.address) as ch:
+        stalled = ch.stream_unary(CALL).future(iter(outgoing.get, None), timeout=60)
+        time.sleep(0.5)       # its place taken
+        t0 = time.monotonic()
+        assert serves(server)
+        waited = time.monotonic() - t0
+        with pytest.raises(grpc.RpcError) as err:
+            stalled.result(timeout=30)
+        outgoing.put(None)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value    # type: ignore[attr-defined]
+    assert "did not arrive within 2 s (receive_s)" in err.value.details(), err.value   # type: ignore[attr-defined]
+    assert waited < 10, waited     # it was served once the stalled one gave its place back
+
+
+def test_a_call_that_ends_without_its_request_is_refused_by_name(server: PoolServer) -> None:
+    with grpc.insecure_channel(server.address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            ch.stream_unary(CALL)(iter(()), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value      # type: ignore[attr-defined]
+    assert "Call: expected one request message, got none" in err.value.details()  # type: ignore[attr-defined]
+
+
+def test_one_host_holds_at_most_streams_per_host_request_streams(server: PoolServer) -> None:
+    """Four Multiplex streams open from this host; the fifth is refused by name (each stream reads a
+    message as it comes, up to max_request_bytes, for as long as it lives). Closing one lets another
+    open and serve."""
+    channels, queues, replies = [], [], []
+    try:
+        for _ in range(4):
+            ch = grpc.insecure_channel(server.address)
+            out: queue.Queue[Any] = queue.Queue()
+            replies.append(ch.stream_stream(MULTIPLEX, pb.MuxRequest.SerializeToString, pb.MuxReply.FromString)(
+                iter(out.get, None), timeout=60))
+            channels.append(ch)
+            queues.append(out)
+        time.sleep(1.0)     # all four open
+        with BridgeClient(server.address, channel_options=OWN) as c:
+            with pytest.raises(CallError) as err, c.multiplex() as mux:
+                mux.call(AVAILABLE, timeout=10)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+        assert "streams_per_host 4" in err.value.details, err.value.details
+        queues[0].put(None)
+        replies[0].cancel()
+        channels[0].close()
+        time.sleep(0.5)
+        with BridgeClient(server.address, channel_options=OWN) as c, c.multiplex() as mux:
+            assert mux.call(AVAILABLE, timeout=10) is False
+    finally:
+        for out, reply, ch in zip(queues, replies, channels):
+            out.put(None)
+            reply.cancel()
+            ch.close()
+
+
+# ------------------------------------------------------------------------------ the places themselves
+def test_places_go_to_each_waiting_host_in_turn_and_never_past_either_bound() -> None:
+    """Three places, two a host. Host a asks for five, then b for two: a gets two at once and b one;
+    as places come back, b's second and a's next alternate, and a waiter whose call went passes its
+    turn on."""
+    async def run() -> list[str]:
+        places = _Places(ReceiveLimits(at_once=3, per_host=2))
+        order: list[str] = []
+        held: list[str] = []
+
+        async def ask(host: str) -> None:
+            if not places.try_take(host):
+                await places.take(host)
+            order.append(host)
+            held.append(host)
+            assert places.taken <= 3 and all(n <= 2 for n in places.by_host.values())
+
+        tasks = [asyncio.create_task(ask(h)) for h in "aaaaa"]
+        await asyncio.sleep(0)
+        tasks += [asyncio.create_task(ask(h)) for h in "bb"]
+        await asyncio.sleep(0)
+        assert order == ["a", "a", "b"]
+        tasks[2].cancel()                    # a's third waiter went
+        for _ in range(4):
+            places.give_back(held.pop(0))
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        places.give_back(held.pop(0))
+        while held:
+            places.give_back(held.pop(0))
+        assert places.taken == 0 and not places.by_host and not places.waiting
+        return order
+
+    order = asyncio.run(run())
+    assert order[:3] == ["a", "a", "b"] and sorted(order) == ["a"] * 4 + ["b"] * 2, order
+    assert order[3:5] in (["b", "a"], ["a", "b"]), order
