@@ -4,6 +4,10 @@ A torch.distributed collective blocks until every rank of the group has entered 
 sends the call to all ranks together, and two collectives on one pool never overlap: each takes the
 pool's collective lock, so every rank sees collectives in the same order.
 
+Before any rank runs its share, every rank binds and checks it and says what all must agree on
+(`_checked`): a share that one rank refuses, or tensors that differ between ranks, are refused with
+nothing started. The rest of what can fail, fails inside the collective:
+
 How a collective fails matters more than how it succeeds. When every rank fails the same way (a bad
 argument, say), nothing is left behind and the first rank's error is returned. When some ranks fail
 or die while others are still inside the collective, those others are stuck waiting for peers that
@@ -22,7 +26,7 @@ import grpc
 from bridge_server.pool.poolstate import Backend, Flight, PoolRouter, pool_error
 from bridge_server.pool.router import Route, Router, read_route, routed_request
 from bridge_server.wire.errors import STILL_RUNNING, BridgeError, detail_from_rpc_error, target_label
-from bridge_server.wire.options import MD_COLLECTIVE
+from bridge_server.wire.options import COLLECTIVE_CHECK, MD_COLLECTIVE
 from bridge_server.wire.protocol import LARGE_REQUEST_BYTES, collective_calls, count_fields, parse_request
 from bridge_server.wire.turns import Turns, read_in_turn
 from vllm_bridge.v1 import bridge_pb2 as pb
@@ -117,8 +121,9 @@ def read_collective(request: bytes, limit: int | None) -> pb.CollectiveRequestVi
     return parse_request(pb.CollectiveRequestView, request, "Collective", limit)
 
 
-def _payloads(request: pb.CollectiveRequestView, pool: PoolRouter) -> tuple[list[bytes], str]:
-    """The per-rank CallRequest payloads, as bytes; only the target (for messages) is decoded."""
+def _payloads(request: pb.CollectiveRequestView, pool: PoolRouter) -> tuple[list[bytes], str, bool]:
+    """The per-rank CallRequest payloads, as bytes (only the target, for messages, is decoded), and
+    whether each rank has its own (`per_rank`)."""
     ranks = pool.config.workers
     payloads = collective_calls(request)
     if request.per_rank and len(payloads) != ranks:
@@ -130,10 +135,48 @@ def _payloads(request: pb.CollectiveRequestView, pool: PoolRouter) -> tuple[list
     targets = {(c.target.kind, c.target.name) for c in calls}   # receivers may differ: each rank's own ref
     if len(targets) > 1:
         # Ranks inside different collectives wait for each other forever: refused before any starts.
-        names = ", ".join(f"rank {r}: {target_label(c.target)}" for r, c in enumerate(calls))
-        raise BridgeError.validation(f"Collective: every rank must run the same target; got {names}",
-                                     parameter="per_rank")
-    return payloads, target_label(calls[0].target)
+        names = ", ".join(f"rank {r}: {target_label(c.target)} ({pb.Target.Kind.Name(c.target.kind)})"
+                          for r, c in enumerate(calls))
+        raise BridgeError.validation(f"Collective: every rank must run the same target, of the same kind; got "
+                                     f"{names}", parameter="per_rank")
+    return payloads, target_label(calls[0].target), bool(request.per_rank)
+
+
+async def _checked(backends: list[Backend], payloads: list[bytes], forwarded: list[tuple[str, Any]], route: Route,
+                   label: str, per_rank: bool) -> None:
+    """Every rank binds and checks its share, and says what all must agree on (its tensors' dtypes
+    and shapes), before any rank runs its own. A rank refused after the others had entered the
+    collective left them inside it for good, and ranks whose tensors disagree abort the process group
+    (gloo kills rank 0 with SIGABRT): either way the group restarted and every client's refs on it
+    were lost, as often as a stranger sent 30 bytes. Refused here, nothing has started."""
+    metadata = [*forwarded, (MD_COLLECTIVE, COLLECTIVE_CHECK)]
+    left = _remaining(route)
+    tasks = [asyncio.create_task(_on_rank(r, b, payloads[r], metadata, left)) for r, b in enumerate(backends)]
+    try:
+        await asyncio.wait(tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+    failed = [e for e in (t.exception() for t in tasks) if e is not None]
+    for e in failed:
+        if not isinstance(e, _RankFailed):
+            raise e
+    if failed:
+        first = min((e for e in failed if isinstance(e, _RankFailed)), key=lambda e: (e.priority(), e.rank))
+        error = first.error()
+        error.message = f"collective {label}: {error.message} (every rank's share is checked first: none ran)"
+        error.target = error.target or label
+        if per_rank and not first.died:
+            error.parameter = f"per_rank[{first.rank}]" + (f".{error.parameter}" if error.parameter else "")
+        raise error
+    said = [pb.CallReply.FromString(t.result()).value.str for t in tasks]
+    for rank, text in enumerate(said):
+        if text != said[0]:
+            raise BridgeError.validation(
+                f"collective {label}: rank {rank}'s share disagrees with rank 0's: {text or 'no tensors'} against "
+                f"{said[0] or 'no tensors'} (every rank gives a collective tensors of the same dtypes and shapes; "
+                f"ranks that do not abort the process group or wait for each other for ever)",
+                target=label, parameter=f"per_rank[{rank}]" if per_rank else "per_rank")
 
 
 def _remaining(route: Route) -> float | None:
@@ -147,17 +190,21 @@ async def run_collective(router: Router, request: bytes, context: grpc.aio.Servi
     metadata as the ranks get it (its identity included)."""
     route = read_route(context.invocation_metadata(), context.time_remaining(), identity=identity)
     pool = router.pool(route.opts.pool)
-    payloads, label = await read_in_turn(
+    payloads, label, per_rank = await read_in_turn(
         turns or Turns(), route.client, len(request),
         lambda: _payloads(read_collective(request, limit), pool), "Collective", _remaining(route))
+    left = _remaining(route)
     try:
-        await asyncio.wait_for(pool.collective_lock.acquire(), _remaining(route))
+        # answered before the caller's deadline, so that this error reaches it, not gRPC's bare one
+        await asyncio.wait_for(pool.collective_lock.acquire(), None if left is None else max(0.0, left - MARGIN_S))
     except TimeoutError:
-        raise BridgeError.timeout(f"collective {label}: deadline exceeded waiting for pool {pool.name!r}'s "
-                                  f"previous collective", target=label) from None
+        why = f"waiting for pool {pool.name!r}'s previous collective" if pool.collective_lock.locked() else \
+            f"before it could start ({(left or 0.0) * 1000:.0f} ms were left)"
+        raise BridgeError.timeout(f"collective {label}: deadline exceeded {why}", target=label) from None
     watched: list[asyncio.Task[None]] = []
     try:
         backends = pool.group()
+        await _checked(backends, payloads, forwarded, route, label, per_rank)
         # The ranks' own deadline is later than the caller's by the grace: what ends them first is the
         # worker's answer (which says whether its work goes on), not gRPC's, which says nothing.
         left = _remaining(route)

@@ -36,6 +36,9 @@ MD_WORKER_REFS = "x-bridge-worker-refs"
 # Set by the pool server on each rank's share of a Collective: in a distributed pool, calls that talk
 # to every rank run only then (on one rank alone they would wait forever for the others).
 MD_COLLECTIVE = "x-bridge-collective"
+# A rank's share of a Collective to be bound and checked, and described, but not run: every rank's is,
+# before any rank runs its own (`pool/collective.py`).
+COLLECTIVE_CHECK = "check"
 # Set by the pool server on what it sends its workers: the identity of the client it serves.
 MD_IDENTITY = "x-bridge-identity"
 # Set by the pool server: the client as its queue tells clients apart (the identity, else the
@@ -107,6 +110,7 @@ class RuntimeOptions:
     rank: int | None = None
     session_sent: bool = False               # the caller named a session (else it is DEFAULT_SESSION)
     collective: bool = False                 # one rank's share of a Collective (set by the pool server)
+    collective_check: bool = False           # ... to be checked only, not run (COLLECTIVE_CHECK)
     identity: str = ""                       # the client the pool server serves (set by the pool server)
     client: str = ""                         # the same client as the pool server's queue knows it (set by it)
     # How stream items travel: sent as the caller's list of preferences; parsed, the first name this
@@ -216,7 +220,8 @@ def _parse(metadata: tuple[tuple[str, str | bytes], ...]) -> RuntimeOptions:
         refs=_ref_ids(refs),
         rank=rank,
         session_sent=MD_SESSION in md,
-        collective=get(MD_COLLECTIVE) == "1",
+        collective=get(MD_COLLECTIVE) in ("1", COLLECTIVE_CHECK),
+        collective_check=get(MD_COLLECTIVE) == COLLECTIVE_CHECK,
         identity=get(MD_IDENTITY) or "",
         client=get(MD_CLIENT) or "",
         stream_encoding=None if encodings is None else stream_encoding(encodings),

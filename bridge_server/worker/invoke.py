@@ -73,6 +73,8 @@ class Caller:
     # Whom fairness between callers goes by: the identity, else the caller's connection (a session
     # is the caller's to name, and a stranger could name a thousand).
     client: str = ""
+    # A Collective's share to be checked and described only (`agreement`), not run.
+    check_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -415,6 +417,8 @@ class Invoker:
                               reason="use Stream")
         args, kwargs = await self.prepare(plan, *await self.decode_in_turn(request, caller, plan, deadlines.call),
                                           caller)
+        if caller.check_only:
+            return _agreement(plan, args, kwargs, out)
         setting = request.target.kind == pb.Target.SET_ATTR
         if setting:        # what the value brings counts against the bytes refs may hold
             self.refs.room_to_set(plan.receiver, args[0], caller.identity, connection_of(caller.client))
@@ -574,6 +578,32 @@ def _bound_map(plan: Plan, args: list[Any], kwargs: dict[str, Any],
     bound.apply_defaults()
     return bound.arguments
 
+
+
+def _agreement(plan: Plan, args: list[Any], kwargs: dict[str, Any], out: pb.Value | None) -> pb.Value:
+    """What of a Collective's share every rank must agree on, as text: each tensor argument's name,
+    dtype and shape (a tensor's, or each of a list's). Ranks that give a reducing or gathering
+    collective tensors of other dtypes or sizes abort the process group in C++ (gloo: rank 0 killed by
+    SIGABRT, the group restarted, every client's refs on it lost) or wait for bytes that never come.
+    An entry that only its source rank gives tensors to (`broadcast_tensor_dict`) says nothing."""
+    import torch
+    value = out if out is not None else pb.Value()
+    if plan.entry is not None and plan.entry.attr in _SOURCE_ONLY:
+        value.str = ""
+        return value
+    said = []
+    for name, arg in _bound_map(plan, args, kwargs).items():
+        items = arg if isinstance(arg, (list, tuple)) and len(arg) <= 64 else (arg,)
+        for k, item in enumerate(items):
+            if isinstance(item, torch.Tensor):
+                where = name if items is not arg else f"{name}[{k}]"
+                said.append(f"{where}: {str(item.dtype).removeprefix('torch.')} {list(item.shape)}")
+    value.str = "; ".join(said)
+    return value
+
+
+# Collectives whose tensors only the source rank gives (the others receive what it sends).
+_SOURCE_ONLY = frozenset({"broadcast_tensor_dict"})
 
 
 def _naming(exc: BridgeError, label: str) -> BridgeError:

@@ -178,7 +178,8 @@ def caller_of(opts: RuntimeOptions, identity: str | None, peer: str = "") -> Cal
     the client (and its connection) and marks a Collective's share in the call's options; else the
     RPC's own caller (on connection `peer`), whose options cannot claim any of it."""
     if identity is None:
-        return Caller(opts.identity, opts.session_id, opts.collective, opts.client or opts.identity)
+        return Caller(opts.identity, opts.session_id, opts.collective, opts.client or opts.identity,
+                      opts.collective_check)
     return Caller(identity, opts.session_id, False, identity or peer)
 
 

@@ -130,7 +130,7 @@ class BridgeService:
     def _caller(self, context: grpc.aio.ServicerContext, opts: RuntimeOptions) -> Caller:
         identity = self._identity(context)
         if self.trusted:     # a pool server's own call (a Collective's share): it names the client
-            return Caller(identity, opts.session_id, opts.collective, opts.client or identity)
+            return Caller(identity, opts.session_id, opts.collective, opts.client or identity, opts.collective_check)
         return Caller(identity, opts.session_id, False, identity or context.peer() or "")
 
     def _read(self, cls: type[M], raw: bytes, rpc: str) -> M:

@@ -142,6 +142,32 @@ def test_a_call_that_fails_on_every_rank_reports_rank_0_and_keeps_the_group(serv
     assert tp.collective(f"{D}.divide", 6, 3) == [2, 2]
 
 
+@pytest.mark.parametrize("shares, parameter, said", [
+    ((torch.ones(2), torch.ones(2, dtype=torch.float64)), "per_rank[1]", "input_: float64 [2] against input_: float32 [2]"),
+    ((torch.ones(2), torch.ones(3)), "per_rank[1]", "input_: float32 [3] against input_: float32 [2]"),
+    (("x", torch.ones(2)), "per_rank[0].input_", "expected torch.Tensor, got str"),
+    ((torch.ones(2), [1, 2]), "per_rank[1].input_", "expected torch.Tensor, got list"),
+], ids=["dtypes", "sizes", "rank 0 refused", "rank 1 refused"])
+def test_ranks_whose_shares_disagree_or_are_refused_are_refused_before_any_runs(
+        server: PoolServer, tp: BridgeClient, shares: tuple[object, object], parameter: str, said: str) -> None:
+    """An all_reduce of a float32 tensor on rank 0 and a float64 one on rank 1 aborted the process
+    group (gloo killed rank 0 with SIGABRT); tensors of two sizes left a rank waiting for ever; a
+    share one rank refused left the other inside the collective. Each time the group restarted,
+    NOT_SERVING, and every client's refs on it were lost. Every rank's share is checked first."""
+    pool = server.pool("tp")
+    restarts, pids = pool.restarts, {w.pid for w in pool.workers}
+    group = tp.collective(f"{D}.get_tp_group")          # a ref on each rank, which must outlive this
+    with pytest.raises(CallError) as err:
+        tp.collective(f"{D}.tensor_model_parallel_all_reduce", per_rank=[((x,), {}) for x in shares], timeout=30)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert err.value.detail.parameter == parameter and said in err.value.details, err.value.details
+    assert server.pool("tp").restarts == restarts and {w.pid for w in server.pool("tp").workers} == pids
+    assert [tp.call(Target.get(g, "world_size")) for g in group] == [2, 2]
+    out = tp.collective(f"{D}.tensor_model_parallel_all_reduce", per_rank=per_rank(torch.ones(2), torch.ones(2)),
+                        timeout=30)
+    assert [x.tolist() for x in out] == [[2.0, 2.0]] * 2
+
+
 def test_killing_a_rank_mid_collective_fails_it_fast_and_the_group_comes_back(server: PoolServer,
                                                                              tp: BridgeClient) -> None:
     rank1 = next(w for w in server.pool("tp").workers if w.index == 1)
