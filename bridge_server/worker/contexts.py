@@ -70,6 +70,10 @@ def _check_state(label: str, method: str, obj: Any) -> None:
 # manager of that state (or reads it) ends the hold. A client that entered vLLM's forward context and
 # went away without exiting or releasing it kept every other client out of it until its refs expired.
 HOLD_LAPSE_S = 60.0
+# How long a client holds a shared state another client asks for, however it uses it: one that entered
+# and exited a manager nested under its own every 30 s renewed its hold for good (a stranger kept every
+# other client out of the forward context of a pool's only worker, for four cheap calls a minute).
+HOLD_MAX_S = 600.0
 
 
 @dataclass
@@ -80,7 +84,8 @@ class EnteredContexts:
     A state is one client's at a time: its managers change what every client then reads (vLLM's
     forward context is one module global), so another client's enter is refused while one is in force,
     and so are its reads of that state (`holder`). A hold lapses: a holder that has not used its state
-    for HOLD_LAPSE_S loses it to the next client that asks, its managers exited from the innermost out
+    for HOLD_LAPSE_S, or has held it for HOLD_MAX_S however it used it, loses it to the next client
+    that asks, its managers exited from the innermost out
     (its later exit is then refused as "exited already"). A manager whose refs are all released (`held`
     says no) is exited as soon as it is innermost, as its `with` block would have ended: one released
     while in force stayed in force for good, its attn_metadata read by every client. An enter is
@@ -88,10 +93,12 @@ class EnteredContexts:
 
     held: Callable[[object], bool]
     lapse_s: float = HOLD_LAPSE_S
+    max_s: float = HOLD_MAX_S
     _stacks: dict[tuple[str, object], list[object]] = field(default_factory=dict)
     _state: dict[int, tuple[str, object]] = field(default_factory=dict)
     _owner: dict[int, str] = field(default_factory=dict)
     _used: dict[tuple[str, object], float] = field(default_factory=dict)    # the holder's last use
+    _since: dict[tuple[str, object], float] = field(default_factory=dict)   # ... and its first enter
 
     def check(self, label: str, method: str, obj: object, who: str = "") -> None:
         """Refuses an enter or exit the manager's state, its place among its state's, or another
@@ -104,12 +111,16 @@ class EnteredContexts:
                 raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
                                   f"{label}: another client's context manager of the same state is in force "
                                   f"(it changes what every client reads): one client's at a time; try again once "
-                                  f"it is exited (a hold unused for {self.lapse_s:.0f} s lapses)", target=label,
+                                  f"it is exited (a hold unused for {self.lapse_s:g} s, or kept for "
+                                  f"{self.max_s:g} s, lapses when another client asks)", target=label,
                                   reason="context in force")
             self._state[id(obj)] = key
             self._owner[id(obj)] = who
+            now = time.monotonic()
+            if not stack:
+                self._since[key] = now
             stack.append(obj)           # counted now: another client's enter meanwhile is refused
-            self._used[key] = time.monotonic()
+            self._used[key] = now
             return
         key = self._state.get(id(obj), ("", None))
         stack = self._pruned(key)
@@ -143,18 +154,21 @@ class EnteredContexts:
         if not stack:
             del self._stacks[key]
             self._used.pop(key, None)
+            self._since.pop(key, None)
 
     def _held_by(self, key: tuple[str, object], who: str) -> list[object]:
-        """The state's stack as `who` finds it: another client's hold that has lapsed is ended first;
-        the holder's own asking is a use."""
+        """The state's stack as `who` finds it: another client's hold that has lapsed (unused for
+        lapse_s, or kept for max_s) is ended first; the holder's own asking is a use."""
         stack = self._pruned(key)
         if not stack:
             return stack
+        now = time.monotonic()
         if self._owner.get(id(stack[-1]), "") == who:
-            self._used[key] = time.monotonic()
-        elif time.monotonic() - self._used.get(key, 0.0) > self.lapse_s:
+            self._used[key] = now
+        elif now - self._used.get(key, 0.0) > self.lapse_s or now - self._since.get(key, now) > self.max_s:
             while stack:
                 self._end(stack.pop())
+            self._since.pop(key, None)
         return stack
 
     def _end(self, obj: object) -> None:

@@ -82,6 +82,34 @@ def test_a_hold_its_client_stopped_using_lapses_to_the_next_client_that_asks() -
     assert "exited already" in refused(contexts, outer, "alice", "__exit__").message
 
 
+def test_a_hold_kept_alive_by_nested_use_lapses_after_max_s_to_the_next_client_that_asks() -> None:
+    """Alice enters and exits a manager nested under her own every 0.1 s, which renewed her hold for
+    good: bob was refused for as long as she kept it up. A hold kept for max_s goes to the next client
+    that asks, however it is used."""
+    contexts = EnteredContexts(held=lambda obj: True, lapse_s=10.0, max_s=0.5)
+    outer, bobs = setting("a-outer"), setting("bob")
+    enter(contexts, outer, "alice")
+    t0 = time.monotonic()
+    refusals = 0
+    while time.monotonic() - t0 < 1.5:
+        inner = setting("a-inner")
+        enter(contexts, inner, "alice")
+        contexts.check("setting", "__exit__", inner, "alice")
+        inner.__exit__(None, None, None)
+        contexts.moved(inner)
+        try:
+            enter(contexts, bobs, "bob")
+            break
+        except BridgeError as err:
+            assert err.reason == "context in force" and "or kept for 0.5 s, lapses" in err.message
+            refusals += 1
+        time.sleep(0.1)
+    held_for = time.monotonic() - t0
+    assert STATE == ["bob"], STATE                       # bob got in, alice's managers exited
+    assert refusals >= 3 and 0.5 <= held_for < 1.0, (refusals, held_for)
+    assert "exited already" in refused(contexts, outer, "alice", "__exit__").message
+
+
 def test_a_released_manager_is_exited_once_it_is_innermost() -> None:
     live: set[int] = set()
     contexts = EnteredContexts(held=lambda obj: id(obj) in live)
