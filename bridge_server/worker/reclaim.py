@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from adapters.spec import Policy
+from bridge_server.wire.protocol import host_of
 from bridge_server.worker.catalog import Catalog
 from bridge_server.worker.peers import peer_endpoints
 from bridge_server.worker.refs import RefEntry, RefRegistry
@@ -40,18 +41,34 @@ def orphan_candidates(refs: RefRegistry, policy: Policy, now: float | None = Non
     return any(not e.owner and peer_endpoints(e.connection) for e in refs.unused_since(now - grace))
 
 
+# How long a ref of a closed connection goes unused before it is taken back, where its host has been
+# refused a ref (or its bytes) for its share: what a host's closed connections left counted in the
+# share of its live ones for `orphan_ref_s` (an hour), and a stranger's 75,000 refs made and left kept
+# every client of its host from any ref for that long.
+PRESSED_ORPHAN_S = 10.0
+
+
 def end_orphans(refs: RefRegistry, catalog: Catalog, policy: Policy, peers: set[str],
-                now: float | None = None) -> int:
+                now: float | None = None, pressed: frozenset[str] | set[str] = frozenset()) -> int:
     """A ref made without an identity whose maker's connection is no longer open (`peers`: the open
     TCP endpoints, `peers.open_peers`) and that no call has used for `orphan_ref_s` is released, and
-    its ref's error says why. A ref another connection goes on using stays."""
+    its ref's error says why; of the hosts `pressed` (refused for their share), those unused for
+    PRESSED_ORPHAN_S. A ref another connection goes on using stays."""
     def orphaned(entry: RefEntry) -> bool:
         ends = peer_endpoints(entry.connection) if not entry.owner else ()
         return bool(ends) and not any(end in peers for end in ends)
     grace = policy.orphan_ref_s
-    return _release_unused(refs, catalog, grace, now, orphaned, f"released: made without an identity by a "
+    gone = _release_unused(refs, catalog, grace, now, orphaned, f"released: made without an identity by a "
                                                                 f"connection that has closed, and unused for "
                                                                 f"{grace:g} s since (orphan_ref_s)")
+    if pressed and grace > 0:
+        soon = min(grace, PRESSED_ORPHAN_S)
+        gone += _release_unused(refs, catalog, soon, now,
+                                lambda e: orphaned(e) and host_of(e.connection) in pressed,
+                                f"released: made without an identity by a connection that has closed, unused for "
+                                f"{soon:g} s since, while its host's live connections were refused refs for "
+                                f"its share (max_refs_per_client)")
+    return gone
 
 
 def _release_unused(refs: RefRegistry, catalog: Catalog, idle_s: float, now: float | None,

@@ -270,6 +270,9 @@ class RefRegistry:
         self._sessions: dict[tuple[str, str], OrderedDict[str, None]] = {}
         self._in_session: dict[tuple[tuple[str, str], str], OrderedDict[str, None]] = {}   # (session, payer): its refs
         self._count = Tally()
+        # Hosts refused a ref, or its bytes, for their share since the sweep last asked (`pressed`):
+        # what closed connections of theirs left counts in it until it is reclaimed.
+        self._pressed: set[str] = set()
         self._holders: dict[int, int] = {}   # id(obj) -> number of live refs to it
         self._gone: OrderedDict[str, str] = OrderedDict()
         self._max_tombstones = tombstones
@@ -305,6 +308,7 @@ class RefRegistry:
                                   f"(max_sessions): release a session first", reason="max_sessions")
         why = self._count.refusal(payer, host, 1, self.max_refs_per_client, "refs")
         if why:
+            self._press(host)
             raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
                               f"worker {self.worker_id} holds no more refs for this caller: {why} "
                               f"(max_refs_per_client): release some first", reason="max_refs_per_client")
@@ -470,9 +474,20 @@ class RefRegistry:
         payer, host, _ = self._charged.get(id(obj), (*payer_of(owner, connection), 0))
         self._room_for_bytes(payer, host, nbytes, f"setting a {_type_name(value)} on this {_type_name(obj)}")
 
+    def _press(self, host: str | None) -> None:
+        if host is not None and len(self._pressed) < 1024:
+            self._pressed.add(host)
+
+    def pressed(self) -> set[str]:
+        """The hosts refused for their share since the last time this was asked (and forgotten now):
+        the worker's sweep takes back at once what their closed connections left (`reclaim.py`)."""
+        hosts, self._pressed = self._pressed, set()
+        return hosts
+
     def _room_for_bytes(self, payer: str, host: str | None, nbytes: int, what: str) -> None:
         why = self._bytes.refusal(payer, host, nbytes, self.max_ref_bytes_per_client, "bytes") if nbytes else ""
         if why:
+            self._press(host)
             raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ref",
                               f"worker {self.worker_id}: {what} ({nbytes:,} bytes) would pass the bytes (tensors, "
                               f"text, containers) refs may hold: {why} (max_ref_bytes_per_client): release some first",

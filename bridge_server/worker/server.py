@@ -347,10 +347,11 @@ class Worker:
             refs, catalog = self.invoker.refs, self.invoker.catalog
             refs.sweep()
             end_idle_engines(refs, catalog, policy)
-            if orphan_candidates(refs, policy):
+            pressed = refs.pressed()
+            if pressed or orphan_candidates(refs, policy):
                 peers = await asyncio.to_thread(open_peers)     # the kernel takes ms to list them
                 if peers is not None:
-                    end_orphans(refs, catalog, policy, peers)
+                    end_orphans(refs, catalog, policy, peers, pressed=pressed)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops taking calls, lets in-flight ones finish within the grace period, then releases refs."""

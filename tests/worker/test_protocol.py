@@ -338,6 +338,47 @@ def test_what_a_closed_connection_made_goes_after_orphan_ref_s(tmp_path: Path) -
         w.stop()
 
 
+def test_what_closed_connections_left_goes_soon_once_their_host_is_refused_refs(tmp_path: Path) -> None:
+    """Refs of closed connections counted in their host's share for orphan_ref_s (an hour): a stranger
+    that made its share of refs and left kept every client of its host from any ref that long. Once
+    the host is refused a ref, what its closed connections left unused for PRESSED_ORPHAN_S goes."""
+    from bridge_server.worker.reclaim import PRESSED_ORPHAN_S
+    own = [("grpc.use_local_subchannel_pool", 1)]
+    w = start_worker(tmp_path, "--max-refs-per-client", "40", name="pressed")
+    try:
+        left: list[Any] = []
+        for _ in range(10):        # connections, each taking its share of what its host has left, then gone
+            with BridgeClient(w.address, channel_options=own) as goes:
+                made = len(left)
+                try:
+                    while len(left) < 100:
+                        left.append(goes.call("vllm.config.ParallelConfig"))
+                except CallError as err:
+                    assert err.reason == "max_refs_per_client", err
+                if len(left) == made:
+                    break           # the host's whole share is held
+        assert len(left) == 30, len(left)     # three quarters of 40
+        t0 = time.monotonic()
+        with BridgeClient(w.address, channel_options=own) as later:
+            with pytest.raises(CallError) as err:
+                later.call("vllm.config.ParallelConfig")
+            assert err.value.reason == "max_refs_per_client", err.value      # the host's share is taken
+            while time.monotonic() - t0 < PRESSED_ORPHAN_S + 20:
+                try:
+                    later.call("vllm.config.ParallelConfig")
+                    break
+                except CallError as e:
+                    assert e.reason == "max_refs_per_client", e
+                    time.sleep(1)
+            else:
+                pytest.fail("the closed connection's refs still counted")
+            with pytest.raises(CallError) as err:
+                later.call(Target.get(left[0], "world_size"))
+            assert err.value.code == grpc.StatusCode.NOT_FOUND and "refused refs for its share" in err.value.details
+    finally:
+        w.stop()
+
+
 @pytest.mark.parametrize("args,kwargs,parameter", [
     ((1, 2, 3), {}, "exc_type"), ((None, "x", None), {}, "exc_value"), ((None,), {}, ""),
     ((None, None, None, None), {}, "args[3]"), ((), {"typ": "ValueError", "value": None, "traceback": None}, "typ"),
