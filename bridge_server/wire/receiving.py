@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 
 from bridge_server.wire.errors import BridgeError, abort
+from bridge_server.wire.open_services import PerHost
 from bridge_server.wire.protocol import host_of
 
 __all__ = ["DEFAULT_RECEIVING_BYTES", "ReceiveGate", "ReceiveLimits"]
@@ -137,7 +138,7 @@ class ReceiveGate(grpc.aio.ServerInterceptor):
     def __init__(self, limits: ReceiveLimits) -> None:
         self.limits = limits
         self.places = _Places(limits)
-        self.streams: dict[str, int] = {}
+        self.streams = PerHost(limits.streams_per_host)
         self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails],
@@ -224,22 +225,15 @@ class ReceiveGate(grpc.aio.ServerInterceptor):
 
         async def opened(context: grpc.aio.ServicerContext) -> str:
             host = host_of(context.peer() or "")
-            held = self.streams.get(host, 0)
-            if held >= cap:
+            if not self.streams.take(host):
                 err = _refusal(method, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"this host holds {held} request streams open (Multiplex, reflection), the most "
+                               f"this host holds {cap} request streams open (Multiplex, reflection), the most "
                                f"one host may (streams_per_host {cap}): send more calls over the streams it has",
                                "too many streams")
                 await abort(context, err.to_status(), err)
-            self.streams[host] = held + 1
             return host
 
-        def closed(host: str) -> None:
-            left = self.streams[host] - 1
-            if left:
-                self.streams[host] = left
-            else:
-                del self.streams[host]
+        closed = self.streams.give
 
         if not streaming:
             async def unary(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:

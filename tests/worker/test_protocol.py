@@ -853,8 +853,11 @@ def test_the_open_health_service_keeps_little_for_a_stranger(worker: WorkerProce
 def test_the_open_reflection_service_keeps_little_for_a_stranger(worker: WorkerProcess) -> None:
     """Reflection answers without a token, and copies each request into its reply, which stays in the
     server while its caller reads nothing: 12 streams of one 60 MB request each held 3 GB of the pool
-    server. A request is at most 16 KiB; a host holds 64 reflection streams open."""
-    from bridge_server.wire.open_services import MAX_OPEN_REQUEST_BYTES, MAX_REFLECTION_STREAMS_PER_HOST
+    server. A request is at most 16 KiB; a host holds at most 32 request streams open (reflection's
+    and Multiplex's together, `wire/receiving.py`), fewer than reflection's own bound of 64."""
+    from bridge_server.wire.open_services import MAX_OPEN_REQUEST_BYTES
+    from bridge_server.wire.receiving import ReceiveLimits
+    streams_per_host = ReceiveLimits().streams_per_host
 
     listing = reflection_pb2.ServerReflectionRequest(list_services="")
     with grpc.insecure_channel(worker.address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
@@ -866,7 +869,7 @@ def test_the_open_reflection_service_keeps_little_for_a_stranger(worker: WorkerP
                 list(refl.ServerReflectionInfo(iter([listing, request]), timeout=30))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
             assert f"over the limit of {MAX_OPEN_REQUEST_BYTES:,}" in err.value.details()
-        gates = [threading.Event() for _ in range(MAX_REFLECTION_STREAMS_PER_HOST + 1)]
+        gates = [threading.Event() for _ in range(streams_per_host + 1)]
 
         def held(gate: threading.Event) -> Iterator[reflection_pb2.ServerReflectionRequest]:
             yield listing
@@ -876,7 +879,7 @@ def test_the_open_reflection_service_keeps_little_for_a_stranger(worker: WorkerP
         with pytest.raises(grpc.RpcError) as err:
             next(refl.ServerReflectionInfo(held(gates[-1]), timeout=10))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
-        assert f"{MAX_REFLECTION_STREAMS_PER_HOST} reflection streams" in err.value.details()
+        assert f"(streams_per_host {streams_per_host})" in err.value.details(), err.value
         gates[0].set()
         list(streams[0])
         time.sleep(0.5)
