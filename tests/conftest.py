@@ -7,14 +7,16 @@ session where the tests can share it, because importing vLLM and building the ca
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -97,6 +99,42 @@ def client(worker: WorkerProcess) -> Iterator[object]:
     from bridge_server.client.client import BridgeClient
     with BridgeClient(worker.address) as c:
         yield c
+
+
+def unread_multiplex(address: str, metadata: tuple[tuple[str, str], ...]
+                     ) -> tuple[grpc.Channel, Any, queue.Queue[Any]]:
+    """A raw Multiplex stream on a connection of its own whose replies nobody reads (HTTP/2's first
+    64 KiB window, not one grown to the link, so a few whole items fill it): its channel, its reply
+    iterator, and the queue its requests are put in (None ends them)."""
+    outgoing: queue.Queue[Any] = queue.Queue()
+    channel = grpc.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0)])
+    replies = channel.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
+                                    pb.MuxReply.FromString)(iter(outgoing.get, None), timeout=120, metadata=metadata)
+    return channel, replies, outgoing
+
+
+def multiplex_clients_leave_blocked(address: str, metadata: tuple[tuple[str, str], ...], clients: int,
+                                    start: Callable[[int, int], pb.CallRequest], blocked: Callable[[], None]) -> None:
+    """`clients` raw Multiplex streams that each start streaming calls 1-4 (`start(client, i)`) and
+    credit them without reading a reply; once `blocked()` returns (their writes held back), each
+    starts calls 5-8, and all go: their RPCs cancelled, their connections closed."""
+    streams = []
+    try:
+        for c in range(clients):
+            channel, replies, outgoing = unread_multiplex(address, metadata)
+            streams.append((channel, replies, outgoing))
+            for i in range(1, 5):
+                outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=i, stream=True, window=8, call=start(c, i))))
+                outgoing.put(pb.MuxRequest(credit=pb.MuxCredit(id=i, events=1_000_000)))
+        blocked()
+        for c, (_, _, outgoing) in enumerate(streams):     # more starts, read as the clients leave
+            for i in range(5, 9):
+                outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=i, stream=True, window=8, call=start(c, i))))
+    finally:
+        for channel, replies, outgoing in streams:
+            replies.cancel()
+            outgoing.put(None)
+            channel.close()
 
 
 def _pp_start(call_id: int, *args: int) -> pb.MuxRequest:

@@ -42,6 +42,11 @@ MARGIN_S = 0.25
 # was merely still running is not stuck: restarting then, a 30-byte `Collective` of `divide` with a
 # 0.2 s deadline took a distributed pool down for 7-13 s, as often as a stranger sent it.
 STUCK_GRACE_S = 2.0
+# How long ranks may stay inside a collective after others have ended it. The ranks of one collective
+# end within moments of each other (each waits for all); those still inside this long after another
+# ended wait for peers that will not come, and the group restarts at once rather than at a deadline
+# that a call with no deadline (`batch_job`) never reaches.
+SKEW_S = 10.0
 
 
 class _RankFailed(Exception):
@@ -230,8 +235,20 @@ async def _gather(tasks: list[asyncio.Task[bytes]], route: Route, label: str, po
     # The router's own deadline comes first (the ranks' calls carry the caller's whole deadline): it
     # decides whether ranks are stuck, and its named error must reach the caller before gRPC's own.
     left = _remaining(route)
-    done, pending = await asyncio.wait(tasks, timeout=None if left is None else max(0.0, left - MARGIN_S),
-                                       return_when=asyncio.FIRST_EXCEPTION)
+    loop = asyncio.get_running_loop()
+    until = None if left is None else loop.time() + max(0.0, left - MARGIN_S)
+    done: set[asyncio.Task[bytes]] = set()
+    pending: set[asyncio.Task[bytes]] = set(tasks)
+    first_end: float | None = None
+    while pending:
+        now = loop.time()
+        waits = [t - now for t in (until, None if first_end is None else first_end + SKEW_S) if t is not None]
+        more, pending = await asyncio.wait(pending, timeout=max(0.0, min(waits)) if waits else None,
+                                           return_when=asyncio.FIRST_COMPLETED)
+        done |= more
+        if not more or any(t.exception() is not None for t in more):
+            break           # the deadline, ranks left inside SKEW_S after others ended, or a failure
+        first_end = first_end if first_end is not None else loop.time()
     failed = [t for t in done if t.exception() is not None]
     if failed and pending:        # the others may only be waiting for the failed rank: give them a moment
         more, pending = await asyncio.wait(pending, timeout=SETTLE_S)
@@ -256,6 +273,20 @@ async def _gather(tasks: list[asyncio.Task[bytes]], route: Route, label: str, po
         error.message = f"collective {label}: {error.message}" + ("; the group is restarting" if restarting else "")
         error.target = error.target or label
         raise error
+    if pending and first_end is not None and (until is None or loop.time() < until):
+        # The ranks that ended left the others inside: those wait for peers that will not come (their
+        # shares did not match: process groups of one rank on one side, of two on the other). With
+        # no deadline (`batch_job`) they held the pool's lock, every other client's collectives
+        # behind it, for as long as their caller stayed, health SERVING.
+        stuck = sorted(tasks.index(t) for t in pending)
+        ended = sorted(tasks.index(t) for t in done)
+        pool.restart_group(f"collective {label}: rank(s) {', '.join(map(str, stuck))} still in it {SKEW_S:g} s after "
+                           f"rank(s) {', '.join(map(str, ended))} ended")
+        raise BridgeError(grpc.StatusCode.ABORTED, "pool",
+                          f"collective {label}: rank(s) {', '.join(map(str, stuck))} were still in it {SKEW_S:g} s "
+                          f"after rank(s) {', '.join(map(str, ended))} had ended, waiting for peers that will not "
+                          f"come (every rank's share must meet the others'); the group is restarting",
+                          target=label, reason="ranks stuck")
     if pending:
         ranks = ", ".join(str(tasks.index(t)) for t in sorted(pending, key=tasks.index))
         watched.append(asyncio.get_running_loop().create_task(_restart_if_stuck(tasks, pending, label, pool)))

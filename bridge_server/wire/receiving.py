@@ -186,35 +186,30 @@ class ReceiveGate(grpc.aio.ServerInterceptor):
             return self._wrap_streams(handler, method)
 
         async def request_of(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            raw = await self._read(requests, context, method)
-            if deserialize is None:
-                return raw
             try:
-                return deserialize(raw)
-            except Exception as exc:    # noqa: BLE001 - any parse failure is the request's
-                raise _refusal(method, grpc.StatusCode.INVALID_ARGUMENT,
-                               f"its request is not a valid message: {type(exc).__name__}", "malformed") from None
+                raw = await self._read(requests, context, method)
+                if deserialize is None:
+                    return raw
+                try:
+                    return deserialize(raw)
+                except Exception as exc:    # noqa: BLE001 - any parse failure is the request's
+                    raise _refusal(method, grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"its request is not a valid message: {type(exc).__name__}", "malformed") from None
+            except BridgeError as err:
+                await abort(context, err.to_status(), err)
 
         if not handler.response_streaming:
             behavior = handler.unary_unary
 
             async def unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-                try:
-                    request = await request_of(requests, context)
-                except BridgeError as err:
-                    await abort(context, err.to_status(), err)
-                reply = behavior(request, context)
+                reply = behavior(await request_of(requests, context), context)
                 return await reply if inspect.isawaitable(reply) else reply
             return grpc.stream_unary_rpc_method_handler(unary, response_serializer=serialize)
 
         streaming = handler.unary_stream
 
         async def stream(requests: Any, context: grpc.aio.ServicerContext) -> None:
-            try:
-                request = await request_of(requests, context)
-            except BridgeError as err:
-                await abort(context, err.to_status(), err)
-            await _respond(streaming, request, context)
+            await _respond(streaming, await request_of(requests, context), context)
         return grpc.stream_stream_rpc_method_handler(stream, response_serializer=serialize)
 
     # ---------------------------------------------------------------------------- request streams

@@ -238,6 +238,29 @@ def test_a_collective_stuck_past_its_deadline_restarts_the_group(server: PoolSer
     assert [x.tolist() for x in out] == [[2.0, 2.0]] * 2
 
 
+def test_ranks_left_inside_a_collective_after_the_others_ended_restart_the_group_without_a_deadline(
+        server: PoolServer, tp: BridgeClient) -> None:
+    """Rank 0 makes a process group of one rank (done at once), rank 1 one of two (its peer never
+    comes), with no deadline (`batch_job`): rank 1 held the pool's collective lock for as long as its
+    caller stayed connected, every other client's collectives timing out behind it, health SERVING.
+    Ranks still inside SKEW_S after others ended are stuck: the caller is told, and the group restarts."""
+    from bridge_server.pool.collective import SKEW_S
+    restarts = server.pool("tp").restarts
+    calls = [(("127.0.0.1", free_port(), 0, 1, "gloo"), {}), (("127.0.0.1", free_port(), 0, 2, "gloo"), {})]
+    t0 = time.monotonic()
+    with pytest.raises(CallError) as err:
+        tp.collective(GATE_TARGET, per_rank=calls, timeout_profile="batch_job")
+    took = time.monotonic() - t0
+    assert err.value.code == grpc.StatusCode.ABORTED and err.value.reason == "ranks stuck", err.value
+    assert f"still in it {SKEW_S:g} s after rank(s) 0 had ended" in err.value.details, err.value.details
+    assert SKEW_S <= took < SKEW_S + 10, took
+    wait_until(lambda: server.pool("tp").state == "serving" and server.pool("tp").restarts >= restarts + 2, 90,
+               "the group back")
+    out = tp.collective(f"{D}.tensor_model_parallel_all_reduce", per_rank=per_rank(torch.ones(2), torch.ones(2)),
+                        timeout=30)
+    assert [x.tolist() for x in out] == [[2.0, 2.0]] * 2
+
+
 def test_a_collective_answered_late_only_because_its_deadline_was_short_keeps_the_group(
         server: PoolServer, tp: BridgeClient) -> None:
     """Ranks still running at the caller's deadline are not stuck unless they stay so: a restart then

@@ -26,8 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bridge_server.client.client import BridgeClient, CallError, Target
 from bridge_server.pool.workerproc import lane_path
 from bridge_server.tools.tiny_model import ensure_tiny_model
-from tests.pool.harness import (Gate, PoolServer, in_thread, open_gates, others_calling, start_pool_server,
-                                wait_until)
+from tests.conftest import multiplex_clients_leave_blocked
+from tests.pool.harness import Gate, PoolServer, in_thread, open_gates, others_calling, start_pool_server, wait_until
 from tests.worker.test_engine import greedy
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -511,32 +511,12 @@ def test_multiplex_clients_that_go_away_with_their_writes_blocked_free_their_slo
     close their connections. The writes gRPC held back fail, and gRPC cancels each handler again
     while it cleans up: the calls kept their slots, counted in flight, until their worker gave up
     waiting for credit (reader_stall_s: 6 s here, 60 s by default), every bystander behind them."""
-    import queue
-    quiet = [("grpc.http2.bdp_probe", 0)]    # a fixed 64 KiB window, filled after a few whole items
-    streams = []
-    try:
-        for c in range(4):
-            outgoing: queue.Queue[Any] = queue.Queue()
-            channel = grpc.insecure_channel(server.address, options=quiet)
-            replies = channel.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
-                                            pb.MuxReply.FromString)(
-                iter(outgoing.get, None), timeout=120,
-                metadata=(("x-bridge-pool", "e"), ("x-bridge-stream-encoding", "full")))
-            streams.append((channel, replies, outgoing))
-            for i in range(1, 5):
-                request, _ = client.request(GENERATE, ("stop reading " * 100, greedy(1500), f"gone-{c}-{i}"))
-                outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=i, stream=True, window=8, call=request)))
-                outgoing.put(pb.MuxRequest(credit=pb.MuxCredit(id=i, events=1_000_000)))
-        wait_until(lambda: server.pool("e").stalled_streams >= 12, timeout=30, what="the calls' writes blocked")
-        for c, (_, _, outgoing) in enumerate(streams):     # more starts, read as the clients leave
-            for i in range(5, 9):
-                request, _ = client.request(GENERATE, ("more", greedy(1500), f"gone-{c}-{i}"))
-                outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=i, stream=True, window=8, call=request)))
-    finally:
-        for channel, replies, outgoing in streams:
-            replies.cancel()
-            outgoing.put(None)
-            channel.close()
+    def start(c: int, i: int) -> pb.CallRequest:
+        prompt = "stop reading " * 100 if i < 5 else "more"
+        return client.request(GENERATE, (prompt, greedy(1500), f"gone-{c}-{i}"))[0]
+    multiplex_clients_leave_blocked(
+        server.address, (("x-bridge-pool", "e"), ("x-bridge-stream-encoding", "full")), 4, start,
+        lambda: wait_until(lambda: server.pool("e").stalled_streams >= 12, timeout=30, what="the calls' writes blocked"))
     wait_until(lambda: server.pool("e").in_flight == 0, timeout=4, what="the slots freed (not at reader_stall_s)")
     assert_untouched(server, client)
 

@@ -26,7 +26,7 @@ import torch
 
 from bridge_server.client.client import BridgeClient, CallError, Multiplexer, Target
 from bridge_server.tools.tiny_model import ensure_tiny_model
-from tests.conftest import WorkerProcess, start_worker
+from tests.conftest import WorkerProcess, multiplex_clients_leave_blocked, start_worker
 from vllm_bridge.v1 import bridge_pb2 as pb
 
 E = "vllm.AsyncLLMEngine"
@@ -288,33 +288,12 @@ def test_multiplex_clients_that_go_away_with_their_writes_blocked_end_their_call
     credit (reader_stall_s, 60 s here). Without the handler's cleanup the calls ran on, holding engine
     seats. (The pool server's cleanup was cut short by gRPC's second cancel; the worker's handler
     is closed rather than cancelled, and it cancels its calls before any wait all the same.)"""
-    import queue
-    quiet = [("grpc.http2.bdp_probe", 0)]    # a fixed 64 KiB window, filled after a few whole items
-    streams = []
-    try:
-        for c in range(3):
-            outgoing: queue.Queue[Any] = queue.Queue()
-            channel = grpc.insecure_channel(engine_worker.address, options=quiet)
-            replies = channel.stream_stream("/vllm_bridge.v1.Bridge/Multiplex", pb.MuxRequest.SerializeToString,
-                                            pb.MuxReply.FromString)(
-                iter(outgoing.get, None), timeout=120, metadata=(("x-bridge-stream-encoding", "full"),))
-            streams.append((channel, replies, outgoing))
-            for i in range(1, 5):
-                request, _ = bridge.request(Target.method("engine", "generate"),
-                                            ("stop reading " * 100, greedy(1500), f"worker-gone-{c}-{i}"))
-                outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=i, stream=True, window=8, call=request)))
-                outgoing.put(pb.MuxRequest(credit=pb.MuxCredit(id=i, events=1_000_000)))
-        time.sleep(3.0)    # every write blocked by now: 64 KiB is a few items of these
-        for c, (_, _, outgoing) in enumerate(streams):     # more starts, read as the clients leave
-            for i in range(5, 9):
-                request, _ = bridge.request(Target.method("engine", "generate"),
-                                            ("more", greedy(1500), f"worker-gone-{c}-{i}"))
-                outgoing.put(pb.MuxRequest(start=pb.MuxStart(id=i, stream=True, window=8, call=request)))
-    finally:
-        for channel, replies, outgoing in streams:
-            replies.cancel()
-            outgoing.put(None)
-            channel.close()
+    def start(c: int, i: int) -> pb.CallRequest:
+        prompt = "stop reading " * 100 if i < 5 else "more"
+        return bridge.request(Target.method("engine", "generate"), (prompt, greedy(1500), f"worker-gone-{c}-{i}"))[0]
+    # every write blocked after 3 s: 64 KiB is a few items of these
+    multiplex_clients_leave_blocked(engine_worker.address, (("x-bridge-stream-encoding", "full"),), 3, start,
+                                    lambda: time.sleep(3.0))
     assert drained(bridge, timeout=5), "the calls of clients that left ran on"
     for c in range(3):
         for i in range(1, 5):
