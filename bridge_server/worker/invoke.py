@@ -582,17 +582,21 @@ def _bound_map(plan: Plan, args: list[Any], kwargs: dict[str, Any],
 
 def _agreement(plan: Plan, args: list[Any], kwargs: dict[str, Any], out: pb.Value | None) -> pb.Value:
     """What of a Collective's share every rank must agree on, as text: each tensor argument's name,
-    dtype and shape (a tensor's, or each of a list's). Ranks that give a reducing or gathering
-    collective tensors of other dtypes or sizes abort the process group in C++ (gloo: rank 0 killed by
-    SIGABRT, the group restarted, every client's refs on it lost) or wait for bytes that never come.
-    An entry that only its source rank gives tensors to (`broadcast_tensor_dict`) says nothing."""
+    dtype and shape (a tensor's, or each of a list's), and the rank it sends from or gathers to.
+    Ranks that give a reducing or gathering collective tensors of other dtypes or sizes abort the
+    process group in C++ (gloo: rank 0 killed by SIGABRT, the group restarted, every client's refs
+    on it lost) or wait for bytes that never come. An entry that only its source rank gives tensors
+    to (`broadcast_tensor_dict`) says only its source."""
     import torch
     value = out if out is not None else pb.Value()
-    if plan.entry is not None and plan.entry.attr in _SOURCE_ONLY:
-        value.str = ""
-        return value
+    source_only = plan.entry is not None and plan.entry.attr in _SOURCE_ONLY
     said = []
     for name, arg in _bound_map(plan, args, kwargs).items():
+        if name in _ROOTS and type(arg) is int:    # the rank that sends or receives: one for all
+            said.append(f"{name}: {arg}")
+            continue
+        if source_only:
+            continue
         items = arg if isinstance(arg, (list, tuple)) and len(arg) <= 64 else (arg,)
         for k, item in enumerate(items):
             if isinstance(item, torch.Tensor):
@@ -604,6 +608,9 @@ def _agreement(plan: Plan, args: list[Any], kwargs: dict[str, Any], out: pb.Valu
 
 # Collectives whose tensors only the source rank gives (the others receive what it sends).
 _SOURCE_ONLY = frozenset({"broadcast_tensor_dict"})
+# Arguments naming the rank a collective sends from or gathers to: ranks that name two wait for each
+# other for ever.
+_ROOTS = frozenset({"src", "dst"})
 
 
 def _naming(exc: BridgeError, label: str) -> BridgeError:

@@ -168,6 +168,16 @@ def test_ranks_whose_shares_disagree_or_are_refused_are_refused_before_any_runs(
     assert [x.tolist() for x in out] == [[2.0, 2.0]] * 2
 
 
+def test_ranks_that_name_two_roots_are_refused_before_any_runs(server: PoolServer, tp: BridgeClient) -> None:
+    restarts = server.pool("tp").restarts
+    with pytest.raises(CallError) as err:
+        tp.collective(f"{D}.tensor_model_parallel_gather",
+                      per_rank=[((torch.ones(2),), {"dst": 0}), ((torch.ones(2),), {"dst": 1})], timeout=30)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.detail.parameter == "per_rank[1]"
+    assert "dst: 1" in err.value.details and "dst: 0" in err.value.details, err.value.details
+    assert server.pool("tp").restarts == restarts
+
+
 def test_killing_a_rank_mid_collective_fails_it_fast_and_the_group_comes_back(server: PoolServer,
                                                                              tp: BridgeClient) -> None:
     rank1 = next(w for w in server.pool("tp").workers if w.index == 1)
