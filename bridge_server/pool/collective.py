@@ -179,8 +179,9 @@ async def _checked(backends: list[Backend], payloads: list[bytes], forwarded: li
         if text != said[0]:
             raise BridgeError.validation(
                 f"collective {label}: rank {rank}'s share disagrees with rank 0's: {text or 'no tensors'} against "
-                f"{said[0] or 'no tensors'} (every rank gives a collective tensors of the same dtypes and shapes; "
-                f"ranks that do not abort the process group or wait for each other for ever)",
+                f"{said[0] or 'no tensors'} (every rank gives a collective tensors of the same dtypes and shapes, and "
+                f"names the same source or destination rank; ranks that do not abort the process group or wait "
+                f"for each other for ever)",
                 target=label, parameter=f"per_rank[{rank}]" if per_rank else "per_rank")
 
 

@@ -35,6 +35,7 @@ from bridge_server.wire.open_services import HealthWatches, health_and_status, r
 from bridge_server.wire.options import MD_WORKER_REFS, RuntimeOptions, connection_of, parse_metadata
 from bridge_server.wire.protocol import (
     MIN_PING_INTERVAL_S,
+    UNCOMPRESSED_REQUESTS,
     LargeRequest,
     M,
     collective_calls,
@@ -395,7 +396,8 @@ def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
     # it reads for its callers; a worker on its own reads within the same bounds (`receiving.py`).
     gate = [] if config.lane is not None else [ReceiveGate(ReceiveLimits.for_requests(config.max_request_bytes,
                                                                                       DEFAULT_RECEIVING_BYTES))]
-    server = grpc.aio.server(options=[*options, ("grpc.max_receive_message_length", limit), *config.extra_options],
+    server = grpc.aio.server(options=[*options, ("grpc.max_receive_message_length", limit),
+                                      *(UNCOMPRESSED_REQUESTS if gate else []), *config.extra_options],
                              interceptors=[*gate, *security.interceptors()])
     # A supervised worker (it serves a lane, on a socket only its supervisor can reach) without
     # tokens of its own takes the pool server's word for who each call is for.
