@@ -75,6 +75,25 @@ class _RankFailed(Exception):
 _GROUP_STOP = "stopped to restart the group"
 
 
+def _ranks_failed(errors: list[BaseException | None]) -> list[_RankFailed]:
+    """The ranks' failures; any other exception (the router's own) is raised as it is."""
+    for e in errors:
+        if e is not None and not isinstance(e, _RankFailed):
+            raise e
+    return [e for e in errors if isinstance(e, _RankFailed)]
+
+
+def _cause_first(e: _RankFailed) -> tuple[int, int]:
+    return e.priority(), e.rank
+
+
+def _named(error: BridgeError, label: str, said: str) -> BridgeError:
+    """A rank's error as the collective's: its target, and what became of the rest."""
+    error.message = f"collective {label}: {error.message}{said}"
+    error.target = error.target or label
+    return error
+
+
 def _rank_error(rank: int, backend: Backend, flight: Flight, err: grpc.aio.AioRpcError | None) -> BridgeError:
     """The failure of one rank, named: the worker's own error (its detail kept), or its death."""
     if flight.failed or err is None or (err.code() == grpc.StatusCode.UNAVAILABLE
@@ -162,15 +181,10 @@ async def _checked(backends: list[Backend], payloads: list[bytes], forwarded: li
     finally:
         for t in tasks:
             t.cancel()
-    failed = [e for e in (t.exception() for t in tasks) if e is not None]
-    for e in failed:
-        if not isinstance(e, _RankFailed):
-            raise e
+    failed = _ranks_failed([t.exception() for t in tasks])
     if failed:
-        first = min((e for e in failed if isinstance(e, _RankFailed)), key=lambda e: (e.priority(), e.rank))
-        error = first.error()
-        error.message = f"collective {label}: {error.message} (every rank's share is checked first: none ran)"
-        error.target = error.target or label
+        first = min(failed, key=_cause_first)
+        error = _named(first.error(), label, " (every rank's share is checked first: none ran)")
         if per_rank and not first.died:
             error.parameter = f"per_rank[{first.rank}]" + (f".{error.parameter}" if error.parameter else "")
         raise error
@@ -256,24 +270,18 @@ async def _gather(tasks: list[asyncio.Task[bytes]], route: Route, label: str, po
         done |= more
         failed = [t for t in done if t.exception() is not None]
     if failed:
-        errors = [t.exception() for t in failed]
-        for e in errors:
-            if not isinstance(e, _RankFailed):
-                raise e  # type: ignore[misc]
-        ranked: list[_RankFailed] = [e for e in errors if isinstance(e, _RankFailed)]
+        ranked = _ranks_failed([t.exception() for t in failed])
         dead = [e.backend.died.wait() for e in ranked if e.died]
         if dead:    # let the supervisor record why they died before choosing the cause
             await asyncio.wait([asyncio.ensure_future(d) for d in dead], timeout=SETTLE_S)
-        first = min(ranked, key=lambda e: (e.priority(), e.rank))
-        error = first.error()
+        first = min(ranked, key=_cause_first)
+        error = first.error()       # as the rank failed, before the restart says anything of it
         restarting = bool(pending) or any(e.priority() == 2 for e in ranked) or any(e.died for e in ranked)
         if pending:
             stuck = sorted(tasks.index(t) for t in pending)
             pool.restart_group(f"collective {label} failed on rank {first.rank} while rank(s) "
                                f"{', '.join(map(str, stuck))} were still in it")
-        error.message = f"collective {label}: {error.message}" + ("; the group is restarting" if restarting else "")
-        error.target = error.target or label
-        raise error
+        raise _named(error, label, "; the group is restarting" if restarting else "")
     if pending and first_end is not None and (until is None or loop.time() < until):
         # The ranks that ended left the others inside: those wait for peers that will not come (their
         # shares did not match: process groups of one rank on one side, of two on the other). With

@@ -131,6 +131,8 @@ class _Places:
 
     def _hand_over(self) -> None:
         """The free places go to the hosts waiting, one each in turn, oldest host first."""
+        if not self.waiting:
+            return      # nearly every call: nobody waits
         for host in list(self.waiting):
             if self.taken >= self.limits.at_once:
                 return
@@ -186,9 +188,10 @@ class ReceiveGate(grpc.aio.ServerInterceptor):
         places = self.places
         task = asyncio.current_task()
         assert task is not None
-        self._reading[task] = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        self._reading[task] = loop.time()
         if self._sweeper is None or self._sweeper.done():
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+            self._sweeper = loop.create_task(self._sweep())
         try:
             if not places.try_take(host):
                 why = places.crowded(host)
