@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message import Message
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
@@ -144,7 +145,8 @@ MAX_REFLECTION_STREAMS_PER_HOST = 64
 
 def reflection_service(service_names: Sequence[str], streams: PerHost | None = None) -> grpc.GenericRpcHandler:
     """grpcio-reflection's servicer for `service_names` (and itself), behind those bounds."""
-    servicer = reflection.aio.ReflectionServicer((*service_names, reflection.SERVICE_NAME))
+    names = (*service_names, reflection.SERVICE_NAME)
+    servicer = reflection.aio.ReflectionServicer(names, pool=served_files(names))
     hosts = streams if streams is not None else PerHost(MAX_REFLECTION_STREAMS_PER_HOST)
     rpc = f"{reflection.SERVICE_NAME}/ServerReflectionInfo"
 
@@ -177,3 +179,27 @@ def reflection_service(service_names: Sequence[str], streams: PerHost | None = N
 
     return grpc.method_handlers_generic_handler(reflection.SERVICE_NAME, {
         "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(info, response_serializer=serialize)})
+
+
+def served_files(service_names: Sequence[str]) -> descriptor_pool.DescriptorPool:
+    """The proto files that describe `service_names`, with what they import, and nothing else.
+    Reflection answers from a pool of descriptors, by default the process's own, which holds every
+    file any imported library has loaded (vLLM's, protobuf's own `descriptor.proto`, ...): a stranger
+    could list names the documents never describe. A pool of its own serves the contract only."""
+    default = descriptor_pool.Default()
+    served = descriptor_pool.DescriptorPool()
+    added: set[str] = set()
+
+    def add(file: Any) -> None:
+        if file.name in added:
+            return
+        for dependency in file.dependencies:    # a file is added after what it imports
+            add(dependency)
+        proto = descriptor_pb2.FileDescriptorProto()
+        file.CopyToProto(proto)
+        served.Add(proto)
+        added.add(file.name)
+
+    for name in service_names:
+        add(default.FindServiceByName(name).file)
+    return served

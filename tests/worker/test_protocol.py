@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -810,6 +811,26 @@ def test_stock_health_and_reflection_services_answer(worker: WorkerProcess) -> N
         replies = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
         names = {s.name for s in replies[0].list_services_response.service}
         assert {"vllm_bridge.v1.Bridge", "grpc.health.v1.Health"} <= names
+
+
+def test_reflection_describes_the_contract_and_nothing_else(worker: WorkerProcess) -> None:
+    """Reflection answers from the process's descriptors. The process's own pool holds every file its
+    libraries loaded (protobuf's `descriptor.proto`, vLLM's and torch's protos...), more than the
+    documents describe; the server's pool holds the served services' files only."""
+    with grpc.insecure_channel(worker.address) as channel:
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        asked = [reflection_pb2.ServerReflectionRequest(file_by_filename="vllm_bridge/v1/bridge.proto"),
+                 reflection_pb2.ServerReflectionRequest(file_containing_symbol="vllm_bridge.v1.Pool"),
+                 reflection_pb2.ServerReflectionRequest(file_containing_symbol="grpc.health.v1.Health"),
+                 reflection_pb2.ServerReflectionRequest(file_by_filename="google/protobuf/descriptor.proto"),
+                 reflection_pb2.ServerReflectionRequest(
+                     file_containing_symbol="google.protobuf.FileDescriptorProto")]
+        replies = list(refl.ServerReflectionInfo(iter(asked), timeout=30))
+    served = [r.WhichOneof("message_response") for r in replies]
+    assert served == ["file_descriptor_response"] * 3 + ["error_response"] * 2, served
+    assert all(r.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0] for r in replies[3:])
+    bridge = descriptor_pb2.FileDescriptorProto.FromString(replies[0].file_descriptor_response.file_descriptor_proto[0])
+    assert "Bridge" in [s.name for s in bridge.service]
 
 
 def test_the_open_health_service_keeps_little_for_a_stranger(worker: WorkerProcess) -> None:
