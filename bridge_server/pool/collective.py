@@ -102,8 +102,14 @@ def _rank_error(rank: int, backend: Backend, flight: Flight, err: grpc.aio.AioRp
         return pool_error(grpc.StatusCode.UNAVAILABLE, f"rank {rank} (worker {backend.id}) died during the "
                           f"collective: {flight.failed or 'worker crashed'}{why}", "rank failed", "worker")
     detail = detail_from_rpc_error(err)
+    said = err.details()
+    if detail is not None and detail.reason == "wrong worker":
+        # (the worker's hint is about a Call's routing: a Collective's calls go to their ranks instead)
+        said = (f"ref {detail.parameter} is not this rank's: a Collective runs the call for rank {rank} on rank "
+                f"{rank}'s worker, so the refs it carries must have been made there (a ref from another rank's "
+                f"call, or from another pool, is not)")
     out = BridgeError(err.code(), detail.category if detail else "grpc_error",
-                      f"rank {rank} (worker {backend.id}): {err.details()}", reason="rank failed")
+                      f"rank {rank} (worker {backend.id}): {said}", reason="rank failed")
     if detail is not None:
         out.python_type, out.traceback, out.target, out.parameter = (detail.python_type, detail.traceback,
                                                                      detail.target, detail.parameter)

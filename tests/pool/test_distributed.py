@@ -168,6 +168,30 @@ def test_ranks_whose_shares_disagree_or_are_refused_are_refused_before_any_runs(
     assert [x.tolist() for x in out] == [[2.0, 2.0]] * 2
 
 
+def test_a_ref_made_on_another_rank_is_refused_by_name_and_the_group_serves_on(server: PoolServer,
+                                                                              tp: BridgeClient) -> None:
+    """Each rank's call runs on its own rank: a ref of rank 1 given to rank 0 is unknown there. The
+    refusal says so, rather than the hint a Call gets (list it in x-bridge-refs), which cannot apply."""
+    groups = tp.collective(f"{D}.get_tp_group")
+
+    def on(receivers: list[pb.Ref]) -> list[int]:
+        calls = [tp.request(Target.get(g, "rank_in_group"), (), {})[0] for g in receivers]
+        reply = tp.stub.Collective(pb.CollectiveRequest(per_rank=calls), timeout=30,
+                                   metadata=tp._metadata([g.id for g in receivers], {}))
+        return [tp._decoder.decode(r.value) for r in reply.results]
+
+    restarts = server.pool("tp").restarts
+    assert on(groups) == [0, 1]
+    with pytest.raises(grpc.RpcError) as err:
+        on(groups[::-1])
+    failed = CallError(err.value)
+    assert failed.code == grpc.StatusCode.NOT_FOUND, failed
+    assert failed.detail.parameter.startswith("per_rank[0]"), failed.detail
+    assert f"ref {groups[1].id} is not this rank's" in failed.details, failed.details
+    assert "x-bridge-refs" not in failed.details, failed.details
+    assert on(groups) == [0, 1] and server.pool("tp").restarts == restarts
+
+
 def test_ranks_that_name_two_roots_are_refused_before_any_runs(server: PoolServer, tp: BridgeClient) -> None:
     restarts = server.pool("tp").restarts
     with pytest.raises(CallError) as err:
