@@ -516,6 +516,7 @@ async def multiplex(invoker: Invoker, requests: AsyncIterator[bytes],
                     del raw                  # nor gRPC's reader's last message
                     await stop_reading(requests)
                     raise exc.with_traceback(None) from None
+                del raw     # not kept while the next is awaited (a stream may then be silent for hours)
         finally:
             out.ready.set()
 
