@@ -39,10 +39,12 @@ import grpc
 from bridge_server.wire.errors import BridgeError, clip, quote
 from bridge_server.wire.protocol import host_of
 
-__all__ = ["MAX_IDS", "MAX_IDS_PER_HOST", "add", "admit", "check", "unbind"]
+__all__ = ["MAX_IDS", "MAX_IDS_PER_HOST", "MAX_NAME_CHARS", "MAX_PATH_CHARS", "add", "admit", "check", "unbind"]
 
 MAX_IDS = 65_536           # ids bound on one engine, every client's
 MAX_IDS_PER_HOST = 1_024   # of those, one host's (an identity's)
+MAX_NAME_CHARS = 256       # a bound name is kept for the engine's life: 1,022 names of ~1M characters had
+MAX_PATH_CHARS = 4_096     # grown the engine's worker by 1 GB for good (a path: the system's own limit)
 _VLLM_SAYS = "Call to add_lora method failed: "
 
 
@@ -76,6 +78,10 @@ def check(engine: Any, label: str, lora_request: Any, client: str, parameter: st
     if fields is None:
         return False
     lora_id, path, name = fields
+    for what, text, most in (("lora_name", name, MAX_NAME_CHARS), ("lora_path", path, MAX_PATH_CHARS)):
+        if len(text) > most:
+            raise BridgeError.validation(f"{label}: parameter {parameter}.{what}: at most {most:,} characters, got "
+                                         f"{len(text):,}", target=label, parameter=f"{parameter}.{what}")
     if not 1 <= lora_id < 2**63:
         shown = lora_id if abs(lora_id) < 10**18 else f"an integer of {lora_id.bit_length()} bits"
         raise BridgeError.validation(f"{label}: parameter {parameter}.lora_int_id: expected an adapter's id, an "

@@ -554,6 +554,18 @@ def test_lora_adapters_load_pin_generate_and_unload(bridge: BridgeClient, model:
             bridge.call(Target.method("engine", "add_lora"), {**lora, "lora_int_id": bad_id})
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
         assert err.value.detail.parameter == "lora_request.lora_int_id", err.value
+    # a bound name is kept for the engine's life: one of a million characters is refused, not kept
+    for field, long in (("lora_name", "n" * 257), ("lora_path", str(model / "lora" / ("p" * 4096)))):
+        for attempt in (lambda r: bridge.call(Target.method("engine", "add_lora"), r),
+                        lambda r: list(bridge.stream(Target.method("engine", "generate"), "Once upon", greedy(4),
+                                                     "lora-long", kwargs={"lora_request": r}))):
+            with pytest.raises(CallError) as err:
+                attempt({**lora, "lora_int_id": 9, field: long})
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert err.value.detail.parameter == f"lora_request.{field}", err.value
+            assert f"at most {256 if field == 'lora_name' else 4096:,} characters, got {len(long):,}" \
+                in err.value.details, err.value
+    assert 9 not in bridge.call(Target.method("engine", "list_loras"))
     assert bridge.call(Target.get("engine", "errored")) is False
     # vLLM keeps an id whose adapter it registered and then failed to activate (a module of the wrong
     # shape): the next request under that id, with another path, ran the failed adapter's weights
