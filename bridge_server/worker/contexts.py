@@ -74,6 +74,10 @@ HOLD_LAPSE_S = 60.0
 # and exited a manager nested under its own every 30 s renewed its hold for good (a stranger kept every
 # other client out of the forward context of a pool's only worker, for four cheap calls a minute).
 HOLD_MAX_S = 600.0
+# A client that enters a state again within TURN_S of exiting it holds on: its hold counts from its
+# first enter. One that exited just before HOLD_MAX_S and entered again at once kept the state for
+# good, while a client that asked every 5 s was refused 130 times in 700 s.
+TURN_S = 10.0
 
 
 @dataclass
@@ -86,7 +90,9 @@ class EnteredContexts:
     and so are its reads of that state (`holder`). A hold lapses: a holder that has not used its state
     for HOLD_LAPSE_S, or has held it for HOLD_MAX_S however it used it, loses it to the next client
     that asks, its managers exited from the innermost out
-    (its later exit is then refused as "exited already"). A manager whose refs are all released (`held`
+    (its later exit is then refused as "exited already"); a holder that exits and enters again within
+    TURN_S holds on, its hold counted from its first enter. Only the client that entered a manager
+    exits it. A manager whose refs are all released (`held`
     says no) is exited as soon as it is innermost, as its `with` block would have ended: one released
     while in force stayed in force for good, its attn_metadata read by every client. An enter is
     counted from its check, not its end: two clients entering at the same moment both got in."""
@@ -94,11 +100,13 @@ class EnteredContexts:
     held: Callable[[object], bool]
     lapse_s: float = HOLD_LAPSE_S
     max_s: float = HOLD_MAX_S
+    turn_s: float = TURN_S
     _stacks: dict[tuple[str, object], list[object]] = field(default_factory=dict)
     _state: dict[int, tuple[str, object]] = field(default_factory=dict)
     _owner: dict[int, str] = field(default_factory=dict)
     _used: dict[tuple[str, object], float] = field(default_factory=dict)    # the holder's last use
     _since: dict[tuple[str, object], float] = field(default_factory=dict)   # ... and its first enter
+    _freed: dict[tuple[str, object], tuple[str, float, float]] = field(default_factory=dict)   # who, since, when
 
     def check(self, label: str, method: str, obj: object, who: str = "") -> None:
         """Refuses an enter or exit the manager's state, its place among its state's, or another
@@ -107,6 +115,7 @@ class EnteredContexts:
         if method not in _EXITS:
             key = _state_of(obj)
             stack = self._held_by(key, who)
+            now = time.monotonic()
             if any(self._owner.get(id(x), "") != who for x in stack):
                 raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
                                   f"{label}: another client's context manager of the same state is in force "
@@ -116,12 +125,20 @@ class EnteredContexts:
                                   reason="context in force")
             self._state[id(obj)] = key
             self._owner[id(obj)] = who
-            now = time.monotonic()
             if not stack:
-                self._since[key] = now
+                last = self._freed.pop(key, None)
+                # the same client back within turn_s holds on: its hold counts from its first enter
+                self._since[key] = last[1] if last is not None and last[0] == who and now - last[2] <= self.turn_s \
+                    else now
             stack.append(obj)           # counted now: another client's enter meanwhile is refused
             self._used[key] = now
             return
+        owner = self._owner.get(id(obj))
+        if owner is not None and owner != who:
+            raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
+                              f"{label}: this context manager was entered by another client: only the client "
+                              f"that entered a manager exits it (its hold lapses when it stops using it)",
+                              target=label, reason="not yours")
         key = self._state.get(id(obj), ("", None))
         stack = self._pruned(key)
         later = next((len(stack) - 1 - i for i, x in enumerate(stack) if x is obj), 0)
@@ -149,12 +166,15 @@ class EnteredContexts:
             if not any(x is obj for x in stack):
                 stack.append(obj)
             return
+        who = self._owner.get(id(obj), "")
         self._forget(obj)
         stack[:] = [x for x in stack if x is not obj]
         if not stack:
             del self._stacks[key]
             self._used.pop(key, None)
-            self._since.pop(key, None)
+            since = self._since.pop(key, None)
+            if since is not None:
+                self._freed[key] = (who, since, time.monotonic())
 
     def _held_by(self, key: tuple[str, object], who: str) -> list[object]:
         """The state's stack as `who` finds it: another client's hold that has lapsed (unused for

@@ -110,6 +110,50 @@ def test_a_hold_kept_alive_by_nested_use_lapses_after_max_s_to_the_next_client_t
     assert "exited already" in refused(contexts, outer, "alice", "__exit__").message
 
 
+def test_a_hold_entered_again_at_once_after_an_exit_still_lapses_after_max_s() -> None:
+    """Alice exited just before max_s and entered again at once, and held the state for good: bob,
+    asking every 5 s, was refused 130 times in 700 s. Entered again within turn_s, her hold counts
+    from her first enter; entered again after a longer pause, it is a new hold."""
+    contexts = EnteredContexts(held=lambda obj: True, lapse_s=10.0, max_s=0.5, turn_s=0.3)
+    bobs = setting("bob")
+    t0 = time.monotonic()
+    refusals = 0
+    while time.monotonic() - t0 < 1.5:
+        mine = setting("alice")
+        enter(contexts, mine, "alice")
+        try:
+            enter(contexts, bobs, "bob")
+            break
+        except BridgeError as err:
+            assert err.reason == "context in force"
+            refusals += 1
+        time.sleep(0.1)
+        contexts.check("setting", "__exit__", mine, "alice")     # out, and at once in again
+        mine.__exit__(None, None, None)
+        contexts.moved(mine)
+    held_for = time.monotonic() - t0
+    assert STATE == ["bob"] and refusals >= 3 and 0.5 <= held_for < 1.0, (STATE, refusals, held_for)
+    contexts.check("setting", "__exit__", bobs, "bob")
+    bobs.__exit__(None, None, None)
+    contexts.moved(bobs)
+    enter(contexts, setting("alice-later"), "alice")             # a new hold: bob is refused again
+    assert refused(contexts, setting("bob-2"), "bob").reason == "context in force"
+
+
+def test_only_the_client_that_entered_a_manager_exits_it() -> None:
+    contexts = EnteredContexts(held=lambda obj: True)
+    alices = setting("alice")
+    enter(contexts, alices, "alice")
+    with pytest.raises(BridgeError) as err:
+        contexts.check("setting", "__exit__", alices, "bob")
+    assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and err.value.reason == "not yours", err.value
+    assert STATE == ["alice"] and contexts.holder(__file__, "alice") == "alice"
+    contexts.check("setting", "__exit__", alices, "alice")
+    alices.__exit__(None, None, None)
+    contexts.moved(alices)
+    assert STATE == []
+
+
 def test_a_released_manager_is_exited_once_it_is_innermost() -> None:
     live: set[int] = set()
     contexts = EnteredContexts(held=lambda obj: id(obj) in live)
