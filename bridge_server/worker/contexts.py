@@ -149,6 +149,16 @@ class EnteredContexts:
                               f"statements do", target=label, reason="context manager order")
         self._used[key] = time.monotonic()
 
+    def check_release(self, obj: object, who: str) -> None:
+        """Refuses `who` releasing a manager another client entered and has not exited: releasing it
+        ends that client's hold, as its exit would."""
+        owner = self._owner.get(id(obj))
+        if owner is not None and owner != who:
+            raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "ref",
+                              "Release: a ref to a context manager another client entered and has not exited: "
+                              "only that client releases it (its hold lapses when it stops using it)",
+                              reason="not yours")
+
     def holder(self, module_file: str, who: str = "") -> str:
         """Who holds the state of the module at `module_file` (the caller that entered its managers
         in force; "" when none is), as `who` asks it."""

@@ -300,6 +300,13 @@ class Invoker:
         if exclusive:
             self.wedged = ""
 
+    def check_release(self, ref_ids: list[str], who: str) -> None:
+        """Refuses releasing, for `who`, a ref to a context manager another client holds entered."""
+        for ref_id in ref_ids:
+            obj = self.refs.object_of(ref_id)
+            if obj is not None:
+                self._contexts.check_release(obj, who)
+
     def blocked(self) -> str:
         """Why calls that need a thread cannot run now ("" when they can): the exclusive lane runs a
         call abandoned at its deadline, or every thread of the shared lane does."""

@@ -354,6 +354,11 @@ class RefRegistry:
         self._in_session.setdefault((key, payer), OrderedDict())[entry.id] = None
         return entry
 
+    def object_of(self, ref_id: str) -> object | None:
+        """What a ref holds, if it is here; not a use of it."""
+        entry = self._refs.get(ref_id)
+        return None if entry is None else entry.obj
+
     def get(self, ref_id: str, owner: str | None = None) -> RefEntry:
         """The ref; a client (`owner` given) may use only its own identity's."""
         entry = self._refs.get(ref_id)

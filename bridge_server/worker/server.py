@@ -238,10 +238,11 @@ class BridgeService:
             request = read_release(raw, self.max_request_bytes)
             identity = self._identity(context)
             refs = self.invoker.refs
+            caller = self._caller(context, parse_metadata(context.invocation_metadata()))
+            self.invoker.check_release(list(request.ref_ids), caller.client or caller.identity)
             released = refs.release(list(request.ref_ids), identity)
             if request.session_id:
                 # (without authentication, a connection releases what it made in the session: see refs.py)
-                caller = self._caller(context, parse_metadata(context.invocation_metadata()))
                 released += refs.release_session(request.session_id, identity, connection_of(caller.client))
             self._refs_trailer(context)
             return pb.ReleaseReply(released=released)

@@ -118,6 +118,11 @@ def test_the_forward_context_in_force_is_one_clients_and_only_it_reads_it(worker
             with pytest.raises(CallError) as err:
                 other.call(Target.method(theirs, "__enter__"))
             assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and err.value.reason == "context in force"
+            # nor may it end the hold by the ref's id: neither its exit nor its release
+            for end in (lambda: other.call(Target.method(mine, "__exit__")), lambda: other.release(mine)):
+                with pytest.raises(CallError) as err:
+                    end()
+                assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and err.value.reason == "not yours"
         assert client.call(f"{FC}.get_forward_context")["attn_metadata"] == {"secret": "mine"}
     finally:
         client.call(Target.method(mine, "__exit__"))
