@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from bridge_server.wire.errors import BridgeError, clip
+from bridge_server.wire.protocol import host_of
 
 __all__ = ["EnteredContexts", "generator_manager"]
 
@@ -74,9 +75,10 @@ HOLD_LAPSE_S = 60.0
 # and exited a manager nested under its own every 30 s renewed its hold for good (a stranger kept every
 # other client out of the forward context of a pool's only worker, for four cheap calls a minute).
 HOLD_MAX_S = 600.0
-# A client that enters a state again within TURN_S of exiting it holds on: its hold counts from its
-# first enter. One that exited just before HOLD_MAX_S and entered again at once kept the state for
-# good, while a client that asked every 5 s was refused 130 times in 700 s.
+# A client that enters a state again within TURN_S of ending its hold (by exit or release; or another
+# connection of its host) holds on: its hold counts from its first enter. One that exited just before
+# HOLD_MAX_S and entered again at once kept the state for good, while a client that asked every 5 s
+# was refused 130 times in 700 s.
 TURN_S = 10.0
 
 
@@ -90,9 +92,9 @@ class EnteredContexts:
     and so are its reads of that state (`holder`). A hold lapses: a holder that has not used its state
     for HOLD_LAPSE_S, or has held it for HOLD_MAX_S however it used it, loses it to the next client
     that asks, its managers exited from the innermost out
-    (its later exit is then refused as "exited already"); a holder that exits and enters again within
-    TURN_S holds on, its hold counted from its first enter. Only the client that entered a manager
-    exits it. A manager whose refs are all released (`held`
+    (its later exit is then refused as "exited already"); a holder (or its host) that ends its hold and
+    enters again within TURN_S holds on, its hold counted from its first enter. Only the client that
+    entered a manager exits it or releases it. A manager whose refs are all released (`held`
     says no) is exited as soon as it is innermost, as its `with` block would have ended: one released
     while in force stayed in force for good, its attn_metadata read by every client. An enter is
     counted from its check, not its end: two clients entering at the same moment both got in."""
@@ -106,7 +108,7 @@ class EnteredContexts:
     _owner: dict[int, str] = field(default_factory=dict)
     _used: dict[tuple[str, object], float] = field(default_factory=dict)    # the holder's last use
     _since: dict[tuple[str, object], float] = field(default_factory=dict)   # ... and its first enter
-    _freed: dict[tuple[str, object], tuple[str, float, float]] = field(default_factory=dict)   # who, since, when
+    _freed: dict[tuple[str, object], tuple[str, float, float]] = field(default_factory=dict)   # host, since, when
 
     def check(self, label: str, method: str, obj: object, who: str = "") -> None:
         """Refuses an enter or exit the manager's state, its place among its state's, or another
@@ -127,9 +129,9 @@ class EnteredContexts:
             self._owner[id(obj)] = who
             if not stack:
                 last = self._freed.pop(key, None)
-                # the same client back within turn_s holds on: its hold counts from its first enter
-                self._since[key] = last[1] if last is not None and last[0] == who and now - last[2] <= self.turn_s \
-                    else now
+                # the same host back within turn_s holds on: its hold counts from its first enter
+                self._since[key] = last[1] if last is not None and last[0] == host_of(who) \
+                    and now - last[2] <= self.turn_s else now
             stack.append(obj)           # counted now: another client's enter meanwhile is refused
             self._used[key] = now
             return
@@ -181,10 +183,27 @@ class EnteredContexts:
         stack[:] = [x for x in stack if x is not obj]
         if not stack:
             del self._stacks[key]
-            self._used.pop(key, None)
-            since = self._since.pop(key, None)
-            if since is not None:
-                self._freed[key] = (who, since, time.monotonic())
+            self._ended(key, who)
+
+    def settle(self) -> None:
+        """Exits every released manager that is innermost of its state, now. Left to the next client
+        that asks of its state, a manager of a state no one reaches again (an object's, released with
+        the object) was never exited: each such `DPMetadata.sp_local_sizes` entered and released kept
+        its tensors, 10-15 MB a cycle, counted against nobody."""
+        for key in list(self._stacks):
+            if not self._pruned(key):
+                del self._stacks[key]
+        now = time.monotonic()
+        for key, (_, _, at) in list(self._freed.items()):
+            if now - at > self.turn_s:
+                del self._freed[key]
+
+    def _ended(self, key: tuple[str, object], who: str) -> None:
+        """A hold its holder ended (by exit or release), remembered for TURN_S."""
+        self._used.pop(key, None)
+        since = self._since.pop(key, None)
+        if since is not None:
+            self._freed[key] = (host_of(who), since, time.monotonic())
 
     def _held_by(self, key: tuple[str, object], who: str) -> list[object]:
         """The state's stack as `who` finds it: another client's hold that has lapsed (unused for
@@ -218,6 +237,10 @@ class EnteredContexts:
         """The state's stack, its released managers exited from the innermost out while they are
         innermost (one released under another still held waits for that one)."""
         stack = self._stacks.setdefault(key, [])
-        while stack and not self.held(stack[-1]):
-            self._end(stack.pop())
+        if stack and not self.held(stack[-1]):
+            who = self._owner.get(id(stack[-1]), "")
+            while stack and not self.held(stack[-1]):
+                self._end(stack.pop())
+            if not stack:
+                self._ended(key, who)
         return stack

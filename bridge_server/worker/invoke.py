@@ -307,6 +307,10 @@ class Invoker:
             if obj is not None:
                 self._contexts.check_release(obj, who)
 
+    def settle_contexts(self) -> None:
+        """Exits, now, the entered context managers whose refs are all gone (`EnteredContexts.settle`)."""
+        self._contexts.settle()
+
     def blocked(self) -> str:
         """Why calls that need a thread cannot run now ("" when they can): the exclusive lane runs a
         call abandoned at its deadline, or every thread of the shared lane does."""

@@ -244,6 +244,8 @@ class BridgeService:
             if request.session_id:
                 # (without authentication, a connection releases what it made in the session: see refs.py)
                 released += refs.release_session(request.session_id, identity, connection_of(caller.client))
+            if released:
+                self.invoker.settle_contexts()
             self._refs_trailer(context)
             return pb.ReleaseReply(released=released)
         except Exception as exc:
@@ -354,6 +356,7 @@ class Worker:
                 peers = await asyncio.to_thread(open_peers)     # the kernel takes ms to list them
                 if peers is not None:
                     end_orphans(refs, catalog, policy, peers, pressed=pressed)
+            self.invoker.settle_contexts()
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops taking calls, lets in-flight ones finish within the grace period, then releases refs."""

@@ -140,6 +140,47 @@ def test_a_hold_entered_again_at_once_after_an_exit_still_lapses_after_max_s() -
     assert refused(contexts, setting("bob-2"), "bob").reason == "context in force"
 
 
+@pytest.mark.parametrize("how", ["release", "another connection of the host"])
+def test_a_hold_ended_otherwise_and_taken_again_at_once_still_lapses_after_max_s(how: str) -> None:
+    """The same as an exit and an enter: a release of the entered manager, or its host's other
+    connection entering next, does not start a new hold."""
+    live: set[int] = set()
+    contexts = EnteredContexts(held=lambda obj: id(obj) in live, lapse_s=10.0, max_s=0.5, turn_s=0.3)
+    bobs = setting("bob")
+    live.add(id(bobs))
+    t0, n, mine = time.monotonic(), 0, None
+    while time.monotonic() - t0 < 1.5:
+        if mine is not None and how == "release":
+            live.discard(id(mine))                     # released while entered: exited when pruned
+        elif mine is not None:
+            contexts.check("setting", "__exit__", mine, f"ipv4:10.0.0.1:{n}")
+            mine.__exit__(None, None, None)
+            contexts.moved(mine)
+        n += 1
+        mine = setting(f"alice-{n}")
+        live.add(id(mine))
+        enter(contexts, mine, "ipv4:10.0.0.1:1" if how == "release" else f"ipv4:10.0.0.1:{n}")
+        try:
+            enter(contexts, bobs, "ipv4:10.0.0.2:1")
+            break
+        except BridgeError as err:
+            assert err.reason == "context in force"
+        time.sleep(0.1)
+    assert STATE == ["bob"] and 0.5 <= time.monotonic() - t0 < 1.0, (STATE, time.monotonic() - t0)
+
+
+def test_settle_exits_released_managers_of_states_no_one_asks_of_again() -> None:
+    live: set[int] = set()
+    contexts = EnteredContexts(held=lambda obj: id(obj) in live)
+    mine = setting("alice")
+    live.add(id(mine))
+    enter(contexts, mine, "alice")
+    live.discard(id(mine))
+    assert STATE == ["alice"]          # nothing asks of its state: still entered...
+    contexts.settle()
+    assert STATE == []                 # ...until it is settled
+
+
 def test_only_the_client_that_entered_a_manager_exits_it() -> None:
     contexts = EnteredContexts(held=lambda obj: True)
     alices = setting("alice")

@@ -144,6 +144,17 @@ def test_dp_metadata_methods_compute_the_documented_sizes(client: BridgeClient) 
     client.call(Target.method(sp, "__exit__"))
     assert client.call(Target.get(dp, "local_sizes")) is None
 
+
+def test_a_manager_entered_and_released_is_exited_at_once(client: BridgeClient) -> None:
+    """A released manager was exited only when a client next asked of its state; an object's state
+    (`DPMetadata.sp_local_sizes`) no one asks of again, so each one entered and released kept the
+    object and its tensors for good (10-15 MB a cycle with a million-entry tensor)."""
+    dp = client.call(f"{FC}.DPMetadata", torch.tensor(7), torch.tensor([5, 7, 3]))
+    sp = client.call(Target.method(dp, "sp_local_sizes"), 2)
+    assert client.call(Target.method(sp, "__enter__")) == [3, 3, 4, 4, 2, 2]
+    assert client.release(sp) == 1
+    assert client.call(Target.get(dp, "local_sizes")) is None      # exited with its release
+
     chunked = client.call(Target.method(dp, "chunked_sizes"), 1, 4, 1)
     assert client.call(Target.method(chunked, "__enter__")) == [1, 3, 1]
     client.call(Target.method(chunked, "__exit__"))
