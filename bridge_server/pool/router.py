@@ -42,6 +42,7 @@ from bridge_server.pool.poolstate import (
 )
 from bridge_server.wire.errors import BridgeError, quote
 from bridge_server.wire.options import (
+    MD_RANK,
     MD_REFS,
     PROFILES,
     RuntimeOptions,
@@ -289,6 +290,13 @@ class Router:
         if route.refs:
             backend = self.ref_backend(route.refs, opts.refs)
             pool = self.pools[backend.pool]
+            if opts.rank is not None and backend.index != opts.rank:
+                # (a call runs where its refs are: run on rank 1 for a caller who named rank 0, it
+                # answered as if rank 0 had)
+                raise BridgeError.validation(
+                    f"metadata {MD_RANK}: {opts.rank} names rank {opts.rank}, but ref {quote(route.refs[0])} is "
+                    f"held by rank {backend.index} of pool {pool.name!r}, and a call runs where its refs are: "
+                    f"name rank {backend.index}, or none", parameter=MD_RANK)
             mode = opts.affinity or pool.config.affinity
             pin = session is not None and pool.pinned(session) is None
             return Plan(pool, backend, None, mode == "strict_fail_fast", f"ref {quote(route.refs[0])}",

@@ -190,6 +190,12 @@ def test_a_ref_made_on_another_rank_is_refused_by_name_and_the_group_serves_on(s
     assert f"ref {groups[1].id} is not this rank's" in failed.details, failed.details
     assert "x-bridge-refs" not in failed.details, failed.details
     assert on(groups) == [0, 1] and server.pool("tp").restarts == restarts
+    # a Call runs where its refs are: one that names another rank is refused, not run there
+    assert tp.call(Target.get(groups[1], "rank_in_group"), rank=1) == 1
+    with pytest.raises(CallError) as err:
+        tp.call(Target.get(groups[1], "rank_in_group"), rank=0)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.detail.parameter == "x-bridge-rank"
+    assert "is held by rank 1" in err.value.details, err.value.details
 
 
 def test_ranks_that_name_two_roots_are_refused_before_any_runs(server: PoolServer, tp: BridgeClient) -> None:
