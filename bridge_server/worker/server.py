@@ -309,6 +309,10 @@ class Worker:
         self.ready = True
         await self.report_health()
         self._tasks = [asyncio.create_task(self._sweep()), asyncio.create_task(self.liveness.run())]
+        if self.config.lane is None:
+            # reached by strangers directly, as a pool server is: what a burst of large requests left
+            # in the heap goes back (one of 32 × 60 MiB Multiplex requests kept 1.1 GB for good)
+            self._tasks.append(asyncio.create_task(eventloop.trim_heap()))
 
     async def report_health(self) -> None:
         serving = self.ready and not self.liveness.detail
