@@ -135,12 +135,7 @@ class EnteredContexts:
             stack.append(obj)           # counted now: another client's enter meanwhile is refused
             self._used[key] = now
             return
-        owner = self._owner.get(id(obj))
-        if owner is not None and owner != who:
-            raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "validation",
-                              f"{label}: this context manager was entered by another client: only the client "
-                              f"that entered a manager exits it (its hold lapses when it stops using it)",
-                              target=label, reason="not yours")
+        self._own(obj, who, label, "exits", "validation")
         key = self._state.get(id(obj), ("", None))
         stack = self._pruned(key)
         later = next((len(stack) - 1 - i for i, x in enumerate(stack) if x is obj), 0)
@@ -154,12 +149,16 @@ class EnteredContexts:
     def check_release(self, obj: object, who: str) -> None:
         """Refuses `who` releasing a manager another client entered and has not exited: releasing it
         ends that client's hold, as its exit would."""
+        self._own(obj, who, "Release", "releases", "ref")
+
+    def _own(self, obj: object, who: str, label: str, doing: str, category: str) -> None:
+        """Refuses `who` ending a manager another client entered (by exit or release)."""
         owner = self._owner.get(id(obj))
         if owner is not None and owner != who:
-            raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, "ref",
-                              "Release: a ref to a context manager another client entered and has not exited: "
-                              "only that client releases it (its hold lapses when it stops using it)",
-                              reason="not yours")
+            raise BridgeError(grpc.StatusCode.PERMISSION_DENIED, category,
+                              f"{label}: this context manager was entered by another client: only the client "
+                              f"that entered a manager {doing} it (its hold lapses when it stops using it)",
+                              target=label, reason="not yours")
 
     def holder(self, module_file: str, who: str = "") -> str:
         """Who holds the state of the module at `module_file` (the caller that entered its managers
