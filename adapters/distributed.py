@@ -7,7 +7,9 @@ arithmetic helpers are pure; the cheapest of them run inline on the event loop.
 
 import gc
 import logging
+import os
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -152,36 +154,77 @@ def _split_evenly(receiver: object, args: Mapping[str, object], ctx: CallContext
 
 
 class StdoutSuppression:
-    """What `suppress_stdout()` returns to a client: vLLM's own context manager, entered by one caller
-    at a time. It points the worker's file descriptor 1 at /dev/null, for every client, until exited,
-    and restores whatever it found there when entered: two entered at once and exited out of order
-    left the worker's output on /dev/null for good (and each held two files while its ref lived).
-    A second enter while one is in force is refused; releasing the last ref exits it."""
+    """What `suppress_stdout()` returns to a client: vLLM's own context manager, shared. It points the
+    worker's file descriptor 1 at /dev/null, for every client, while any entered one is in force, and
+    restores what was there when the last is exited (or its last ref released), in whatever order:
+    vLLM's own, entered twice and exited out of order, left the worker's output on /dev/null for good,
+    and each held two files while its ref lived.
+
+    What it silences is what C libraries print, as vLLM's entry says, not the worker's log: before the
+    first suppression, vLLM's log handlers that write to fd 1 are moved to a copy of it
+    (`_logs_past_suppression`). One suppression in force at a time, refused to everyone else, let a
+    stranger that entered one and went idle hide every vLLM log line from the operator, and keep every
+    other client out, for as long as its connection stayed open."""
 
     def __init__(self) -> None:
-        self._inner: Any = None
+        self._entered = False
 
     def __enter__(self) -> None:
-        if _suppressing:
-            raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
-                              "vllm.distributed.suppress_stdout: the worker's stdout is suppressed already (by this "
-                              "or another caller's suppress_stdout, for every client): exit that one first",
-                              target="vllm.distributed.suppress_stdout", reason="already suppressed")
-        from vllm.distributed import suppress_stdout
-        inner = suppress_stdout()
-        inner.__enter__()
-        self._inner = inner
-        _suppressing.append(self)
+        with _suppression:
+            if self._entered:
+                raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
+                                  "vllm.distributed.suppress_stdout: this suppression is entered already: exit it "
+                                  "before entering it again",
+                                  target="vllm.distributed.suppress_stdout", reason="context manager state")
+            if not _suppressing:
+                _logs_past_suppression()
+                from vllm.distributed import suppress_stdout
+                inner = suppress_stdout()
+                inner.__enter__()
+                _in_force.append(inner)
+            _suppressing.add(self)
+            self._entered = True
 
     def __exit__(self, *exc: object) -> bool:
-        inner, self._inner = self._inner, None
-        if inner is None:
-            return False
-        _suppressing.remove(self)
-        return bool(inner.__exit__(*exc))
+        with _suppression:
+            if not self._entered:
+                return False
+            self._entered = False
+            _suppressing.discard(self)
+            if _suppressing or not _in_force:
+                return False
+            return bool(_in_force.pop().__exit__(None, None, None))
 
 
-_suppressing: list[StdoutSuppression] = []      # the one in force, if any
+_suppression = threading.Lock()
+_suppressing: set[StdoutSuppression] = set()    # those entered
+_in_force: list[Any] = []                       # vLLM's manager, entered while any is
+_moved_logs: list[Any] = []                     # the copy of fd 1 vLLM's log handlers write to, once made
+
+
+def _logs_past_suppression() -> None:
+    """vLLM's log handlers that write to the worker's fd 1 write to a copy of it instead, made once:
+    pointing fd 1 at /dev/null then silences what libraries print, and no longer the log."""
+    if _moved_logs:
+        return
+    handlers = [h for name in ("", "vllm") for h in logging.getLogger(name).handlers
+                if isinstance(h, logging.StreamHandler) and _writes_to_fd1(h.stream)]
+    if not handlers:
+        _moved_logs.append(None)
+        return
+    sys.stdout.flush()
+    copy = os.fdopen(os.dup(1), "w", buffering=1, encoding=getattr(sys.stdout, "encoding", None) or "utf-8",
+                     errors="backslashreplace")
+    _moved_logs.append(copy)
+    for handler in handlers:
+        handler.setStream(copy)
+
+
+def _writes_to_fd1(stream: Any) -> bool:
+    try:
+        return bool(stream.fileno() == 1)
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 # vLLM's fake implementations of its collectives: what torch.compile traces in place of the real
@@ -231,6 +274,37 @@ def _fake_shape(gathers: bool) -> Callable[[object, Mapping[str, object], CallCo
                               f"parameter world_size: a result of {result:,} bytes, over this server's limit of "
                               f"{MAX_FAKE_BYTES:,} for a fake's", parameter="world_size", reason="too large")
     return guard
+
+
+# The multiply-adds one fake matmul may cost: ~1 s of one core.
+MAX_FAKE_MACS = 1 << 32
+
+
+def _fake_matmul(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
+    """patched_fused_scaled_matmul_reduce_scatter_fake multiplies A by B before anything looks at its
+    group: A of [M, 16] and B of [16, N] in float8, a few MiB on the wire, asked the worker for an
+    [M, N] result of gigabytes (and M·K·N multiply-adds of CPU). So A is of 2 or more dimensions, B of
+    2, their inner dimensions agree, and the product is within MAX_FAKE_BYTES and MAX_FAKE_MACS."""
+    import torch
+    a, b = args.get("A"), args.get("B")
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return
+    if a.dim() < 2 or b.dim() != 2:
+        raise BridgeError.validation(f"parameter {'A' if a.dim() < 2 else 'B'}: expected A of 2 or more "
+                                     f"dimensions and B of 2, got A of shape {list(a.shape)} and B of shape "
+                                     f"{list(b.shape)}", parameter="A" if a.dim() < 2 else "B")
+    rows, inner, cols = a.numel() // max(1, a.shape[-1]), a.shape[-1], b.shape[1]
+    if inner != b.shape[0]:
+        raise BridgeError.validation(f"parameter B: expected {inner:,} rows (A's last dimension), got "
+                                     f"{b.shape[0]:,}", parameter="B")
+    dtype = args.get("out_dtype")
+    size = (dtype if isinstance(dtype, torch.dtype) else a.dtype).itemsize
+    result, work = rows * cols * size, rows * inner * cols
+    if result > MAX_FAKE_BYTES or work > MAX_FAKE_MACS:
+        raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
+                          f"parameter B: A of {rows:,} × {inner:,} times B of {inner:,} × {cols:,} makes a result "
+                          f"of {result:,} bytes with {work:,} multiply-adds; this server's limits for a fake's are "
+                          f"{MAX_FAKE_BYTES:,} bytes and {MAX_FAKE_MACS:,}", parameter="B", reason="too large")
 
 
 def _a_cuda_device(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
@@ -288,6 +362,7 @@ _GUARDS: dict[str, Callable[[object, Mapping[str, object], CallContext], None]] 
     "init_world_group": world_split, "init_model_parallel_group": world_split,
     "all_gather_fake": _fake_shape(gathers=True), "reduce_scatter_fake": _fake_shape(gathers=False),
     "all_reduce_fake": _fake_shape(gathers=False), "graph_capture": _a_cuda_device,
+    "patched_fused_scaled_matmul_reduce_scatter_fake": _fake_matmul,
 }
 # Everything that talks to the other ranks of the group (or sets the group up or down, which is a
 # rendezvous): called on one rank of a distributed pool it would block there, waiting for peers that

@@ -271,24 +271,38 @@ def test_one_identity_holds_at_most_its_share_of_the_files_clients_objects_hold(
         w.stop()
 
 
-def test_suppress_stdout_is_in_force_once_and_ends_with_its_ref(worker: WorkerProcess, client: BridgeClient) -> None:
+def test_suppress_stdout_is_shared_silences_no_log_and_ends_with_the_last(worker: WorkerProcess,
+                                                                          client: BridgeClient) -> None:
     """An entered `suppress_stdout` points the worker's stdout at /dev/null for every client until it
     is exited, holding two files: 9,500 of them took a worker to its open-file limit and it died, and
-    two exited out of order left its output on /dev/null for good. One is in force at a time, and
-    releasing an entered one's last ref ends it."""
+    vLLM's own, two exited out of order, left its output on /dev/null for good. One in force and
+    refused to everyone else let a stranger that entered it and went idle hide every vLLM log line
+    and keep every other client out. Now any client may enter one; the output comes back when the
+    last is exited or released, in any order; and vLLM's log lines reach the worker's output all along."""
     import os
     stdout = os.readlink(f"/proc/{worker.proc.pid}/fd/1")
     first = client.call(f"{D}.suppress_stdout")
     client.call(Target.method(first, "__enter__"))
     assert os.readlink(f"/proc/{worker.proc.pid}/fd/1") == "/dev/null"
+    with pytest.raises(CallError) as err:
+        client.call(Target.method(first, "__enter__"))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "entered already" in err.value.details
     with BridgeClient(worker.address) as other:
         second = other.call(f"{D}.suppress_stdout")
-        with pytest.raises(CallError) as err:
-            other.call(Target.method(second, "__enter__"))
-        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and err.value.reason == "already suppressed"
-        other.release(second)
-    assert client.release(first) == 1                      # never exited: its release ends it
+        other.call(Target.method(second, "__enter__"))             # a second client enters too
+        port = free_port()
+        other.call(f"{D}.init_distributed_environment", 1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo", timeout=30)
+        other.call(f"{D}.destroy_distributed_environment")
+        logged = f"distributed_init_method=tcp://127.0.0.1:{port}"
+        deadline = time.monotonic() + 10
+        while logged not in worker.log.read_text(errors="replace") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert logged in worker.log.read_text(errors="replace")    # vLLM's log, suppressed or not
+        assert client.call(Target.method(first, "__exit__")) is False      # the first out ...
+        assert os.readlink(f"/proc/{worker.proc.pid}/fd/1") == "/dev/null"  # ... the other's still in force
+        assert other.release(second) == 1                      # never exited: its release ends it
     assert os.readlink(f"/proc/{worker.proc.pid}/fd/1") == stdout
+    client.release(first)
     again = client.call(f"{D}.suppress_stdout")
     client.call(Target.method(again, "__enter__"))
     client.call(Target.method(again, "__exit__"))
@@ -312,6 +326,8 @@ def test_what_a_closed_connection_made_goes_after_orphan_ref_s(tmp_path: Path) -
         stdout = os.readlink(f"/proc/{w.proc.pid}/fd/1")
         with BridgeClient(w.address, channel_options=own) as stays:
             kept = stays.call(f"{D}.suppress_stdout")
+            stays.call(Target.method(kept, "__enter__"))    # the first suppression moves vLLM's log to a
+            stays.call(Target.method(kept, "__exit__"))     # copy of stdout, once: one file for good
             files = process.num_fds()
             with BridgeClient(w.address, channel_options=own) as goes:
                 entered = goes.call(f"{D}.suppress_stdout")
@@ -462,11 +478,19 @@ def test_a_fake_collectives_result_holds_nothing_the_worker_had_in_memory(worker
      "parameter world_size: expected 1 to 1,024 ranks, got 0"),
     ("all_gather_fake", (torch.ones(1_000_000), 0, 1_000, "g"), grpc.StatusCode.RESOURCE_EXHAUSTED,
      "a result of 4,000,000,000 bytes, over this server's limit"),
+    ("patched_fused_scaled_matmul_reduce_scatter_fake",
+     (torch.ones(200_000, 16, dtype=torch.float8_e4m3fn), torch.ones(16, 20_000, dtype=torch.float8_e4m3fn),
+      torch.tensor(1.0), torch.tensor(1.0), "sum", 0, 0, "g", [200_000, 20_000], None, None, "float32", False),
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "makes a result of 16,000,000,000 bytes with 64,000,000,000"),
+    ("patched_fused_scaled_matmul_reduce_scatter_fake",
+     (torch.ones(8, 16), torch.ones(12, 4), torch.tensor(1.0), torch.tensor(1.0), "sum", 0, 0, "g", [8, 4]),
+     grpc.StatusCode.INVALID_ARGUMENT, "parameter B: expected 16 rows (A's last dimension), got 12"),
 ])
 def test_a_fakes_shape_is_one_it_can_make(client: BridgeClient, name: str, args: tuple[Any, ...],
                                            code: grpc.StatusCode, said: str) -> None:
-    """A dim past the tensor's (a bare IndexError), a world size of 0 (ZeroDivisionError), or a
-    gathered result of gigabytes, which zeroing would touch page by page, are refused by name."""
+    """A dim past the tensor's (a bare IndexError), a world size of 0 (ZeroDivisionError), a
+    gathered result of gigabytes, which zeroing would touch page by page, or a fake matmul whose few
+    MiB of float8 multiply into gigabytes, are refused by name."""
     with pytest.raises(CallError) as err:
         client.call(f"{D}.{name}", *args)
     assert err.value.code == code and said in err.value.details, err.value.details
