@@ -344,6 +344,19 @@ def _shutdown_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> N
                           target=f"{PREFIX}.shutdown", reason="published")
 
 
+def _drain_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None:
+    """vLLM's drain looks at the engine only while its timeout lasts: with 0 or less it raised its
+    TimeoutError at once, idle or not, which read as the call's own deadline."""
+    engine_life.alive(engine, args, ctx)
+    timeout = args.get("drain_timeout")
+    if type(timeout) is int and timeout < 1:
+        label = f"{PREFIX}.wait_for_requests_to_drain"
+        raise BridgeError.validation(f"{label}: parameter drain_timeout: expected 1 or more seconds (how long to "
+                                     f"wait for the engine to go idle), got {timeout:,}" if abs(timeout) < 10**18
+                                     else f"{label}: parameter drain_timeout: expected 1 or more seconds",
+                                     target=label, parameter="drain_timeout")
+
+
 ASYNC_LLM = AdapterSpec(
     surface="async_llm",
     module="vllm",
@@ -356,6 +369,7 @@ ASYNC_LLM = AdapterSpec(
     guards={"*": engine_life.alive, "generate": _request_guard("generate", "sampling_params"),
             "encode": _request_guard("encode", "pooling_params"), "add_request": _request_guard("add_request", "params"),
             "abort": _abort_guard, "collective_rpc": _collective_rpc_guard, "shutdown": _shutdown_guard,
+            "wait_for_requests_to_drain": _drain_guard,
             "new": creation_guard, "from_engine_args": engine_args_guard, "from_vllm_config": creation_guard,
             **{m: _lora_guard(m) for m in ("add_lora", "list_loras", "pin_lora", "remove_lora")}},
     overrides={"new": new_engine, "from_engine_args": made_by("from_engine_args", "engine_args"),

@@ -122,11 +122,17 @@ def check_prompt_form(engine: Any, label: str, prompt: Any, where: str = "prompt
     if given is not None and not getattr(config, "is_multimodal_model", False):
         raise BridgeError.validation(f"{label}: parameter {where}.{given}: this engine's model is not multimodal "
                                      f"and takes text or token ids only", target=label, parameter=f"{where}.{given}")
-    if prompt.get("prompt_embeds") is not None and not getattr(config, "enable_prompt_embeds", False):
+    if "prompt_embeds" in prompt and not getattr(config, "enable_prompt_embeds", False):   # vLLM: even of None
         raise BridgeError(grpc.StatusCode.FAILED_PRECONDITION, "validation",
                           f"{label}: parameter {where}.prompt_embeds: this engine takes no prompt embeddings "
                           f"(engine arg enable_prompt_embeds)", target=label, parameter=f"{where}.prompt_embeds",
                           reason="prompt embeds disabled")
+    salt = prompt.get("cache_salt")
+    if isinstance(salt, str) and len(salt) > MAX_CACHE_SALT_CHARS:
+        raise BridgeError.validation(f"{label}: parameter {where}.cache_salt: expected at most "
+                                     f"{MAX_CACHE_SALT_CHARS:,} characters (vLLM copies the salt into each of the "
+                                     f"request's completions), got {len(salt):,} characters", target=label,
+                                     parameter=f"{where}.cache_salt")
     ids = prompt.get("prompt_token_ids")
     if isinstance(ids, (list, tuple)) and not ids and prompt.get("prompt_embeds") is None:
         raise BridgeError.validation(f"{label}: parameter {where}.prompt_token_ids: expected at least one token id, "
@@ -179,6 +185,10 @@ MAX_TRACE_HEADER_CHARS = 8_192
 # core message about them: one id of 999,000 characters at n=256 took the worker +900 MB and the core
 # +650 MB, kept, and a bystander's 4-token generation took 3 s. A UUID is 36 characters.
 MAX_REQUEST_ID_CHARS = 1_024
+# A prompt's cache salt, which vLLM copies into each of its n child requests as well: salts of 999,000
+# characters, four requests at n=256 a round, left the published engine's core 0.7-0.9 GB larger each
+# round, kept. A salt that keeps prompts apart needs a few dozen characters.
+MAX_CACHE_SALT_CHARS = 1_024
 
 
 # What a client may pass to the tokenizer with its prompt (`tokenization_kwargs`), and of what type.

@@ -54,10 +54,13 @@ async def with_deadline(aw: Any, at: float | None, label: str, doing: str = "run
     streamed item."""
     if at is None:
         return await aw
+    timeout = asyncio.timeout_at(asyncio.get_running_loop().time() + (at - time.monotonic()))
     try:
-        async with asyncio.timeout_at(asyncio.get_running_loop().time() + (at - time.monotonic())):
+        async with timeout:
             return await aw
     except TimeoutError:
+        if not timeout.expired():
+            raise       # the called function's own (vLLM's drain with a timeout of 0), not the call's deadline
         raise BridgeError.timeout(f"{label}: deadline exceeded while {doing}", target=label) from None
 
 

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from bridge_server.worker.deadlines import Watchdog
+from bridge_server.wire.errors import BridgeError
+from bridge_server.worker.deadlines import Watchdog, with_deadline
 
 
 async def _items(gaps: list[float]) -> list[int]:
@@ -65,3 +66,17 @@ def test_a_cancel_that_is_not_the_deadline_stays_a_cancel() -> None:
             w.close()
         return True
     assert asyncio.run(run()) is False
+
+
+def test_a_functions_own_timeout_is_not_told_as_the_calls_deadline() -> None:
+    """vLLM's drain raised its own TimeoutError for a drain timeout of 0, and the call's far deadline
+    was said to have passed ("deadline exceeded while running") within 10 ms."""
+    async def own() -> None:
+        raise TimeoutError("Timeout reached after 0 seconds waiting for requests to drain.")
+
+    async def main() -> None:
+        with pytest.raises(TimeoutError, match="waiting for requests to drain"):
+            await with_deadline(own(), time.monotonic() + 60, "drain")
+        with pytest.raises(BridgeError, match="drain: deadline exceeded while running"):
+            await with_deadline(asyncio.sleep(5), time.monotonic() + 0.05, "drain")
+    asyncio.run(main())

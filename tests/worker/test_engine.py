@@ -662,6 +662,12 @@ def test_an_engine_built_from_a_map_generates_and_shutdown_leaves_no_process(bri
     assert len(started) == 1
     items = list(bridge.stream(Target.method(engine, "generate"), "from a map", greedy(8), "map-1"))
     assert len(items[-1]["outputs"][0]["token_ids"]) == 8
+    # drained at once (nothing runs); a drain timeout of 0 was vLLM's TimeoutError, told as the call's deadline
+    assert bridge.call(Target.method(engine, "wait_for_requests_to_drain"), 5) is None
+    with pytest.raises(CallError) as err:
+        bridge.call(Target.method(engine, "wait_for_requests_to_drain"), 0)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.detail.parameter == "drain_timeout", \
+        err.value
     assert bridge.call(Target.method(engine, "shutdown")) is None
     assert wait_until(lambda: not (engine_processes(engine_worker) & started))
 
@@ -1015,6 +1021,8 @@ BAD_REQUESTS = [   # (what, prompt, sampling params, extra kwargs, status, words
      grpc.StatusCode.INVALID_ARGUMENT, "parameter prompt['no_such_key']: not a key of a prompt"),
     ("prompt embeddings for an engine that takes none", {"prompt_embeds": torch.zeros(3, 64)}, greedy(2), {},
      grpc.StatusCode.FAILED_PRECONDITION, "parameter prompt.prompt_embeds: this engine takes no prompt embeddings"),
+    ("a prompt_embeds key of None, which vLLM refuses all the same", {"prompt_embeds": None, "prompt_token_ids": [1]},
+     greedy(2), {}, grpc.StatusCode.FAILED_PRECONDITION, "parameter prompt.prompt_embeds: this engine takes no prompt"),
     ("a data parallel rank the engine lacks", "hi", greedy(2), {"data_parallel_rank": 5},
      grpc.StatusCode.INVALID_ARGUMENT, "parameter data_parallel_rank: expected a rank of this engine's 1"),
     ("a prompt text beside a prompt", "hi", greedy(2), {"prompt_text": "x"},
@@ -1444,7 +1452,8 @@ def test_what_a_request_adds_to_every_engine_step_is_bounded_alone_and_together(
 def test_the_items_a_request_has_the_engine_core_hold_are_bounded(bridge: BridgeClient) -> None:
     """vLLM sends each of a request's n completions to the engine core with a copy of its params: 999,000
     allowed token ids at n=256 (2 MB) took the core from 4.4 to 10 GB, kept, and held every client's
-    requests 33 s. n x the items of a request's lists and maps is at most 2,000,000."""
+    requests 33 s. n x the items of a request's lists and maps is at most 2,000,000. The request's id,
+    trace headers and cache salt, copied with each completion too, are bounded in length."""
     many = {**greedy(4), "temperature": 0.8, "n": 256}
     for field, value in (("allowed_token_ids", [i % 1000 for i in range(8_000)]),
                          ("extra_args", {"k": list(range(8_000))})):
@@ -1464,6 +1473,12 @@ def test_the_items_a_request_has_the_engine_core_hold_are_bounded(bridge: Bridge
         list(bridge.stream(GENERATE, "Hello", greedy(2), "r" * 1_025, timeout=60))
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.detail is not None, err.value
     assert err.value.detail.parameter == "request_id" and "1,025 characters" in err.value.details, err.value
+    with pytest.raises(CallError) as err:      # and the prompt's cache salt
+        list(bridge.stream(GENERATE, {"prompt": "Hello", "cache_salt": "s" * 1_025}, many, "items-salt", timeout=60))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.detail is not None, err.value
+    assert err.value.detail.parameter == "prompt.cache_salt" and "got 1,025 characters" in err.value.details, err.value
+    salted = {"prompt": "Hello", "cache_salt": "s" * 1_024}
+    assert list(bridge.stream(GENERATE, salted, greedy(2), "items-salt-fits", timeout=60))[-1]["finished"]
 
 
 def test_one_client_takes_at_most_three_quarters_of_its_hosts_sequences(engine_worker: WorkerProcess,
