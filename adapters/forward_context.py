@@ -7,11 +7,13 @@ other fields name classes to load, executors to start and addresses to reach.
 """
 
 from collections.abc import Mapping
+from typing import Any
 
 import grpc
 
 from adapters.distributed import bounded_logger
-from adapters.spec import AdapterSpec, CallContext, Constructor, Exposure, RecordRule
+from adapters.process_groups import MAX_PP_SIZE, short
+from adapters.spec import AdapterSpec, CallContext, Constructor, Exposure, Policy, RecordRule
 from bridge_server.wire.errors import BridgeError
 
 MODULE = "vllm.forward_context"
@@ -34,6 +36,26 @@ def _bounded_sp(receiver: object, args: Mapping[str, object], ctx: CallContext) 
         raise BridgeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "validation",
                           f"{label}: {sp:,} slots for each of {numel():,} ranks is over this server's limit of "
                           f"{MAX_SP_TOKENS:,} entries", parameter=key, reason="too large")
+
+
+# A ParallelConfig's sizes and ranks, each along one axis of a layout: vLLM sizes tensors by them
+# (`coordinate_batch_across_dp` made a [5, data_parallel_size] tensor: 10**9 asked for 20 GB from a
+# request of 200 bytes, 5 * 10**7 took 1 GB), and checked a size of 10**9 only as "too large swap space".
+_SIZES = ("pipeline_parallel_size", "tensor_parallel_size", "prefill_context_parallel_size",
+          "decode_context_parallel_size", "data_parallel_size", "data_parallel_size_local")
+_RANKS = ("data_parallel_rank", "data_parallel_rank_local")
+
+
+def _parallel_sizes(fields: Mapping[str, Any], policy: Policy) -> None:
+    """(A VllmConfig's parallel_config given as a map is built as a ParallelConfig, by this rule.)"""
+    label = "vllm.config.ParallelConfig"
+    for name in (*_SIZES, *_RANKS, "ubatch_size"):
+        value = fields.get(name)
+        low = 1 if name in _SIZES else 0
+        high = MAX_PP_SIZE - 1 if name in _RANKS else MAX_PP_SIZE
+        if type(value) is int and not low <= value <= high:
+            raise BridgeError.validation(f"{label}: field {name}: expected {low} to {high:,}, got {short(value)}",
+                                         target=label, parameter=name)
 
 
 def _a_list(receiver: object, args: Mapping[str, object], ctx: CallContext) -> None:
@@ -76,7 +98,7 @@ FORWARD_CONTEXT = AdapterSpec(
                       "current_platform", "coordinate_batch_across_dp"}),
     record_rules=(
         RecordRule("vllm.config", "VllmConfig", fields=frozenset({"parallel_config", "optimization_level"})),
-        RecordRule("vllm.config", "ParallelConfig", fields=frozenset({
+        RecordRule("vllm.config", "ParallelConfig", check=_parallel_sizes, fields=frozenset({
             "pipeline_parallel_size", "tensor_parallel_size", "prefill_context_parallel_size",
             "decode_context_parallel_size", "data_parallel_size", "data_parallel_size_local", "data_parallel_rank",
             "data_parallel_rank_local", "enable_expert_parallel", "enable_eplb", "enable_dbo", "ubatch_size",

@@ -3,6 +3,8 @@ socket on a real worker process running real vLLM."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import pytest
 import torch
@@ -175,6 +177,26 @@ def test_dp_metadata_make_accepts_a_config_ref_or_a_map(client: BridgeClient) ->
         client.call(f"{FC}.DPMetadata.make", client.call("vllm.config.ParallelConfig"), 7, torch.tensor([7]))
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "DPMetadata.make" in err.value.details and "AssertionError" in err.value.details
+
+
+@pytest.mark.parametrize("record,kwargs,said", [
+    ("vllm.config.ParallelConfig", {"data_parallel_size": 50_000_000}, "field data_parallel_size: expected 1 to 1,024"),
+    ("vllm.config.ParallelConfig", {"data_parallel_rank": -1}, "field data_parallel_rank: expected 0 to 1,023"),
+    ("vllm.config.VllmConfig", {"parallel_config": {"tensor_parallel_size": 10**9}},
+     "parameter parallel_config: cannot build ParallelConfig from the map given: field tensor_parallel_size: "
+     "expected 1 to 1,024"),
+])
+def test_a_configs_sizes_are_those_of_a_layout(client: BridgeClient, record: str, kwargs: dict[str, Any],
+                                                said: str) -> None:
+    """vLLM sizes tensors by a ParallelConfig's sizes: a data_parallel_size of 5 * 10**7 made
+    coordinate_batch_across_dp allocate 1 GB of the worker from 200 bytes, and a tensor parallel size
+    of 10**9 was refused as "too large swap space". Each is refused by name, directly or nested."""
+    with pytest.raises(CallError) as err:
+        client.call(record, kwargs=kwargs)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and said in err.value.details, err.value
+    assert "pydantic" not in err.value.details, err.value
+    assert client.call(record, kwargs={"parallel_config": {"data_parallel_size": 1_024}}
+                       if record.endswith("VllmConfig") else {"data_parallel_size": 1_024})
 
 
 def test_coordinate_batch_across_dp_returns_the_documented_tuple(client: BridgeClient) -> None:
