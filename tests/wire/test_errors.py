@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -237,3 +238,54 @@ def test_an_exceptions_message_shows_no_heap_address() -> None:
         err = BridgeError.from_exception(exc, "vllm.distributed.in_the_same_node_as")
         assert "0x" not in err.message and "ProcessGroup object> is not initialized" in err.message, err.message
 
+
+
+class _Made:
+    """What a failed call made: a stand-in for its 2 GB result."""
+
+    err: BaseException | None = None
+
+
+def test_what_a_failed_call_made_goes_once_its_error_is_told() -> None:
+    """A fake matmul refused after it multiplied kept its result for 15 s and more: the frames its
+    exception went through held it, in a cycle only a collection finds (the worker's heap is frozen,
+    and old objects are collected rarely). Once told, the error keeps its text and lets them go;
+    a coroutine that caught an error and goes on is left running."""
+    import gc
+    import weakref
+
+    refs: list[weakref.ref[_Made]] = []
+
+    def failing() -> None:
+        made = _Made()
+        refs.append(weakref.ref(made))
+        err = ValueError("refused after making something")
+        made.err = err            # the cycle: error -> traceback -> frame -> made -> error
+        raise err
+
+    async def keeps_going(caught: list[BaseException]) -> str:
+        try:
+            failing()
+        except ValueError as exc:
+            caught.append(exc)
+        await asyncio.sleep(0)
+        return "still running"
+
+    gc.disable()
+    try:
+        try:
+            failing()
+        except ValueError as exc:
+            assert refs[0]() is not None                  # held by the cycle
+            told = BridgeError.from_exception(exc, "f")
+        assert refs[0]() is None, "the failed call's frame still holds what it made"
+        assert "refused after making something" in told.message and "failing" in told.traceback
+        caught: list[BaseException] = []
+        coroutine = keeps_going(caught)
+        coroutine.send(None)                  # caught, and suspended at its sleep
+        BridgeError.from_exception(caught[0], "f")
+        with pytest.raises(StopIteration) as done:
+            coroutine.send(None)
+        assert done.value.value == "still running"
+    finally:
+        gc.enable()
