@@ -19,6 +19,7 @@ File layout (every key optional except a pool's `name`)::
     max_receiving_bytes = 1073741824   # requests read at once, each counted as max_request_bytes (16 of 64 MiB;
                                  # a host a quarter of them)
     receive_s = 30               # how long one request may take to arrive
+    stall_s = 10                 # how long one request may hold a place to be read in while others wait
     streams_per_host = 32        # request streams (Multiplex, reflection) one host holds open at once
 
     [[pools]]
@@ -71,7 +72,7 @@ from typing import Any
 from bridge_server.pool.backlog import DEFAULT_MAX_UNREAD_BYTES
 from bridge_server.wire.eventloop import DEFAULT_LOOP, LOOPS
 from bridge_server.wire.protocol import MIN_PING_INTERVAL_S
-from bridge_server.wire.receiving import DEFAULT_RECEIVING_BYTES
+from bridge_server.wire.receiving import DEFAULT_RECEIVING_BYTES, STALL_S
 from bridge_server.wire.security import add_arguments as add_security_arguments
 from bridge_server.wire.stall import CONTENDED_STALL_S, READER_STALL_S
 
@@ -190,6 +191,7 @@ class ServerConfig:
     max_connections: int = 0             # clients' connections at once (0: what the open files allow)
     max_receiving_bytes: int = DEFAULT_RECEIVING_BYTES   # requests being read at once, each counted as max_request_bytes
     receive_s: float = 30.0              # how long one request may take to arrive
+    stall_s: float = STALL_S             # how long one may hold a place to be read in while others wait
     streams_per_host: int = 32           # request streams (Multiplex, reflection) one host holds open
     # Security (README, Security): beyond loopback the server needs TLS and client authentication.
     token_file: str = ""                 # bearer tokens, `token` or `name:token` per line
@@ -371,9 +373,9 @@ def validate(cfg: ServerConfig) -> ServerConfig:
         raise ConfigError(f"max_unread_bytes must be >= 0 (0: no bound), got {cfg.max_unread_bytes}")
     if cfg.min_ping_interval_s <= 0:
         raise ConfigError(f"min_ping_interval_s must be > 0, got {cfg.min_ping_interval_s:g}")
-    if cfg.max_receiving_bytes <= 0 or cfg.receive_s <= 0 or cfg.streams_per_host <= 0:
-        raise ConfigError(f"max_receiving_bytes, receive_s and streams_per_host must be > 0, got "
-                          f"{cfg.max_receiving_bytes}, {cfg.receive_s:g} and {cfg.streams_per_host}")
+    if cfg.max_receiving_bytes <= 0 or cfg.receive_s <= 0 or cfg.streams_per_host <= 0 or cfg.stall_s <= 0:
+        raise ConfigError(f"max_receiving_bytes, receive_s, stall_s and streams_per_host must be > 0, got "
+                          f"{cfg.max_receiving_bytes}, {cfg.receive_s:g}, {cfg.stall_s:g} and {cfg.streams_per_host}")
     if cfg.metrics_port < 0:
         raise ConfigError("metrics_port must be >= 0")
     if cfg.loop not in LOOPS:

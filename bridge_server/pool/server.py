@@ -94,7 +94,8 @@ class PoolServer:
                                                           config.max_request_bytes + 64 * 1024)],
                                       interceptors=[ReceiveGate(ReceiveLimits.for_requests(
                                           config.max_request_bytes, config.max_receiving_bytes, config.receive_s,
-                                          config.streams_per_host)), *security.interceptors()])
+                                          config.streams_per_host, config.stall_s), identify=security.identify_token),
+                                          *security.interceptors()])
         self.backlog = backlog = Backlog(config.max_unread_bytes)
         self.metrics.watch_unread(lambda: (backlog.total, backlog.ended, backlog.refused))
         self.server.add_generic_rpc_handlers([Forwarder(self.router, self.metrics, security,

@@ -33,18 +33,31 @@ from bridge_server.wire.errors import BridgeError, abort
 from bridge_server.wire.open_services import PerHost
 from bridge_server.wire.protocol import host_of
 
-__all__ = ["DEFAULT_RECEIVING_BYTES", "ReceiveGate", "ReceiveLimits"]
+__all__ = ["DEFAULT_RECEIVING_BYTES", "STALL_S", "ReceiveGate", "ReceiveLimits"]
 
 DEFAULT_RECEIVING_BYTES = 1 << 30   # requests in receipt at once, each counted as the largest allowed
+# How long a request may hold a place while another host's requests wait for one. Nothing says when a
+# request's bytes begin to arrive, so a call that sent its headers and nothing more held a place for
+# all of receive_s: 4 of them held one address's share for 30 s at a time (its health checks and its
+# authenticated callers' calls failing), and 4 addresses' would have held every place. Past stall_s the
+# place goes to the next host waiting, in turn: what still waits is a stalled sender's, not the others'.
+# A request of 64 MiB arrives well within it at 10 MB/s. (A host is an identity or an address.)
+STALL_S = 10.0
+# A call's metadata, keys and values together (gRPC's own limit, which it applies only once the client
+# has acknowledged the server's HTTP/2 settings: until then headers of 4-5 MB passed, and 600 health
+# watches of 2 MB headers held 1 GB of the pool server for as long as their connection stayed open).
+MAX_CALL_METADATA_BYTES = 16 * 1024
 _WRAPPED_KEPT = 1024        # handlers a server has: a few dozen; more are made per call (not kept)
 
 
 @dataclass(frozen=True)
 class ReceiveLimits:
     """`at_once`: requests in receipt at once, in all; `per_host`: of those, from one host;
-    `receive_s`: how long one may take to arrive, its wait for a place included; `streams_per_host`:
-    request streams one host holds; `waiting_per_host`, `waiting_at_once`: requests waiting for a
-    place, from one host and in all (past them a request is refused at once)."""
+    `receive_s`: how long one may take to arrive, its wait for a place included; `stall_s`: how long
+    one may hold a place while other hosts' requests wait for one; `streams_per_host`: request streams one
+    host holds; `waiting_per_host`, `waiting_at_once`: requests waiting for a place, from one host and
+    in all (past them a request is refused at once). A "host" is a caller's identity when its call
+    carries a listed token, else its address."""
 
     at_once: int = 16
     per_host: int = 4
@@ -52,15 +65,16 @@ class ReceiveLimits:
     streams_per_host: int = 32
     waiting_per_host: int = 1024       # requests waiting for a place, from one host ...
     waiting_at_once: int = 8192        # ... and in all
+    stall_s: float = STALL_S
 
     @classmethod
     def for_requests(cls, max_request_bytes: int, max_receiving_bytes: int, receive_s: float = 30.0,
-                     streams_per_host: int = 32) -> ReceiveLimits:
+                     streams_per_host: int = 32, stall_s: float = STALL_S) -> ReceiveLimits:
         """As many requests in receipt as `max_receiving_bytes` holds of the largest allowed, and at
         least 4; a quarter of them for one host, so that one host stalling its sends leaves the
         rest to the others."""
         at_once = max(4, max_receiving_bytes // max(1, max_request_bytes))
-        return cls(at_once, max(1, at_once // 4), receive_s, streams_per_host)
+        return cls(at_once, max(1, at_once // 4), receive_s, streams_per_host, stall_s=min(stall_s, receive_s))
 
 
 class _Places:
@@ -83,6 +97,12 @@ class _Places:
         if self.waiters >= self.limits.waiting_at_once:
             return f"{self.waiters:,}"
         return ""
+
+    def others_wait(self, host: str) -> bool:
+        """Whether a host other than `host` waits for a place it could take (its share not full):
+        a host's own requests, waiting behind its own, stall only itself."""
+        per_host = self.limits.per_host
+        return any(other != host and self.by_host.get(other, 0) < per_host for other in self.waiting)
 
     def try_take(self, host: str) -> bool:
         if self.taken < self.limits.at_once and self.by_host.get(host, 0) < self.limits.per_host \
@@ -157,14 +177,32 @@ def _refusal(method: str, code: grpc.StatusCode, message: str, reason: str) -> B
 class ReceiveGate(grpc.aio.ServerInterceptor):
     """The outermost interceptor of a server that strangers reach (see the module's docstring)."""
 
-    def __init__(self, limits: ReceiveLimits) -> None:
+    def __init__(self, limits: ReceiveLimits,
+                 identify: Callable[[Any], str | None] | None = None) -> None:
         self.limits = limits
+        self.identify = identify        # a call's identity from its metadata, when the server has tokens
         self.places = _Places(limits)
         self.streams = PerHost(limits.streams_per_host)
         self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self._reading: dict[asyncio.Task[Any], float] = {}     # the reads under way, since when
-        self._expired: set[asyncio.Task[Any]] = set()          # ... and those the sweeper ended
+        self._placed: dict[asyncio.Task[Any], tuple[float, str]] = {}   # ... those with a place: since, whose
+        self._expired: dict[asyncio.Task[Any], str] = {}       # ... and those the sweeper ended, why
         self._sweeper: asyncio.Task[None] | None = None
+
+    def _host(self, context: grpc.aio.ServicerContext, method: str) -> str:
+        """Whom a call counts for (its identity, when it carries a listed token, else its address),
+        once its metadata is within bounds."""
+        metadata = context.invocation_metadata() or ()
+        size = sum(len(key) + len(value) for key, value in metadata)
+        if size > MAX_CALL_METADATA_BYTES:
+            raise _refusal(method, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{size:,} bytes of metadata, over this server's limit of {MAX_CALL_METADATA_BYTES:,}",
+                           "metadata too large")
+        if self.identify is not None:
+            identity = self.identify(metadata)
+            if identity:
+                return "identity " + identity
+        return host_of(context.peer() or "")
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails],
                                                              Awaitable[grpc.RpcMethodHandler]],
@@ -184,7 +222,7 @@ class ReceiveGate(grpc.aio.ServerInterceptor):
     async def _read(self, requests: Any, context: grpc.aio.ServicerContext, method: str) -> Any:
         """The request's one message, read once it has a place; the place is given back once it is
         read, or its call ends. receive_s counts from the request's arrival, its wait included."""
-        host = host_of(context.peer() or "")
+        host = self._host(context, method)
         places = self.places
         task = asyncio.current_task()
         assert task is not None
@@ -201,39 +239,69 @@ class ReceiveGate(grpc.aio.ServerInterceptor):
                                    f"sender sent before a read (up to 64 KiB); try again once fewer are under way",
                                    "too many waiting")
                 await places.take(host)
+            self._placed[task] = (loop.time(), host)
             try:
                 raw = await context.read()
+                # and then the end of the stream: a unary request is one message (a second, even of
+                # garbage, was ignored); a sender that keeps its stream open holds its place meanwhile
+                more = grpc.aio.EOF if raw is grpc.aio.EOF else await context.read()
             finally:
+                del self._placed[task]
                 places.give_back(host)
         except asyncio.CancelledError:
-            if task not in self._expired:
+            why = self._expired.pop(task, "")
+            if not why:
                 raise
-            self._expired.discard(task)
             task.uncancel()
-            raise _refusal(method, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"its request did not arrive within {self.limits.receive_s:g} s (receive_s) of its call's "
-                           f"start: a request in receipt holds a place among the {self.limits.at_once} the server "
-                           f"reads at once, and one waiting for a place what its sender sent", "request too slow") \
-                from None
+            raise self._expiry(method, why) from None
         finally:
             del self._reading[task]
         if raw is grpc.aio.EOF:
             raise _refusal(method, grpc.StatusCode.INVALID_ARGUMENT,
-                           "expected one request message, got none (the stream ended first)", "no request")
+                           "expected one request message, got none (the stream ended first, or its message was "
+                           "cut short)", "no request")
+        if more is not grpc.aio.EOF:
+            raise _refusal(method, grpc.StatusCode.INVALID_ARGUMENT,
+                           "expected one request message, got more: this method takes one", "more than one request")
         return raw
 
+    def _expiry(self, method: str, why: str) -> BridgeError:
+        limits = self.limits
+        if why == "stalled":
+            said = (f"its request had not arrived {limits.stall_s:g} s (stall_s) after it was given a place to be "
+                    f"read in, while other requests waited for one: the server reads {limits.at_once} at once, "
+                    f"each counted as the largest allowed")
+        elif why == "waited":
+            said = (f"its request waited {limits.receive_s:g} s (receive_s) for a place to be read in, all of "
+                    f"those its sender may hold ({limits.per_host} for one host or identity, {limits.at_once} in "
+                    f"all) being held by others' requests; try again")
+        else:
+            said = (f"its request did not arrive within {limits.receive_s:g} s (receive_s) of its call's start: a "
+                    f"request in receipt holds a place among the {limits.at_once} the server reads at once")
+        return _refusal(method, grpc.StatusCode.RESOURCE_EXHAUSTED, said, "request too slow")
+
     async def _sweep(self) -> None:
-        """Ends the reads that have taken longer than receive_s, while any read is under way: one
-        sweeper, not a timer per request (a timer each cost a trivial call ~25 µs of the server's CPU)."""
+        """Ends the reads that have taken longer than receive_s, and those that have held a place for
+        stall_s while others wait for one, while any read is under way: one sweeper, not a timer per
+        request (a timer each cost a trivial call ~25 µs of the server's CPU)."""
         loop = asyncio.get_running_loop()
-        every = min(1.0, self.limits.receive_s / 4)
+        every = min(1.0, self.limits.receive_s / 4, self.limits.stall_s / 4)
         while self._reading:
             await asyncio.sleep(every)
-            late = loop.time() - self.limits.receive_s
+            now = loop.time()
+            late, stalled = now - self.limits.receive_s, now - self.limits.stall_s
             for task, since in list(self._reading.items()):
                 if since <= late and task not in self._expired:
-                    self._expired.add(task)
+                    self._expired[task] = "late" if task in self._placed else "waited"
                     task.cancel()
+            wanted = self.places.waiters
+            for task, (since, host) in sorted(self._placed.items(), key=lambda kv: kv[1][0]):
+                if wanted <= 0 or since > stalled:
+                    break       # as many places as requests wait, the longest held first
+                if task not in self._expired and self.places.others_wait(host):
+                    self._expired[task] = "stalled"
+                    task.cancel()
+                    wanted -= 1
 
     def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         deserialize = handler.request_deserializer
@@ -275,7 +343,10 @@ class ReceiveGate(grpc.aio.ServerInterceptor):
         cap = self.limits.streams_per_host
 
         async def opened(context: grpc.aio.ServicerContext) -> str:
-            host = host_of(context.peer() or "")
+            try:
+                host = self._host(context, method)
+            except BridgeError as refused:
+                await abort(context, refused.to_status(), refused)
             if not self.streams.take(host):
                 err = _refusal(method, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"this host holds {cap} request streams open (Multiplex, reflection), the most "

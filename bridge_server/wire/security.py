@@ -143,6 +143,10 @@ class ServerSecurity:
     def mutual_tls(self) -> bool:
         return self.tls is not None and self.tls.client_ca is not None
 
+    def identify_token(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+        """The identity of a call's listed bearer token; None without one (or without tokens)."""
+        return self.tokens.identify(metadata) if self.tokens is not None else None
+
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [AuthInterceptor(self.tokens, self.open_services)] if self.tokens is not None else []
 
@@ -174,12 +178,15 @@ async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
                                    "missing or unknown bearer token: send `authorization: Bearer <token>`"))
 
 
-# One refusing handler per shape of call, made once: the server's outer interceptor (`receiving.py`)
-# keeps what it wraps by handler.
+# One refusing handler per shape of reply, made once: the server's outer interceptor (`receiving.py`)
+# keeps what it wraps by handler. Each reads a stream of requests, of which it reads none (the wire is
+# the same for a unary request): as a unary handler, a call without a token was given a place among
+# the requests the server reads at once, and held it until its request came or receive_s passed, so
+# that callers without a token stalled the calls of those with one.
 _DENIALS = {(True, True): grpc.stream_stream_rpc_method_handler(_refuse),
             (True, False): grpc.stream_unary_rpc_method_handler(_refuse),
-            (False, True): grpc.unary_stream_rpc_method_handler(_refuse),
-            (False, False): grpc.unary_unary_rpc_method_handler(_refuse)}
+            (False, True): grpc.stream_stream_rpc_method_handler(_refuse),
+            (False, False): grpc.stream_unary_rpc_method_handler(_refuse)}
 
 
 def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

@@ -402,8 +402,8 @@ def build_worker(config: WorkerConfig, catalog: Catalog | None = None,
     options = [o for o in server_options(config.min_ping_interval_s) if o[0] != "grpc.max_receive_message_length"]
     # A worker of a pool is reached over a private socket by its pool server only, which bounds what
     # it reads for its callers; a worker on its own reads within the same bounds (`receiving.py`).
-    gate = [] if config.lane is not None else [ReceiveGate(ReceiveLimits.for_requests(config.max_request_bytes,
-                                                                                      DEFAULT_RECEIVING_BYTES))]
+    gate = [] if config.lane is not None else [ReceiveGate(ReceiveLimits.for_requests(
+        config.max_request_bytes, DEFAULT_RECEIVING_BYTES), identify=security.identify_token)]
     server = grpc.aio.server(options=[*options, ("grpc.max_receive_message_length", limit),
                                       *(UNCOMPRESSED_REQUESTS if gate else []), *config.extra_options],
                              interceptors=[*gate, *security.interceptors()])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -131,6 +132,19 @@ def test_a_call_that_ends_without_its_request_is_refused_by_name(server: PoolSer
     assert "Call: expected one request message, got none" in err.value.details()  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("method", [CALL, "/grpc.health.v1.Health/Check"])
+def test_a_unary_call_with_a_second_request_is_refused_by_name(server: PoolServer, method: str) -> None:
+    """A unary method takes one request: a second (here garbage) was ignored and the first answered."""
+    one = pb.CallRequest(target=pb.Target(kind=pb.Target.FUNCTION, name=AVAILABLE)).SerializeToString() \
+        if method == CALL else health_pb2.HealthCheckRequest().SerializeToString()
+    with grpc.insecure_channel(server.address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            ch.stream_unary(method)(iter((one, b"\xff\xff")), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value      # type: ignore[attr-defined]
+        assert "expected one request message, got more" in err.value.details()    # type: ignore[attr-defined]
+        assert ch.stream_unary(method)(iter((one,)), timeout=10)                   # one is answered
+
+
 def test_one_host_holds_at_most_streams_per_host_request_streams(server: PoolServer) -> None:
     """Four Multiplex streams open from this host; the fifth is refused by name (each stream reads a
     message as it comes, up to max_request_bytes, for as long as it lives). Closing one lets another
@@ -209,6 +223,149 @@ workers = 1
         for ch in channels:
             ch.close()
         server.stop()
+
+
+# ------------------------------------------------------------------------------ stalled senders, strangers
+TOKEN = "alice-token-0123456789abcdef"
+OTHERS = {name: f"{name}-token-0123456789abcdef" for name in ("bob", "carol", "dave")}
+
+
+@pytest.fixture(scope="module")
+def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolServer]:
+    """Tokens (alice); 4 places, 1 a host or identity; 30 s for a request to arrive, but 1 s to hold
+    a place while others wait for one."""
+    tmp = tmp_path_factory.mktemp("gated")
+    (tmp / "tokens").write_text(f"alice:{TOKEN}\n" + "".join(f"{n}:{t}\n" for n, t in OTHERS.items()))
+    (tmp / "tokens").chmod(0o600)
+    s = start_pool_server(tmp, f"""
+token_file = "{tmp / 'tokens'}"
+max_request_bytes = {MAX_REQUEST}
+max_receiving_bytes = {4 * MAX_REQUEST}
+receive_s = 30
+stall_s = 1
+[[pools]]
+name = "p"
+workers = 1
+""", token=TOKEN)
+    yield s
+    s.stop()
+
+
+def _stalled(ch: grpc.Channel, method: str, metadata: tuple[tuple[str, str], ...] = ()) -> Any:
+    """A call that sends its headers and then nothing, as one that stopped before its request."""
+    outgoing: queue.Queue[Any] = queue.Queue()
+    call = ch.stream_unary(method).future(iter(outgoing.get, None), timeout=60, metadata=metadata)
+    call.outgoing = outgoing
+    return call
+
+
+def test_a_call_that_sends_nothing_holds_its_place_only_while_others_wait(gated: PoolServer) -> None:
+    """Calls that sent their headers and nothing more held their host's places for all of receive_s,
+    so that every other call of their address (its health checks, its authenticated callers') waited
+    30 s and was then told its own request had not arrived; four addresses' would have held every
+    place. A caller with a token counts as its identity, not its address; and a place held while
+    another host waits for one goes to it after stall_s."""
+    check = "/grpc.health.v1.Health/Check"
+    with grpc.insecure_channel(gated.address, options=OWN) as ch:
+        stalled = [_stalled(ch, check)]          # no token (health answers anyone): this address's place
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        with BridgeClient(gated.address, token=TOKEN, channel_options=OWN) as alice:   # her identity's place
+            assert alice.call(AVAILABLE, timeout=30) is False
+        assert time.monotonic() - t0 < 0.9, "alice waited for a stalled call of her address"
+        stalled += [_stalled(ch, check, (("authorization", f"Bearer {t}"),)) for t in OTHERS.values()]
+        time.sleep(0.5)                          # every place held: bob's, carol's, dave's, the address's
+        t0 = time.monotonic()
+        with BridgeClient(gated.address, token=TOKEN, channel_options=OWN) as alice:
+            assert alice.call(AVAILABLE, timeout=30) is False     # ... until one has held it stall_s
+        waited = time.monotonic() - t0
+        ended = [call for call in stalled if call.done()]       # the one whose place alice was given
+        for call in stalled:
+            call.outgoing.put(None)
+            if not call.done():
+                call.cancel()
+    assert waited < 10, waited                   # stall_s, not receive_s
+    assert len(ended) == 1, ended
+    with pytest.raises(grpc.RpcError) as err:
+        ended[0].result()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value       # type: ignore[attr-defined]
+    assert "had not arrived 1 s (stall_s) after it was given a place" in err.value.details(), \
+        err.value.details()                      # type: ignore[attr-defined]
+
+
+def test_a_call_without_a_token_is_refused_before_anything_is_read(gated: PoolServer) -> None:
+    """A call the server will refuse for want of a token was given a place, and read, first: callers
+    without a token stalled the places of those with one. It is refused at once, sent or not."""
+    with grpc.insecure_channel(gated.address, options=OWN) as ch:
+        calls = [_stalled(ch, CALL) for _ in range(8)]
+        t0 = time.monotonic()
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                call.result(timeout=30)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value    # type: ignore[attr-defined]
+            call.outgoing.put(None)
+        assert time.monotonic() - t0 < 5
+    with BridgeClient(gated.address, token=TOKEN, channel_options=OWN) as alice:
+        assert alice.call(AVAILABLE, timeout=30) is False
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def _hpack_int(value: int, bits: int) -> bytes:
+    top = (1 << bits) - 1
+    if value < top:
+        return bytes([value])
+    out, value = [top], value - top
+    while value >= 128:
+        out.append(value & 127 | 128)
+        value >>= 7
+    return bytes([*out, value])
+
+
+def _literal(name: str, value: str) -> bytes:
+    """A header as an HPACK literal without indexing, neither part Huffman-coded."""
+    return b"\x00" + _hpack_int(len(name), 7) + name.encode() + _hpack_int(len(value), 7) + value.encode()
+
+
+def test_metadata_past_grpcs_limit_is_refused_before_the_client_acknowledges_settings(gated: PoolServer) -> None:
+    """gRPC applies its 16 KiB limit on a call's metadata only once the client has acknowledged the
+    server's HTTP/2 settings: until then headers of megabytes reached the services, and a health
+    Watch kept them for as long as its connection stayed open (600 of 2 MB: 1 GB of the pool server).
+    Over a raw connection that never acknowledges, a Watch with 1 MB of headers is ended at once
+    (trailers only, no reply), and the server serves on."""
+    host, port = gated.address.rsplit(":", 1)
+    headers = b"".join(_literal(k, v) for k, v in (
+        (":method", "POST"), (":scheme", "http"), (":path", "/grpc.health.v1.Health/Watch"),
+        (":authority", "localhost"), ("content-type", "application/grpc"), ("te", "trailers"),
+        ("x-pad", "a" * 1_000_000)))
+    chunks = [headers[i:i + 16384] for i in range(0, len(headers), 16384)]
+    wire = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(4, 0, 0, b"") + _frame(1, 0, 1, chunks[0])
+    for i, chunk in enumerate(chunks[1:], 2):
+        wire += _frame(9, 4 if i == len(chunks) else 0, 1, chunk)
+    wire += _frame(0, 1, 1, b"\x00\x00\x00\x00\x00")      # an empty HealthCheckRequest, and the end
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(wire)
+        sock.settimeout(0.5)
+        got, frames, deadline = b"", [], time.monotonic() + 10
+        while time.monotonic() < deadline and not any(f[:3] in ((1, 1, 1), (3, 0, 1)) or f[0] == 3 and f[2] == 1
+                                                      for f in frames):
+            try:
+                more = sock.recv(1 << 16)
+            except TimeoutError:
+                continue
+            if not more:
+                break
+            got += more
+            while len(got) >= 9 and len(got) >= 9 + int.from_bytes(got[:3], "big"):
+                size = int.from_bytes(got[:3], "big")
+                frames.append((got[3], got[4] & 1, int.from_bytes(got[5:9], "big") & 0x7FFFFFFF))
+                got = got[9 + size:]
+    on_watch = [f for f in frames if f[2] == 1]
+    assert not any(kind == 0 for kind, _, _ in on_watch), on_watch           # no reply was sent
+    assert any(kind == 1 and end or kind == 3 for kind, end, _ in on_watch), on_watch   # the call ended
+    assert health(gated) == health_pb2.HealthCheckResponse.SERVING
 
 
 # ------------------------------------------------------------------------------ the places themselves
