@@ -352,9 +352,8 @@ def _drain_guard(engine: Any, args: Mapping[str, Any], ctx: CallContext) -> None
     if type(timeout) is int and timeout < 1:
         label = f"{PREFIX}.wait_for_requests_to_drain"
         raise BridgeError.validation(f"{label}: parameter drain_timeout: expected 1 or more seconds (how long to "
-                                     f"wait for the engine to go idle), got {timeout:,}" if abs(timeout) < 10**18
-                                     else f"{label}: parameter drain_timeout: expected 1 or more seconds",
-                                     target=label, parameter="drain_timeout")
+                                     f"wait for the engine to go idle), got {clip_int(timeout)}", target=label,
+                                     parameter="drain_timeout")
 
 
 ASYNC_LLM = AdapterSpec(

@@ -257,6 +257,7 @@ def _clear_locals(exc: BaseException | None) -> None:
             entry = entry.tb_next
         exc = exc.__cause__ or exc.__context__
 
+
 def _traceback(exc: BaseException) -> str:
     """The exception's traceback, each file named as it is imported (`vllm/v1/engine/async_llm.py`),
     not by where the server keeps it: a caller debugging its call needs the frames, and no stranger

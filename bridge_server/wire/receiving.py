@@ -269,8 +269,8 @@ class ReceiveGate(grpc.aio.ServerInterceptor):
         limits = self.limits
         if why == "stalled":
             said = (f"its request had not arrived {limits.stall_s:g} s (stall_s) after it was given a place to be "
-                    f"read in, while other requests waited for one: the server reads {limits.at_once} at once, "
-                    f"each counted as the largest allowed")
+                    f"read in, while another host's request waited for one: the server reads {limits.at_once} at "
+                    f"once, each counted as the largest allowed")
         elif why == "waited":
             said = (f"its request waited {limits.receive_s:g} s (receive_s) for a place to be read in, all of "
                     f"those its sender may hold ({limits.per_host} for one host or identity, {limits.at_once} in "
@@ -282,7 +282,7 @@ class ReceiveGate(grpc.aio.ServerInterceptor):
 
     async def _sweep(self) -> None:
         """Ends the reads that have taken longer than receive_s, and those that have held a place for
-        stall_s while others wait for one, while any read is under way: one sweeper, not a timer per
+        stall_s while another host's request waits for one, while any read is under way: one sweeper, not a timer per
         request (a timer each cost a trivial call ~25 µs of the server's CPU)."""
         loop = asyncio.get_running_loop()
         every = min(1.0, self.limits.receive_s / 4, self.limits.stall_s / 4)
