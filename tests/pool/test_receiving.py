@@ -232,8 +232,8 @@ OTHERS = {name: f"{name}-token-0123456789abcdef" for name in ("bob", "carol", "d
 
 @pytest.fixture(scope="module")
 def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolServer]:
-    """Tokens (alice); 4 places, 1 a host or identity; 30 s for a request to arrive, but 1 s to hold
-    a place while others wait for one."""
+    """Tokens (alice, bob, carol, dave); 4 places, 1 a host or identity; 30 s for a request to arrive,
+    but 1 s to hold a place while another host waits for one; 2 request streams a host or identity."""
     tmp = tmp_path_factory.mktemp("gated")
     (tmp / "tokens").write_text(f"alice:{TOKEN}\n" + "".join(f"{n}:{t}\n" for n, t in OTHERS.items()))
     (tmp / "tokens").chmod(0o600)
@@ -243,6 +243,7 @@ max_request_bytes = {MAX_REQUEST}
 max_receiving_bytes = {4 * MAX_REQUEST}
 receive_s = 30
 stall_s = 1
+streams_per_host = 2
 [[pools]]
 name = "p"
 workers = 1
@@ -269,16 +270,19 @@ def test_a_call_that_sends_nothing_holds_its_place_only_while_others_wait(gated:
     with grpc.insecure_channel(gated.address, options=OWN) as ch:
         stalled = [_stalled(ch, check)]          # no token (health answers anyone): this address's place
         time.sleep(0.5)
-        t0 = time.monotonic()
         with BridgeClient(gated.address, token=TOKEN, channel_options=OWN) as alice:   # her identity's place
             assert alice.call(AVAILABLE, timeout=30) is False
-        assert time.monotonic() - t0 < 0.9, "alice waited for a stalled call of her address"
+        assert not stalled[0].done(), "alice waited for the stalled call of her address, and it was ended"
         stalled += [_stalled(ch, check, (("authorization", f"Bearer {t}"),)) for t in OTHERS.values()]
         time.sleep(0.5)                          # every place held: bob's, carol's, dave's, the address's
         t0 = time.monotonic()
         with BridgeClient(gated.address, token=TOKEN, channel_options=OWN) as alice:
             assert alice.call(AVAILABLE, timeout=30) is False     # ... until one has held it stall_s
         waited = time.monotonic() - t0
+        deadline = time.monotonic() + 10
+        while not any(call.done() for call in stalled) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.5)                          # a sweep more: no other is ended, as nobody else waits
         ended = [call for call in stalled if call.done()]       # the one whose place alice was given
         for call in stalled:
             call.outgoing.put(None)
@@ -297,16 +301,48 @@ def test_a_call_without_a_token_is_refused_before_anything_is_read(gated: PoolSe
     """A call the server will refuse for want of a token was given a place, and read, first: callers
     without a token stalled the places of those with one. It is refused at once, sent or not."""
     with grpc.insecure_channel(gated.address, options=OWN) as ch:
-        calls = [_stalled(ch, CALL) for _ in range(8)]
-        t0 = time.monotonic()
+        calls = [_stalled(ch, CALL) for _ in range(8)]       # read, they would wait receive_s (30 s)
         for call in calls:
             with pytest.raises(grpc.RpcError) as err:
-                call.result(timeout=30)
+                call.result(timeout=20)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value    # type: ignore[attr-defined]
             call.outgoing.put(None)
-        assert time.monotonic() - t0 < 5
     with BridgeClient(gated.address, token=TOKEN, channel_options=OWN) as alice:
         assert alice.call(AVAILABLE, timeout=30) is False
+
+
+def test_streams_without_a_token_leave_those_with_one_their_own(gated: PoolServer) -> None:
+    """Reflection answers without a token, and its streams counted in their address's share of
+    request streams, which Multiplex shares: 32 idle reflection streams of a stranger left every
+    authenticated client of the same address without a Multiplex stream. A caller with a token has
+    its identity's share."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    channels, queues, calls = [], [], []
+    try:
+        for _ in range(2):            # the address's whole share, no token
+            ch = grpc.insecure_channel(gated.address, options=OWN)
+            out: queue.Queue[Any] = queue.Queue()
+            out.put(reflection_pb2.ServerReflectionRequest(list_services=""))
+            replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(iter(out.get, None), timeout=60)
+            assert next(replies).list_services_response.service
+            channels.append(ch)
+            queues.append(out)
+            calls.append(replies)     # kept open
+        with BridgeClient(gated.address, token=TOKEN, channel_options=OWN) as alice, alice.multiplex() as mux:
+            assert mux.call(AVAILABLE, timeout=10) is False
+        with pytest.raises(grpc.RpcError) as err:     # the address's third: refused by name
+            ch = grpc.insecure_channel(gated.address, options=OWN)
+            channels.append(ch)
+            next(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value    # type: ignore[attr-defined]
+    finally:
+        for out in queues:
+            out.put(None)
+        for call in calls:
+            call.cancel()
+        for ch in channels:
+            ch.close()
 
 
 def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
