@@ -61,6 +61,7 @@ def server_options(min_ping_interval_s: float = MIN_PING_INTERVAL_S) -> list[tup
 MAX_STREAMS_PER_CONNECTION = 4096
 MAX_CONNECTION_IDLE_S = 300
 HANDSHAKE_TIMEOUT_S = 10
+SETTINGS_ACK_S = 5
 FILES_KEPT_BACK = 1024
 
 
@@ -75,6 +76,12 @@ def public_server_options(min_ping_interval_s: float, max_connections: int) -> l
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
         ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_S * 1000),
         ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_S * 1000),
+        # gRPC holds a call's headers to its 16 KiB limit only once the client has acknowledged the
+        # server's HTTP/2 settings; until then a header list may be up to 16 MiB, and headers the
+        # services never see (`:authority`, `grpc-trace-bin`) are not counted by the gate: 600 health
+        # watches of 2 MB kept 0.7 GB for as long as their connection stayed open without acknowledging
+        # (a minute, gRPC's default). A client acknowledges within a round trip.
+        ("grpc.http2.settings_timeout", SETTINGS_ACK_S * 1000),
         ("grpc.max_allowed_incoming_connections", max_connections),
         # what a call's sender may send before anything reads it stays HTTP/2's first window (64 KiB),
         # not a window grown to the link's speed: calls waiting for a place to be read (`receiving.py`)

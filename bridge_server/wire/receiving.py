@@ -47,6 +47,7 @@ STALL_S = 10.0
 # has acknowledged the server's HTTP/2 settings: until then headers of 4-5 MB passed, and 600 health
 # watches of 2 MB headers held 1 GB of the pool server for as long as their connection stayed open).
 MAX_CALL_METADATA_BYTES = 16 * 1024
+IDENTITY = "identity "      # how a host that is a caller's identity is told from an address
 _WRAPPED_KEPT = 1024        # handlers a server has: a few dozen; more are made per call (not kept)
 
 
@@ -80,8 +81,13 @@ class ReceiveLimits:
 class _Places:
     """Places for requests in receipt, handed out in order of asking, each host's turn by turn."""
 
-    def __init__(self, limits: ReceiveLimits) -> None:
+    def __init__(self, limits: ReceiveLimits, anonymous_at_once: int | None = None) -> None:
         self.limits = limits
+        # On a server with tokens, the places callers without one (the open services' callers) may
+        # hold at once: header-only health checks from 4 addresses had held every place, so that
+        # each authenticated call waited stall_s, and an authenticated slow upload was ended for them.
+        self.anonymous_at_once = anonymous_at_once
+        self.anonymous = 0
         self.taken = 0
         self.by_host: dict[str, int] = {}
         self.waiting: dict[str, collections.deque[asyncio.Future[None]]] = {}
@@ -100,13 +106,20 @@ class _Places:
 
     def others_wait(self, host: str) -> bool:
         """Whether a host other than `host` waits for a place it could take (its share not full):
-        a host's own requests, waiting behind its own, stall only itself."""
+        a host's own requests, waiting behind its own, stall only itself; and a caller without a
+        token never ends the read of one with a token."""
         per_host = self.limits.per_host
-        return any(other != host and self.by_host.get(other, 0) < per_host for other in self.waiting)
+        named = host.startswith(IDENTITY)
+        return any(other != host and self.by_host.get(other, 0) < per_host and (not named or other.startswith(IDENTITY))
+                   for other in self.waiting)
+
+    def _room(self, host: str) -> bool:
+        if self.taken >= self.limits.at_once or self.by_host.get(host, 0) >= self.limits.per_host:
+            return False
+        return self.anonymous_at_once is None or host.startswith(IDENTITY) or self.anonymous < self.anonymous_at_once
 
     def try_take(self, host: str) -> bool:
-        if self.taken < self.limits.at_once and self.by_host.get(host, 0) < self.limits.per_host \
-                and host not in self.waiting:
+        if host not in self.waiting and self._room(host):
             self._give(host)
             return True
         return False
@@ -128,6 +141,8 @@ class _Places:
 
     def give_back(self, host: str) -> None:
         self.taken -= 1
+        if not host.startswith(IDENTITY):
+            self.anonymous -= 1
         left = self.by_host[host] - 1
         if left:
             self.by_host[host] = left
@@ -137,6 +152,8 @@ class _Places:
 
     def _give(self, host: str) -> None:
         self.taken += 1
+        if not host.startswith(IDENTITY):
+            self.anonymous += 1
         self.by_host[host] = self.by_host.get(host, 0) + 1
 
     def _forget(self, host: str, future: asyncio.Future[None]) -> None:
@@ -156,7 +173,7 @@ class _Places:
         for host in list(self.waiting):
             if self.taken >= self.limits.at_once:
                 return
-            if self.by_host.get(host, 0) >= self.limits.per_host:
+            if not self._room(host):
                 continue
             queue = self.waiting.pop(host)
             while queue:
@@ -181,7 +198,7 @@ class ReceiveGate(grpc.aio.ServerInterceptor):
                  identify: Callable[[Any], str | None] | None = None) -> None:
         self.limits = limits
         self.identify = identify        # a call's identity from its metadata, when the server has tokens
-        self.places = _Places(limits)
+        self.places = _Places(limits, None if identify is None else max(1, limits.at_once // 2))
         self.streams = PerHost(limits.streams_per_host)
         self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self._reading: dict[asyncio.Task[Any], float] = {}     # the reads under way, since when
@@ -201,7 +218,7 @@ class ReceiveGate(grpc.aio.ServerInterceptor):
         if self.identify is not None:
             identity = self.identify(metadata)
             if identity:
-                return "identity " + identity
+                return IDENTITY + identity
         return host_of(context.peer() or "")
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails],

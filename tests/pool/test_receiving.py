@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bridge_server.client.client import BridgeClient, CallError
-from bridge_server.wire.receiving import ReceiveLimits, _Places
+from bridge_server.wire.receiving import IDENTITY, ReceiveLimits, _Places
 from tests.pool.harness import PoolServer, start_pool_server
 from vllm_bridge.v1 import bridge_pb2 as pb
 
@@ -404,6 +404,43 @@ def test_metadata_past_grpcs_limit_is_refused_before_the_client_acknowledges_set
     assert health(gated) == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_a_connection_that_never_acknowledges_settings_is_closed_with_what_it_sent(gated: PoolServer) -> None:
+    """Headers the services never see (`:authority`, `grpc-trace-bin`) are not counted by the gate,
+    and before a client acknowledges the server's settings gRPC lets a header list be 16 MiB: health
+    watches with 1-2 MB in them held 0.7 GB for as long as their connection stayed open without
+    acknowledging (a minute). Such a connection is closed after SETTINGS_ACK_S, what it held with it."""
+    from bridge_server.wire.protocol import SETTINGS_ACK_S
+    host, port = gated.address.rsplit(":", 1)
+    headers = b"".join(_literal(k, v) for k, v in (
+        (":method", "POST"), (":scheme", "http"), (":path", "/grpc.health.v1.Health/Watch"),
+        (":authority", "a" * 1_000_000), ("content-type", "application/grpc"), ("te", "trailers")))
+    chunks = [headers[i:i + 16384] for i in range(0, len(headers), 16384)]
+    wire = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(4, 0, 0, b"") + _frame(1, 0, 1, chunks[0])
+    for i, chunk in enumerate(chunks[1:], 2):
+        wire += _frame(9, 4 if i == len(chunks) else 0, 1, chunk)
+    wire += _frame(0, 1, 1, b"\x00\x00\x00\x00\x00")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(wire)
+        sock.settimeout(1.0)
+        t0, closed, goaway = time.monotonic(), False, False
+        while time.monotonic() - t0 < SETTINGS_ACK_S + 20:
+            try:
+                more = sock.recv(1 << 16)
+            except TimeoutError:
+                continue
+            except ConnectionResetError:
+                closed = True
+                break
+            if not more:
+                closed = True
+                break
+            goaway = goaway or b"\x07\x00\x00\x00\x00\x00" in more      # a GOAWAY frame's type, flags, stream 0
+        took = time.monotonic() - t0
+    assert closed, "the connection that never acknowledged stayed open"
+    assert took < SETTINGS_ACK_S + 10, took
+    assert health(gated) == health_pb2.HealthCheckResponse.SERVING
+
+
 # ------------------------------------------------------------------------------ the places themselves
 def test_places_go_to_each_waiting_host_in_turn_and_never_past_either_bound() -> None:
     """Three places, two a host. Host a asks for five, then b for two: a gets two at once and b one;
@@ -440,6 +477,32 @@ def test_places_go_to_each_waiting_host_in_turn_and_never_past_either_bound() ->
     order = asyncio.run(run())
     assert order[:3] == ["a", "a", "b"] and sorted(order) == ["a"] * 4 + ["b"] * 2, order
     assert order[3:5] in (["b", "a"], ["a", "b"]), order
+
+
+def test_callers_without_a_token_hold_half_the_places_and_end_no_read_of_one_with_a_token() -> None:
+    """On a server with tokens, header-only health checks (open to anyone) from 4 addresses held
+    every place: each authenticated call waited stall_s for one, and an authenticated slow upload
+    was ended so that a stranger's check could wait in its place. Callers without a token hold at
+    most half the places; a read of one with a token is ended only for another with a token."""
+    async def run() -> None:
+        places = _Places(ReceiveLimits(at_once=4, per_host=1), anonymous_at_once=2)
+        assert places.try_take("10.0.0.1") and places.try_take("10.0.0.2")
+        assert not places.try_take("10.0.0.3")                  # the anonymous half is held
+        assert places.try_take(IDENTITY + "alice") and places.try_take(IDENTITY + "bob")
+        waiting = asyncio.create_task(places.take("10.0.0.3"))
+        await asyncio.sleep(0)
+        assert not places.others_wait(IDENTITY + "alice")      # a stranger waits: alice's read stays
+        assert places.others_wait("10.0.0.1")                   # ... another stranger's may be ended
+        carol = asyncio.create_task(places.take(IDENTITY + "carol"))
+        await asyncio.sleep(0)
+        assert places.others_wait(IDENTITY + "alice")
+        places.give_back(IDENTITY + "bob")                      # a place, not an anonymous one: carol's
+        await asyncio.sleep(0)
+        assert carol.done() and not waiting.done()
+        places.give_back("10.0.0.1")
+        await asyncio.sleep(0)
+        assert waiting.done() and places.anonymous == 2
+    asyncio.run(run())
 
 
 def test_requests_waiting_for_a_place_are_bounded_by_host_and_in_all() -> None:
