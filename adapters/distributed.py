@@ -7,6 +7,7 @@ arithmetic helpers are pure; the cheapest of them run inline on the event loop.
 
 import gc
 import logging
+import math
 import os
 import sys
 import threading
@@ -293,7 +294,7 @@ def _fake_matmul(receiver: object, args: Mapping[str, object], ctx: CallContext)
         raise BridgeError.validation(f"parameter {'A' if a.dim() < 2 else 'B'}: expected A of 2 or more "
                                      f"dimensions and B of 2, got A of shape {list(a.shape)} and B of shape "
                                      f"{list(b.shape)}", parameter="A" if a.dim() < 2 else "B")
-    rows, inner, cols = a.numel() // max(1, a.shape[-1]), a.shape[-1], b.shape[1]
+    rows, inner, cols = math.prod(a.shape[:-1]), a.shape[-1], b.shape[1]     # (of an empty A too)
     if inner != b.shape[0]:
         raise BridgeError.validation(f"parameter B: expected {inner:,} rows (A's last dimension), got "
                                      f"{b.shape[0]:,}", parameter="B")

@@ -482,6 +482,10 @@ def test_a_fake_collectives_result_holds_nothing_the_worker_had_in_memory(worker
      (torch.ones(200_000, 16, dtype=torch.float8_e4m3fn), torch.ones(16, 20_000, dtype=torch.float8_e4m3fn),
       torch.tensor(1.0), torch.tensor(1.0), "sum", 0, 0, "g", [200_000, 20_000], None, None, "float32", False),
      grpc.StatusCode.RESOURCE_EXHAUSTED, "makes a result of 16,000,000,000 bytes with 64,000,000,000"),
+    ("patched_fused_scaled_matmul_reduce_scatter_fake",      # nothing to multiply, a result all the same
+     (torch.ones(16_384, 0), torch.ones(0, 16_384), torch.tensor(1.0), torch.tensor(1.0), "sum", 0, 0, "g",
+      [16_384, 16_384]),
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "makes a result of 1,073,741,824 bytes"),
     ("patched_fused_scaled_matmul_reduce_scatter_fake",
      (torch.ones(8, 16), torch.ones(12, 4), torch.tensor(1.0), torch.tensor(1.0), "sum", 0, 0, "g", [8, 4]),
      grpc.StatusCode.INVALID_ARGUMENT, "parameter B: expected 16 rows (A's last dimension), got 12"),
