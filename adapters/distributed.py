@@ -5,13 +5,14 @@ order on every rank, so everything that touches a group runs in the worker's exc
 arithmetic helpers are pure; the cheapest of them run inline on the event loop.
 """
 
+import contextlib
 import gc
 import logging
 import math
 import os
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import grpc
@@ -200,7 +201,7 @@ class StdoutSuppression:
 _suppression = threading.Lock()
 _suppressing: set[StdoutSuppression] = set()    # those entered
 _in_force: list[Any] = []                       # vLLM's manager, entered while any is
-_moved_logs: list[Any] = []                     # the copy of fd 1 vLLM's log handlers write to, once made
+_moved_logs: list[Any] = []                     # fd 1 as it was before the first suppression, copied
 
 
 def _logs_past_suppression() -> None:
@@ -208,17 +209,32 @@ def _logs_past_suppression() -> None:
     pointing fd 1 at /dev/null then silences what libraries print, and no longer the log."""
     if _moved_logs:
         return
-    handlers = [h for name in ("", "vllm") for h in logging.getLogger(name).handlers
-                if isinstance(h, logging.StreamHandler) and _writes_to_fd1(h.stream)]
-    if not handlers:
-        _moved_logs.append(None)
-        return
     sys.stdout.flush()
     copy = os.fdopen(os.dup(1), "w", buffering=1, encoding=getattr(sys.stdout, "encoding", None) or "utf-8",
                      errors="backslashreplace")
     _moved_logs.append(copy)
-    for handler in handlers:
+    for handler in [h for name in ("", "vllm") for h in logging.getLogger(name).handlers
+                    if isinstance(h, logging.StreamHandler) and _writes_to_fd1(h.stream)]:
         handler.setStream(copy)
+
+
+@contextlib.contextmanager
+def output_for_children() -> Iterator[None]:
+    """The worker's own output on fd 1 while processes started inside inherit it, suppressed or not:
+    an engine core started while a client held a suppression wrote its log to /dev/null for its
+    whole life (the published engine's, rebuilt, among them)."""
+    with _suppression:
+        restored = bool(_in_force) and bool(_moved_logs)
+        if restored:
+            os.dup2(_moved_logs[0].fileno(), 1)
+    try:
+        yield
+    finally:
+        with _suppression:
+            if restored and _in_force:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 1)
+                os.close(devnull)
 
 
 def _writes_to_fd1(stream: Any) -> bool:

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from adapters.distributed import output_for_children
 from adapters.engine_core import CORE_REPORTS_ENV
 from adapters.engine_life import PREFIX
 from adapters.engine_requests import I64_MAX, clip_int
@@ -222,7 +223,8 @@ def core_start_named(label: str, argument: str, given: Any) -> Iterator[None]:
     # what the client set, before vLLM fills in the rest in place (a configuration's parts are all set)
     fields = sorted(_given(given) - {"model"}) if argument == "engine_args" else []
     try:
-        yield
+        with output_for_children():     # the core logs to the worker's output for its life
+            yield
     except RuntimeError as exc:
         if not str(exc).startswith(_START_FAILED):
             raise

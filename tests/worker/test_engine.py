@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
 import statistics
@@ -656,10 +657,18 @@ def test_an_engine_whose_core_does_not_start_is_refused_with_the_cores_reason(
 def test_an_engine_built_from_a_map_generates_and_shutdown_leaves_no_process(bridge: BridgeClient, model: Path,
                                                                              engine_worker: WorkerProcess) -> None:
     before = engine_processes(engine_worker)
-    engine = bridge.call(f"{E}.from_engine_args", engine_args(model), timeout_profile="ml_inference")
+    stdout = os.readlink(f"/proc/{engine_worker.proc.pid}/fd/1")
+    quiet = bridge.call("vllm.distributed.suppress_stdout")      # a client's suppression, held meanwhile:
+    bridge.call(Target.method(quiet, "__enter__"))               # the core still gets the worker's output
+    try:
+        engine = bridge.call(f"{E}.from_engine_args", engine_args(model), timeout_profile="ml_inference")
+        assert os.readlink(f"/proc/{engine_worker.proc.pid}/fd/1") == "/dev/null"    # still suppressed
+    finally:
+        bridge.release(quiet)
     assert engine.type_name == "vllm.v1.engine.async_llm.AsyncLLM"
     started = engine_processes(engine_worker) - before
     assert len(started) == 1
+    assert os.readlink(f"/proc/{next(iter(started))}/fd/1") == stdout, "the core's log goes to /dev/null"
     items = list(bridge.stream(Target.method(engine, "generate"), "from a map", greedy(8), "map-1"))
     assert len(items[-1]["outputs"][0]["token_ids"]) == 8
     # drained at once (nothing runs); a drain timeout of 0 was vLLM's TimeoutError, told as the call's deadline
