@@ -307,9 +307,9 @@ def _fake_matmul(receiver: object, args: Mapping[str, object], ctx: CallContext)
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return
     if a.dim() < 2 or b.dim() != 2:
-        raise BridgeError.validation(f"parameter {'A' if a.dim() < 2 else 'B'}: expected A of 2 or more "
-                                     f"dimensions and B of 2, got A of shape {list(a.shape)} and B of shape "
-                                     f"{list(b.shape)}", parameter="A" if a.dim() < 2 else "B")
+        named = "A" if a.dim() < 2 else "B"
+        raise BridgeError.validation(f"parameter {named}: expected A of 2 or more dimensions and B of 2, got A of "
+                                     f"shape {list(a.shape)} and B of shape {list(b.shape)}", parameter=named)
     rows, inner, cols = math.prod(a.shape[:-1]), a.shape[-1], b.shape[1]     # (of an empty A too)
     if inner != b.shape[0]:
         raise BridgeError.validation(f"parameter B: expected {inner:,} rows (A's last dimension), got "
